@@ -1,0 +1,182 @@
+"""Plan → in-place rewrite of a live model, as reversible units.
+
+Every unit is *prepared* first (new modules built, folded weights computed) so that nothing can fail once
+mutation starts; ``apply()`` then only swaps references and ``undo()`` swaps them back exactly (the old
+tensors are kept until the conversion is accepted).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..fold import effective_scale, fold_affine, identity_weight_value
+from ..match.plan import ActSwap, GatedMLPSwap, NormFold
+from .hooks import ReapplyInput, ReapplyOutput
+
+
+def module_aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(module) → every (parent, attribute) that references it (shared modules have several)."""
+    refs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for pname, parent in model.named_modules(remove_duplicate=False):
+        for cname, child in parent.named_children():
+            refs.setdefault(id(child), [])
+            if (parent, cname) not in [(p, c) for p, c in refs[id(child)]]:
+                refs[id(child)].append((parent, cname))
+    return refs
+
+
+@dataclass
+class Unit:
+    """One reversible rewrite: a list of (do, undo) steps."""
+
+    label: str
+    steps: list[tuple[Callable[[], None], Callable[[], None]]] = field(default_factory=list)
+    applied: bool = False
+
+    def apply(self) -> None:
+        done = []
+        try:
+            for do, undo in self.steps:
+                do()
+                done.append(undo)
+        except BaseException:
+            for undo in reversed(done):
+                undo()
+            raise
+        self.applied = True
+
+    def undo(self) -> None:
+        if self.applied:
+            for _, undo in reversed(self.steps):
+                undo()
+            self.applied = False
+
+
+class UnitBuilder:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.aliases = module_aliases(model)
+
+    # -- primitive steps ------------------------------------------------------------------------
+    def swap_module(self, unit: Unit, name: str, new: nn.Module) -> None:
+        old = self.modules[name]
+        new.train(old.training)
+        for parent, attr in self.aliases.get(id(old), []):
+            unit.steps.append((
+                lambda p=parent, a=attr, n=new: setattr(p, a, n),
+                lambda p=parent, a=attr, o=old: setattr(p, a, o),
+            ))
+
+    @staticmethod
+    def swap_data(unit: Unit, param: torch.Tensor, new: torch.Tensor) -> None:
+        old = param.data
+
+        def do(p=param, n=new):
+            p.data = n
+
+        def undo(p=param, o=old):
+            p.data = o
+
+        unit.steps.append((do, undo))
+
+    @staticmethod
+    def set_attr(unit: Unit, obj: nn.Module, attr: str, value) -> None:
+        had = attr in obj._parameters or attr in obj._buffers or attr in obj.__dict__
+        old = getattr(obj, attr, None)
+
+        def do(o=obj, a=attr, v=value):
+            if a in o._parameters and not isinstance(v, nn.Parameter):
+                del o._parameters[a]
+            setattr(o, a, v)
+
+        def undo(o=obj, a=attr, v=old, h=had):
+            if a in o._parameters:
+                del o._parameters[a]
+            if h:
+                setattr(o, a, v)
+
+        unit.steps.append((do, undo))
+
+    @staticmethod
+    def add_hook(unit: Unit, register: Callable[[], torch.utils.hooks.RemovableHandle]) -> None:
+        box: list = []
+        unit.steps.append((lambda: box.append(register()), lambda: box.pop().remove()))
+
+    # -- units ----------------------------------------------------------------------------------
+    def activation(self, swap: ActSwap) -> Unit:
+        from ..nn.activations import ApproxActivation
+
+        unit = Unit(f"activation {swap.name}")
+        self.swap_module(unit, swap.name, ApproxActivation(swap.kind, swap.bits))
+        return unit
+
+    def norm(self, fold: NormFold) -> Unit:
+        from ..nn.norms import MSLayerNorm, MSRMSNorm
+
+        unit = Unit(f"norm {fold.name}")
+        old = self.modules[fold.name]
+        weight = old.weight
+        bias = getattr(old, "bias", None) if fold.has_bias else None
+        cls = MSLayerNorm if fold.kind == "layer" else MSRMSNorm
+        if fold.reapply:
+            # Other branches still need γ, β: the MS norm keeps the original Parameters (same objects, same
+            # state_dict keys) and the hooks read them; the forward itself never does.
+            new = cls(tuple(fold.shape), fold.eps)
+            new.register_parameter("weight", weight)
+            if bias is not None:
+                new.register_parameter("bias", bias)
+            new.reapply_param = fold.param
+        else:
+            ident = "one" if identity_weight_value(fold.param) == 1.0 else "zero"
+            new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
+            if fold.kind == "layer" and getattr(old, "bias", None) is None and "bias" in new._buffers:
+                del new._buffers["bias"]
+        self.swap_module(unit, fold.name, new)
+        if not fold.prefolded:
+            gamma = effective_scale(weight, fold.param)
+            for t in fold.targets:
+                lin = self.modules[t.name]
+                w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, bias, t.layout)
+                if lin.weight.device.type != "meta":
+                    self._set_weight(unit, lin, w_new)
+                    if b_new is not None:
+                        if getattr(lin, "bias", None) is None:
+                            self.set_attr(unit, lin, "bias",
+                                          nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
+                        else:
+                            self.swap_data(unit, lin.bias, b_new)
+        for site in fold.reapply:
+            if site.kind == "root_output":
+                hook = ReapplyOutput(new, site.paths)
+                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h))
+            else:
+                hook = ReapplyInput(new, site.position, site.keyword)
+                target = self.modules[site.module]
+                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True))
+        return unit
+
+    def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:
+        tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is lin.weight) > 1
+        if tied:  # only planned with untie=True: give this Linear its own weight
+            self.set_attr(unit, lin, "weight", nn.Parameter(w_new, requires_grad=lin.weight.requires_grad))
+        else:
+            self.swap_data(unit, lin.weight, w_new)
+
+    def gated_mlp(self, swap: GatedMLPSwap) -> Unit:
+        from ..nn.gated_mlp import MSGatedMLP
+
+        unit = Unit(f"gated MLP {swap.name}")
+        old = self.modules[swap.name]
+        names = [n for n in (swap.gate, swap.up, swap.gate_up, swap.down) if n]
+        children = {n: getattr(old, n) for n in names}
+        kw = dict(act_kind=swap.act, down=swap.down, modules=children, gate_first=swap.gate_first)
+        if swap.gate_up:
+            kw["gate_up"] = swap.gate_up
+        else:
+            kw["gate"], kw["up"] = swap.gate, swap.up
+        self.swap_module(unit, swap.name, MSGatedMLP(**kw))
+        return unit

@@ -1,0 +1,234 @@
+"""Catalogue roles + traced graph → a Plan. No mutation, no kernels: pure decisions with reasons."""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch import nn
+
+from ..catalogue import class_key
+from ..options import ConvertOptions
+from ..trace.graph import Graph, Node
+from .commute import Block, Pass, is_metadata, op_short, step
+from .plan import ActSwap, LinearTarget, NormFold, Plan, ReapplySite, Skip
+from .roles import Role
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def _bytes(g: Graph, tid: int) -> tuple[int, int]:
+    info = g.tensors[tid]
+    n = math.prod(info.shape)
+    return n, n * _ITEMSIZE.get(info.dtype, 4)
+
+
+def code_bytes(numel: int, bits: int) -> int:
+    """Bytes an approximate activation keeps for ``numel`` elements (3 bits use 4-bit slots)."""
+    slot = 4 if bits == 3 else bits
+    return math.ceil(numel * slot / 8)
+
+
+class Planner:
+    def __init__(self, model: nn.Module, graph: Graph, roles: dict[str, Role], options: ConvertOptions):
+        self.model = model
+        self.g = graph
+        self.roles = roles
+        self.opt = options
+        self.modules = dict(model.named_modules())
+        self.plan = Plan(options=options.summary())
+        # parameters reachable under more than one module: tied weights
+        owners: dict[int, list[str]] = defaultdict(list)
+        for mname, mod in model.named_modules(remove_duplicate=False):
+            for pname, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+                owners[id(p)].append(f"{mname}.{pname}" if mname else pname)
+        self.param_owners = owners
+
+    # -- entry point ---------------------------------------------------------------------------------
+    def run(self) -> Plan:
+        for name, mod in self.modules.items():
+            if type(mod).__module__.startswith("lmbp_convert.nn"):
+                self.plan.already_converted.append(name)
+        claimed: set[str] = set()
+        if self.opt.gated_mlp:
+            from .gated import find_gated_mlps  # local import: optional pattern, kept in its own file
+
+            for swap, skip in find_gated_mlps(self):
+                if swap is not None:
+                    self.plan.gated_mlps.append(swap)
+                    claimed.add(swap.act_module)
+                elif skip is not None:
+                    self.plan.skips.append(skip)
+        for name, role in self.roles.items():
+            mod = self.modules.get(name)
+            if mod is None or name in claimed:
+                continue
+            if role.problem and self.opt.norms and self.opt.selected(name):
+                self.plan.skips.append(Skip(name, class_key(mod), role.problem))
+            elif role.kind == "activation" and self.opt.activations and self.opt.selected(name):
+                self._plan_activation(name, mod, role)
+            elif role.kind == "norm" and self.opt.norms and self.opt.selected(name):
+                self._plan_norm(name, mod, role)
+        return self.plan
+
+    # -- activations ---------------------------------------------------------------------------------
+    def _plan_activation(self, name: str, mod: nn.Module, role: Role) -> None:
+        saved = 0
+        for node in self.g.module_nodes(name):
+            if node.inputs:
+                n, nbytes = _bytes(self.g, node.inputs[0])
+                saved += nbytes - code_bytes(n, self.opt.bits)
+        self.plan.act_swaps.append(ActSwap(name, class_key(mod), role.act, self.opt.bits, saved))
+
+    # -- norms ---------------------------------------------------------------------------------------
+    def _skip(self, name: str, mod: nn.Module, reason: str) -> None:
+        self.plan.skips.append(Skip(name, class_key(mod), reason))
+
+    def _linear_problem(self, node: Node, tid: int) -> str | None:
+        name = node.target
+        mod = self.modules[name]
+        slots = node.info["slots"].get(tid, [])
+        if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
+            return f"{name} takes the norm output as a secondary argument"
+        if not self.opt.selected(name):
+            return f"{name} is excluded by the options"
+        if self.g.module_calls.get(name, 0) != 1:
+            return f"{name} is called {self.g.module_calls.get(name, 0)} times per forward"
+        w = getattr(mod, "weight", None)
+        if w is None or not w.is_floating_point():
+            return f"{name} has weights that cannot be rewritten ({getattr(w, 'dtype', None)}, e.g. quantized)"
+        owners = self.param_owners.get(id(w), [])
+        if len(owners) > 1 and not self.opt.untie:
+            return f"{name}.weight is tied to {', '.join(o for o in owners if not o.startswith(name + '.'))} (untie=True would fold into an untied copy)"
+        return None
+
+    def _plan_norm(self, name: str, mod: nn.Module, role: Role) -> None:
+        nr = role.norm
+        calls = self.g.module_calls.get(name, 0)
+        if calls == 0:
+            return self._skip(name, mod, "not called by the probe forward")
+        if calls > 1:
+            return self._skip(name, mod, f"called {calls} times per forward (shared module)")
+        (node,) = self.g.module_nodes(name)
+        if len(node.outputs) != 1:
+            return self._skip(name, mod, "norm returns more than one tensor")
+        out = node.outputs[0]
+        d = nr.shape[0]
+        targets: dict[str, LinearTarget] = {}
+        others: list[tuple[Node | None, int, int, str]] = []  # consumer, tid, axis, what
+        blocks: list[str] = []
+        caveats: list[str] = []
+        inplace: list[str] = []
+        active_scopes: set[int] = set()
+        frontier = [(out, len(self.g.tensors[out].shape) - 1, [])]
+        seen: set[int] = set()
+        while frontier:
+            tid, axis, via = frontier.pop()
+            if tid in seen:
+                continue
+            seen.add(tid)
+            if tid in self.g.root_outputs:
+                others.append((None, tid, axis, "model output"))
+            for c in self.g.consumers(tid):
+                if is_metadata(c):
+                    continue
+                if c.info.get("inplace"):
+                    inplace.append(f"{op_short(c)} in {self._scope_name(c)}")
+                    continue
+                if c.kind == "module":
+                    r = self.roles.get(c.target, Role("other"))
+                    ndim = len(self.g.tensors[tid].shape)
+                    if r.kind == "linear" and axis == ndim - 1:
+                        problem = self._linear_problem(c, tid)
+                        if problem is None:
+                            mod_l = self.modules[c.target]
+                            adds_bias = nr.has_bias and getattr(mod_l, "bias", None) is None
+                            targets[c.target] = LinearTarget(c.target, r.layout, list(via), adds_bias)
+                            active_scopes.update(c.scopes)
+                        else:
+                            blocks.append(problem)
+                            others.append((c, tid, axis, c.target))
+                        continue
+                    if r.kind in ("dropout", "identity"):
+                        if r.kind == "dropout" and r.p:
+                            blocks.append(f"dropout (p={r.p}) at {c.target} between norm and Linear")
+                            others.append((c, tid, axis, c.target))
+                            continue
+                        active_scopes.update(c.scopes)
+                        for o in c.outputs:
+                            frontier.append((o, axis, via + [c.target]))
+                        continue
+                    others.append((c, tid, axis, c.target))
+                    continue
+                if c.inputs and c.inputs[0] != tid and op_short(c).endswith("_as"):
+                    continue  # t only provides a shape/dtype
+                res = step(c, self.g.tensors, tid, axis, d)
+                if isinstance(res, Pass):
+                    active_scopes.update(c.scopes)
+                    if res.caveat:
+                        caveats.append(f"{res.caveat} ({self._scope_name(c)})")
+                    for o in c.outputs:
+                        ax = res.axis if res.axis >= 0 else len(self.g.tensors[o].shape) + res.axis
+                        frontier.append((o, ax, via + [op_short(c)]))
+                else:
+                    if isinstance(res, Block):
+                        blocks.append(f"{res.reason} ({self._scope_name(c)})")
+                    others.append((c, tid, axis, f"{op_short(c)} in {self._scope_name(c)}"))
+        if inplace:
+            return self._skip(name, mod, f"output modified in place ({'; '.join(sorted(set(inplace)))})")
+        if not targets:
+            why = "no Linear consumer reachable through affine-commuting ops"
+            if blocks:
+                why += f" (blocked: {'; '.join(sorted(set(blocks)))})"
+            return self._skip(name, mod, why)
+        sites: dict[tuple, ReapplySite] = {}
+        for consumer, tid, axis, what in others:
+            site = self._site_for(consumer, tid, axis, active_scopes)
+            if site is None:
+                return self._skip(
+                    name, mod,
+                    f"output also feeds {what}, and there is no module boundary where the affine could be "
+                    "re-applied for it",
+                )
+            key = (site.kind, site.module, site.position, site.keyword)
+            if key in sites:
+                for p in site.paths:
+                    if p not in sites[key].paths:
+                        sites[key].paths.append(p)
+            else:
+                sites[key] = site
+        n, nbytes = _bytes(self.g, node.inputs[0])
+        rows = n // d
+        predicted = nbytes + (rows * 4 if nr.kind == "layer" else 0)
+        self.plan.norm_folds.append(
+            NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
+                     list(targets.values()), list(sites.values()), sorted(set(caveats)), predicted)
+        )
+
+    def _scope_name(self, node: Node) -> str:
+        return self.g.scopes[node.scopes[-1]].module or "<model>" if node.scopes else "<model>"
+
+    def _site_for(self, consumer: Node | None, tid: int, axis: int, active: set[int]) -> ReapplySite | None:
+        if axis != len(self.g.tensors[tid].shape) - 1:
+            return None
+        if consumer is None:  # escapes as a model output
+            return ReapplySite("root_output", "", paths=[list(p) for p in self.g.root_outputs[tid]],
+                               consumer="model output")
+        if consumer.kind == "module":
+            slots = consumer.info["slots"].get(tid, [])
+            if len(slots) == 1 and self.g.module_calls.get(consumer.target) == 1:
+                pos, kw = slots[0]
+                return ReapplySite("module_input", consumer.target, pos, kw, consumer=consumer.target)
+        for sidx in reversed(consumer.scopes):
+            if sidx in active:
+                return None  # this boundary (and every outer one) also feeds the folded Linears
+            sc = self.g.scopes[sidx]
+            slots = sc.args.get(tid, [])
+            if len(slots) == 1 and self.g.module_calls.get(sc.module) == 1 and sc.module:
+                s = slots[0]
+                return ReapplySite("module_input", sc.module, s.position, s.keyword,
+                                   consumer=f"{op_short(consumer)} in {sc.module}")
+        return None
+
+
+def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: ConvertOptions) -> Plan:
+    return Planner(model, graph, roles, options).run()

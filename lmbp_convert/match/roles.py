@@ -1,0 +1,131 @@
+"""Decide which role each module plays (activation, norm, Linear-like, dropout), from the catalogue.
+
+Norms are also identified *by behaviour*: a copy of the module is run on a small random input with random
+weights and compared with LayerNorm / RMSNorm formulas, with weight ``w`` or ``(1 + w)``. That catches a wrong
+catalogue entry and lets any class named like a norm (``*RMSNorm``) be supported without an entry.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..catalogue import Catalogue, class_key
+
+
+@dataclass(frozen=True)
+class NormRole:
+    kind: str  # "layer" | "rms"
+    param: str  # "w" | "1+w"
+    eps: float
+    shape: tuple[int, ...]
+    has_bias: bool
+
+
+@dataclass(frozen=True)
+class Role:
+    kind: str  # "activation" | "norm" | "linear" | "dropout" | "identity" | "other"
+    act: str | None = None
+    norm: NormRole | None = None
+    layout: str | None = None  # linear weight layout: "out_in" (nn.Linear) or "in_out" (HF Conv1D)
+    p: float | None = None  # dropout probability
+    problem: str | None = None  # why a would-be norm cannot be used
+
+
+def _reference(kind: str, param: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float):
+    x = x.double()
+    if kind == "layer":
+        y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
+    else:
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    scale = w.double() if param == "w" else 1.0 + w.double()
+    y = y * scale
+    return y + b.double() if b is not None else y
+
+
+def identify_norm(module: nn.Module, entry: dict, eps: float | None) -> NormRole | str:
+    """Return the norm's role, or a string saying why it is not a usable norm."""
+    w = getattr(module, "weight", None)
+    b = getattr(module, "bias", None)
+    if not isinstance(w, torch.Tensor):
+        return "norm has no weight (nothing to fold); left as is"
+    if w.dim() != 1:
+        return f"normalised shape {tuple(w.shape)} is not a single channel dim"
+    if b is not None and not isinstance(b, torch.Tensor):
+        b = None
+    if eps is None:
+        return "no eps attribute found (catalogue eps_attributes)"
+    if not w.is_floating_point():
+        return f"weight dtype {w.dtype} cannot be folded"
+    d = w.shape[0]
+    probe = copy.deepcopy(module)
+    if any(t.device.type == "meta" for t in list(probe.parameters()) + list(probe.buffers())):
+        probe = probe.to_empty(device="cpu")
+    probe = probe.to(device="cpu", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        probe.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+        if b is not None:
+            probe.bias.copy_(torch.randn(d, generator=gen))
+        for name, buf in probe.named_buffers(recurse=False):
+            if buf.is_floating_point() and buf.numel() and name not in ("weight", "bias"):
+                return f"norm has buffer {name!r}; not a plain LayerNorm/RMSNorm"
+        x = torch.randn(3, d, generator=gen) * 3 + 1
+        try:
+            y = probe.eval()(x)
+        except Exception as exc:
+            return f"behaviour check failed to run ({type(exc).__name__}: {exc})"
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return "norm does not map a (N, C) tensor to the same shape"
+    kinds = [entry["kind"]] if entry.get("kind") else ["rms", "layer"]
+    params = [entry["param"]] if entry.get("param") else ["w", "1+w"]
+    for kind in kinds:
+        for param in params:
+            ref = _reference(kind, param, x, probe.weight.detach(), probe.bias.detach() if b is not None else None, eps)
+            if torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4):
+                return NormRole(kind, param, eps, (d,), b is not None)
+    expected = "/".join(f"{k}({p})" for k in kinds for p in params)
+    return f"behaviour does not match {expected} norm over the last dim (catalogue entry wrong or exotic norm)"
+
+
+def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
+    """Role of every named module (first name of shared modules)."""
+    roles: dict[str, Role] = {}
+    seen: dict[int, Role] = {}
+    for name, mod in model.named_modules():
+        if id(mod) in seen:
+            roles[name] = seen[id(mod)]
+            continue
+        role = _role_of(mod, cat)
+        seen[id(mod)] = roles[name] = role
+    return roles
+
+
+def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
+    act = cat.activation_kind(mod)
+    if act is not None:
+        return Role("activation", act=act)
+    entry = cat.norm_entry(mod)
+    if entry is not None:
+        found = identify_norm(mod, entry, cat.eps_of(mod))
+        if isinstance(found, NormRole):
+            return Role("norm", norm=found)
+        return Role("other", problem=f"{class_key(mod)}: {found}")
+    layout = cat.linear_layout(mod)
+    if layout is not None:
+        return Role("linear", layout=layout)
+    p = cat.dropout_p(mod)
+    if p is not None:
+        return Role("dropout", p=p)
+    if cat.is_identity(mod):
+        return Role("identity")
+    return Role("other")
+
+
+def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):
+    """Leaf predicate for the tracer: modules with a role are seen as one node; all others are transparent
+    (their ops are recorded, and their calls are scopes where an affine can be re-applied)."""
+    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, Role("other")).kind != "other"}
+    return lambda m: id(m) in ids

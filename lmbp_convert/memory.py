@@ -1,0 +1,123 @@
+"""Exact, device-independent accounting of the activation memory a forward pass keeps for backward.
+
+Every tensor autograd saves passes through ``saved_tensors_hooks``; counting the unique storages among
+them (parameters excluded) gives the bytes held between forward and backward, on any device, CPU included.
+Under autocast the low-precision copies of weights that autocast caches are not activations and are skipped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SavedEntry:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    grad_fn: str
+
+
+@dataclass
+class SavedTensorLedger:
+    """Context manager counting unique saved storages.
+
+    >>> with SavedTensorLedger(model) as ledger:
+    ...     loss = model(x).sum()
+    >>> ledger.bytes
+    """
+
+    params: Iterable[torch.Tensor] | nn.Module | None = None
+    skip_weight_copies: bool = True
+    entries: list[SavedEntry] = field(default_factory=list)
+    skipped_weight_copies: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.params, nn.Module):
+            params = list(self.params.parameters()) + list(self.params.buffers())
+        else:
+            params = list(self.params or [])
+        self._param_ptrs = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta"}
+        self._params_by_numel: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            self._params_by_numel.setdefault(p.numel(), []).append(p)
+        self._seen: set[int] = set()
+        self._ctx = None
+
+    # -- classification -------------------------------------------------------------------------
+    _VIEW_FNS = ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
+                 "UnsafeViewBackward0", "AliasBackward0")
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        """A cast copy of a parameter made by autocast (or a view of one), not an activation."""
+        fn = t.grad_fn
+        if fn is not None:
+            while type(fn).__name__ in self._VIEW_FNS:
+                nxt = [f for f, _ in fn.next_functions if f is not None]
+                if len(nxt) != 1:
+                    return False
+                fn = nxt[0]
+            if type(fn).__name__ != "ToCopyBackward0":
+                return False
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            return len(nxt) == 1 and isinstance(getattr(nxt[0], "variable", None), nn.Parameter)
+        if t.requires_grad:
+            return False
+        for p in self._params_by_numel.get(t.numel(), ()):  # frozen weights: a plain cast copy
+            if p.dtype == t.dtype or p.device != t.device:
+                continue
+            cast = p.detach().to(t.dtype)
+            if cast.shape == t.shape and torch.equal(cast, t):
+                return True
+            if cast.dim() == 2 and cast.t().shape == t.shape and torch.equal(cast.t(), t):
+                return True
+        return False
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, nn.Parameter) or t.device.type == "meta":
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self._param_ptrs or ptr in self._seen:
+            return t
+        if self.skip_weight_copies and self._is_weight_copy(t):
+            self._seen.add(ptr)
+            self.skipped_weight_copies += 1
+            return t
+        self._seen.add(ptr)
+        self.entries.append(
+            SavedEntry(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), type(t.grad_fn).__name__)
+        )
+        return t
+
+    # -- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> "SavedTensorLedger":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @property
+    def count(self) -> int:
+        return len(self.entries)
+
+    def summary(self) -> str:
+        lines = [f"{self.count} saved storages, {self.bytes} bytes"]
+        for e in self.entries:
+            lines.append(f"  {e.nbytes:>12}  {str(e.dtype):<15} {e.shape}  ({e.grad_fn})")
+        return "\n".join(lines)
+
+
+def saved_bytes(fn, *args, params=None, **kwargs) -> tuple[int, object]:
+    """Run ``fn(*args, **kwargs)`` and return (saved-for-backward bytes, result)."""
+    with SavedTensorLedger(params) as ledger:
+        out = fn(*args, **kwargs)
+    return ledger.bytes, out

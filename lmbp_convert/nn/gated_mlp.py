@@ -1,0 +1,161 @@
+"""Drop-in replacement for a LLaMA-style gated MLP that saves only x, g and u for backward.
+
+`MSGatedMLP` keeps the original projection modules under their original attribute names (so state_dict keys,
+LoRA wrappers and hooks on gate/up are untouched), computes g and u by calling those modules, and hands the
+tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projection is run (`down_support`):
+
+* plain ``nn.Linear`` (no forward override, no hooks): the fused op with its weight and bias;
+* PEFT ``lora.Linear`` over such a Linear, vanilla LoRA with dropout 0 (any number of active adapters,
+  merged or disabled adapters, ``lora_bias``): the fused op with the adapters' A/B tensors;
+  LoRA dropout > 0 or a LoRA variant (DoRA, ...) raises NotImplementedError: it is not supported exactly;
+* anything else (custom or quantised Linear, hooked modules): ``down(gated_act(g, u))`` — h is produced by a
+  function saving only g and u, and the down module saves whatever it saves itself (typically h). Exact,
+  but one more T×f storage than the fused path.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_act, gated_mlp
+
+__all__ = ["MSGatedMLP", "down_support"]
+
+
+def _peft_lora_linear_cls():
+    """peft.tuners.lora.Linear when peft is importable, else None (imported lazily: peft is optional)."""
+    try:
+        from peft.tuners.lora import Linear
+    except Exception:  # pragma: no cover - depends on the environment
+        return None
+    return Linear
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear whose forward is F.linear(x, weight, bias) and that no hook or patched forward observes."""
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward and "forward" not in m.__dict__
+            and not m._forward_hooks and not m._forward_pre_hooks)
+
+
+def _is_peft_lora_linear(m: nn.Module) -> bool:
+    if not type(m).__module__.startswith("peft."):
+        return False
+    cls = _peft_lora_linear_cls()
+    return (cls is not None and isinstance(m, cls) and type(m).forward is cls.forward
+            and "forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks)
+
+
+def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
+    """The active adapters of a PEFT lora.Linear as op inputs; NotImplementedError for what is not exact."""
+    if down.disable_adapters or down.merged:
+        return []
+    cast_input = getattr(down, "cast_input_dtype_enabled", True)
+    adapters = []
+    for name in down.active_adapters:
+        if name not in down.lora_A.keys():
+            continue
+        if name in getattr(down, "lora_variant", {}):
+            raise NotImplementedError(
+                f"MSGatedMLP: LoRA adapter {name!r} on the down projection uses a variant "
+                f"({type(down.lora_variant[name]).__name__}, e.g. DoRA); only vanilla LoRA is supported")
+        drop = down.lora_dropout[name]
+        if not (isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and drop.p == 0)):
+            raise NotImplementedError(
+                f"MSGatedMLP: LoRA adapter {name!r} on the down projection has lora_dropout > 0; the "
+                f"memory-sharing MLP would have to save the dropout mask, which it does not support")
+        lora_a, lora_b, scale = down.lora_A[name], down.lora_B[name], down.scaling[name]
+        if not (_is_plain_linear(lora_a) and _is_plain_linear(lora_b)) or lora_a.bias is not None:
+            raise NotImplementedError(f"MSGatedMLP: LoRA adapter {name!r}: A/B are not plain Linear layers")
+        if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
+            raise NotImplementedError(f"MSGatedMLP: LoRA adapter {name!r}: non-scalar scaling")
+        adapters.append(LoraAdapter(lora_a.weight, lora_b.weight, lora_b.bias, float(scale), cast_input))
+    return adapters
+
+
+def down_support(down: nn.Module) -> str:
+    """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"``.
+
+    Raises NotImplementedError (with the reason) for PEFT LoRA features the fused op does not reproduce
+    exactly: lora_dropout > 0, LoRA variants such as DoRA.
+    """
+    if _is_plain_linear(down):
+        return "linear"
+    if _is_peft_lora_linear(down):
+        base = down.get_base_layer()
+        if not _is_plain_linear(base):
+            return "eager"
+        if getattr(down, "fan_in_fan_out", False):
+            return "eager"
+        _lora_adapters(down)  # raises for what the fused op cannot reproduce
+        return "lora"
+    return "eager"
+
+
+class MSGatedMLP(nn.Module):
+    """``down(act(gate(x)) · up(x))`` (or a fused ``gate_up`` split in two) saving only x, g and u.
+
+    Args:
+        act_kind: ``"silu"``, ``"gelu"`` (erf) or ``"gelu_tanh"``.
+        down: attribute name of the down projection.
+        gate, up: attribute names of separate gate / up projections, or
+        gate_up: attribute name of a fused projection whose output is chunked in two along the last dim;
+        gate_first: with ``gate_up``, whether the first half is the gate (Phi-3: True).
+        modules: the projection modules by attribute name; exactly the names above.
+
+    The modules are registered under those names, so the state_dict keys equal the replaced MLP's (as long
+    as its other children hold no parameters or buffers). Raises NotImplementedError at construction when
+    the down projection is a PEFT LoRA layer with unsupported features (see `down_support`); the check is
+    repeated on every forward, since adapters can change after construction.
+    """
+
+    def __init__(self, act_kind: str, down: str, gate: Optional[str] = None, up: Optional[str] = None,
+                 gate_up: Optional[str] = None, gate_first: bool = True, *,
+                 modules: Mapping[str, nn.Module]) -> None:
+        super().__init__()
+        if act_kind not in ACT_KINDS:
+            raise ValueError(f"MSGatedMLP: unknown act_kind {act_kind!r}; expected one of {ACT_KINDS}")
+        fused = gate_up is not None
+        if fused == (gate is not None or up is not None) or (not fused and (gate is None or up is None)):
+            raise ValueError("MSGatedMLP: give either gate and up, or gate_up")
+        names = [gate_up, down] if fused else [gate, up, down]
+        if len(set(names)) != len(names):
+            raise ValueError(f"MSGatedMLP: projection names must be distinct, got {names}")
+        if set(modules) != set(names):
+            raise ValueError(f"MSGatedMLP: modules must be exactly {sorted(names)}, got {sorted(modules)}")
+        for name in names:
+            if not isinstance(modules[name], nn.Module):
+                raise TypeError(f"MSGatedMLP: {name!r} is not an nn.Module")
+            self.add_module(name, modules[name])
+        down_support(modules[down])  # raise now, not at the first forward
+        self.act_kind = act_kind
+        self.down_name = down
+        self.gate_name, self.up_name, self.gate_up_name = gate, up, gate_up
+        self.gate_first = bool(gate_first)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_name is not None:
+            first, second = getattr(self, self.gate_up_name)(x).chunk(2, dim=-1)
+            g, u = (first, second) if self.gate_first else (second, first)
+        else:
+            g = getattr(self, self.gate_name)(x)
+            u = getattr(self, self.up_name)(x)
+        down = getattr(self, self.down_name)
+        kind = down_support(down)
+        if kind == "linear":
+            return gated_mlp(g, u, down.weight, down.bias, self.act_kind)
+        if kind == "lora":
+            if down.disable_adapters and down.merged:
+                down.unmerge()  # as lora.Linear.forward does before running the base layer alone
+            base = down.get_base_layer()
+            return gated_mlp(g, u, base.weight, base.bias, self.act_kind, _lora_adapters(down))
+        return down(gated_act(g, u, self.act_kind))
+
+    def extra_repr(self) -> str:
+        if self.gate_up_name is not None:
+            halves = "gate, up" if self.gate_first else "up, gate"
+            layout = f"{self.gate_up_name}->({halves})"
+        else:
+            layout = f"{self.gate_name}, {self.up_name}"
+        return f"act={self.act_kind}, layout={layout}, down={self.down_name}"

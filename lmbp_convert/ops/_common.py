@@ -1,0 +1,53 @@
+"""Shared plumbing for the ops: dtype policy, Triton availability, autocast output dtype.
+
+Kept free of any model knowledge: ops know tensors, not modules.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional at import time: CPU-only installs (and macOS) run the PyTorch path.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+#: dtypes every op accepts; float64 only on the PyTorch path (for gradcheck).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels with its CPU interpreter (set before kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_dtype(x: torch.Tensor, op: str) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{op}: unsupported dtype {x.dtype}; expected one of "
+            + ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
+        )
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels run on CUDA tensors of the dtypes they are built for; everything else uses PyTorch."""
+    return HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES
+
+
+def autocast_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """The dtype a following autocast Linear computes in, or x's own dtype outside autocast.
+
+    Emitting this dtype is what keeps memory sharing alive under mixed precision: the Linear's
+    autocast cast becomes a no-op, so it saves the very storage the norm saved.
+    """
+    dev = x.device.type
+    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype

@@ -1,0 +1,502 @@
+"""Memory-sharing gated MLP tail: ``out = down(act(g) * u)`` saving only g and u (MS-BP, arXiv 2406.16282).
+
+In a LLaMA-style MLP ``down(act(gate(x)) * up(x))`` eager autograd keeps g (for act), a = act(g) and u (for
+the mul) and h = a·u (for down's weight gradient): four T×f tensors besides x. An exact backward needs only
+g and u; a and h are cheap elementwise recomputations. This op therefore saves the very g and u it is given
+(views of one fused gate_up output stay one storage) and, for backward,
+
+    h  = act(g) · u                  (recomputed, fp32 math, rounded to h's dtype exactly as in forward)
+    dW = dYᵀ·h, db = Σ dY            (only when needed)
+    dh = dY·W (+ LoRA terms)
+    dg = dh · u · act'(g),  du = dh · act(g)
+
+with exact act' for ``silu``, ``gelu`` (erf) and ``gelu_tanh``. The down projection is given as tensors: its
+weight / optional bias, plus any number of LoRA adapters (PEFT ``lora.Linear`` semantics with dropout off):
+``out = W h + b + Σ scale · B(A(h))``. The rank-r intermediates A(h) are recomputed too, so nothing beyond g
+and u (and the parameters) is saved.
+
+Dtypes follow eager PyTorch step by step: h has the promoted dtype of g and u; under torch.autocast every
+Linear casts its eligible operands to the autocast dtype (as ``F.linear`` would), LoRA inputs are cast to
+the adapter weight dtype first (PEFT's ``_cast_input_dtype``), LoRA terms are accumulated with type
+promotion and the result is cast back to the base output dtype. Weights are saved as given (never the cast
+copies) and recast in backward; gradients come back in each input's dtype.
+
+Dispatch: the elementwise parts (forward h; backward dg, du and the h recompute fused in one kernel) run as
+Triton kernels on CUDA tensors (`use_triton`), as the PyTorch path (`_fwd_torch` / `_bwd_torch`, the reference
+in tests) everywhere else. The launchers `_fwd_triton` / `_bwd_triton` are callable directly and are exposed
+as the custom ops ``lmbp_convert::gated_mlp_fwd`` / ``lmbp_convert::gated_mlp_bwd``, which is what runs under
+torch.compile. The matmuls are ordinary PyTorch calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ._common import HAS_TRITON, check_dtype, use_triton
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
+
+#: Activation kinds with an exact derivative here; the index is the kernels' ACT code.
+ACT_KINDS = ("silu", "gelu", "gelu_tanh")
+
+_SQRT1_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_TANH_C = 0.044715
+
+
+class LoraAdapter(NamedTuple):
+    """One LoRA adapter on the down projection: adds ``scale · B(A(h))`` (B's bias included when present).
+
+    ``a_weight`` is (r, f), ``b_weight`` (n, r), ``b_bias`` (n,) or None (PEFT ``lora_bias``).
+    ``cast_input``: cast h to ``a_weight.dtype`` before A, as PEFT does unless input casting is disabled.
+    """
+
+    a_weight: torch.Tensor
+    b_weight: torch.Tensor
+    b_bias: Optional[torch.Tensor]
+    scale: float
+    cast_input: bool = True
+
+
+# ------------------------------------------------------------------------------------------------------
+# Triton kernels: 2-D grid (row, column block); fp32 math; masked loads/stores; unit column stride.
+# ------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _act_fwd(g, ACT: tl.constexpr):
+        if ACT == 0:  # silu
+            a = g * tl.sigmoid(g)
+        elif ACT == 1:  # gelu (erf)
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+        else:  # gelu (tanh approximation); tanh(z) = 2·sigmoid(2z) − 1 saturates cleanly at ±1
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+            a = 0.5 * g * (1.0 + t)
+        return a
+
+    @triton.jit
+    def _act_fwd_bwd(g, ACT: tl.constexpr):
+        """(act(g), act'(g)); act(g) is computed with the very expressions of `_act_fwd`."""
+        if ACT == 0:
+            s = tl.sigmoid(g)
+            a = g * s
+            da = s * (1.0 + g * (1.0 - s))
+        elif ACT == 1:
+            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
+            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
+            da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
+        else:
+            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
+            a = 0.5 * g * (1.0 + t)
+            da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
+        return a, da
+
+    @triton.jit
+    def _gated_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, N,
+                          ACT: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        a = _act_fwd(g, ACT)
+        tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gated_bwd_kernel(DH, G, U, DG, DU, H, stride_dh, stride_g, stride_u, stride_dg, stride_du, stride_h,
+                          N, ACT: tl.constexpr, STORE_H: tl.constexpr, BLOCK: tl.constexpr):
+        # Every element is loaded before it is stored, so DG may alias DH (in-place backward).
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+        a, da = _act_fwd_bwd(g, ACT)
+        if STORE_H:
+            tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
+        tl.store(DG + row * stride_dg + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
+        tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
+
+
+def _act_code(act: str) -> int:
+    try:
+        return ACT_KINDS.index(act)
+    except ValueError:
+        raise ValueError(f"gated_mlp: unknown activation {act!r}; expected one of {ACT_KINDS}") from None
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, n) view of t with unit column stride (copies only when no such view exists)."""
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _block(n: int) -> int:
+    return min(1024, triton.next_power_of_2(max(n, 1)))
+
+
+def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
+    """Triton forward: h = act(g)·u with g's shape in ``h_dtype``, contiguous; g, u may be strided views."""
+    code = _act_code(act)
+    if g.numel() == 0:
+        return _fwd_torch(g, u, act, h_dtype)
+    n = g.shape[-1]
+    g2, u2 = _rows(g, n), _rows(u, n)
+    m = g2.shape[0]
+    h = torch.empty((m, n), dtype=h_dtype, device=g.device)
+    block = _block(n)
+    _gated_fwd_kernel[(m, triton.cdiv(n, block))](g2, u2, h, g2.stride(0), u2.stride(0), h.stride(0), n,
+                                                   ACT=code, BLOCK=block, num_warps=4)
+    return h.view(g.shape)
+
+
+def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: Optional[torch.dtype],
+                dg_into_dh: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Triton backward: (dg in g's dtype, du in u's dtype, h in ``h_dtype`` or None when ``h_dtype`` is None).
+
+    ``dg_into_dh`` writes dg over dh (which must then be contiguous, of g's dtype and not needed afterwards),
+    saving one T×f buffer at the backward peak.
+    """
+    code = _act_code(act)
+    if g.numel() == 0:
+        return _bwd_torch(dh, g, u, act, h_dtype)
+    n = g.shape[-1]
+    dh2, g2, u2 = _rows(dh, n), _rows(g, n), _rows(u, n)
+    m = g2.shape[0]
+    if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
+        dg = dh2
+    else:
+        dg = torch.empty((m, n), dtype=g.dtype, device=g.device)
+    du = torch.empty((m, n), dtype=u.dtype, device=u.device)
+    h = torch.empty((m, n), dtype=h_dtype, device=g.device) if h_dtype is not None else None
+    block = _block(n)
+    h_arg = h if h is not None else du  # never written when STORE_H is False
+    _gated_bwd_kernel[(m, triton.cdiv(n, block))](
+        dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0),
+        h_arg.stride(0), n, ACT=code, STORE_H=h is not None, BLOCK=block, num_warps=4)
+    return dg.view(g.shape), du.view(u.shape), (h.view(g.shape) if h is not None else None)
+
+
+# ------------------------------------------------------------------------------------------------------
+# PyTorch path: identical semantics, every device; the reference in tests.
+# ------------------------------------------------------------------------------------------------------
+def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        return F.silu(g)
+    if act == "gelu":
+        return F.gelu(g)
+    return F.gelu(g, approximate="tanh")
+
+
+def _act_grad_torch(g: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "silu":
+        s = torch.sigmoid(g)
+        return s * (1.0 + g * (1.0 - s))
+    if act == "gelu":
+        return 0.5 * (1.0 + torch.erf(g * _SQRT1_2)) + g * torch.exp(-0.5 * g * g) * _INV_SQRT_2PI
+    t = torch.tanh(_SQRT_2_OVER_PI * (g + _TANH_C * g * g * g))
+    return 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_C * g * g)
+
+
+def _fwd_torch(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
+    """PyTorch forward, same contract as `_fwd_triton`."""
+    _act_code(act)
+    md = _math_dtype(g.dtype, u.dtype)
+    return (_act_torch(g.to(md), act) * u.to(md)).to(h_dtype)
+
+
+def _bwd_torch(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: Optional[torch.dtype],
+               dg_into_dh: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """PyTorch backward, same contract as `_bwd_triton` (``dg_into_dh`` is ignored: dg is always new)."""
+    _act_code(act)
+    md = _math_dtype(g.dtype, u.dtype, dh.dtype)
+    gf, uf, dhf = g.to(md), u.to(md), dh.to(md)
+    a = _act_torch(gf, act)
+    h = (a * uf).to(h_dtype) if h_dtype is not None else None
+    dg = (dhf * uf * _act_grad_torch(gf, act)).to(g.dtype)
+    du = (dhf * a).to(u.dtype)
+    return dg, du, h
+
+
+# ------------------------------------------------------------------------------------------------------
+# Custom ops: the Triton path as opaque ops, so torch.compile neither traces into the launchers nor breaks.
+# ------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("lmbp_convert::gated_mlp_fwd", mutates_args=())
+def _gated_mlp_fwd_op(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
+    return _fwd_triton(g, u, act, h_dtype)
+
+
+@_gated_mlp_fwd_op.register_fake
+def _(g, u, act, h_dtype):
+    return g.new_empty(g.shape, dtype=h_dtype)
+
+
+@torch.library.custom_op("lmbp_convert::gated_mlp_bwd", mutates_args=())
+def _gated_mlp_bwd_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
+                      h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dg, du, h = _bwd_triton(dh, g, u, act, h_dtype)
+    if h is None:  # custom ops return tensors only
+        h = g.new_empty((0,))
+    return dg, du, h
+
+
+@_gated_mlp_bwd_op.register_fake
+def _(dh, g, u, act, h_dtype):
+    h = g.new_empty(g.shape, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,))
+    return g.new_empty(g.shape), u.new_empty(u.shape), h
+
+
+def _elementwise_fwd(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype,
+                     triton_path: bool) -> torch.Tensor:
+    if not triton_path:
+        return _fwd_torch(g, u, act, h_dtype)
+    if torch.compiler.is_compiling():
+        return torch.ops.lmbp_convert.gated_mlp_fwd(g, u, act, h_dtype)
+    return _fwd_triton(g, u, act, h_dtype)
+
+
+def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
+                     h_dtype: Optional[torch.dtype], triton_path: bool, dg_into_dh: bool = False):
+    if not triton_path:
+        return _bwd_torch(dh, g, u, act, h_dtype)
+    if torch.compiler.is_compiling():
+        dg, du, h = torch.ops.lmbp_convert.gated_mlp_bwd(dh, g, u, act, h_dtype)
+        return dg, du, (h if h_dtype is not None else None)
+    return _bwd_triton(dh, g, u, act, h_dtype, dg_into_dh=dg_into_dh)
+
+
+# ------------------------------------------------------------------------------------------------------
+# dtype policy helpers: mirror what eager F.linear does with and without autocast.
+# ------------------------------------------------------------------------------------------------------
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The autocast dtype active for this device type, or None when autocast is off (or unavailable)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _no_autocast(device_type: str):
+    """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _lin_dtype(dtype: torch.dtype, ac: Optional[torch.dtype]) -> torch.dtype:
+    """The dtype autocast casts a Linear operand of ``dtype`` to (floating, non-fp64 operands only)."""
+    if ac is not None and dtype.is_floating_point and dtype != torch.float64:
+        return ac
+    return dtype
+
+
+def _cast(t: Optional[torch.Tensor], ac: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    d = _lin_dtype(t.dtype, ac)
+    return t if d == t.dtype else t.to(d)
+
+
+def _to(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """aᵀ·b for (M, p) and (M, q): the weight-gradient product."""
+    return a.t().matmul(b)
+
+
+# ------------------------------------------------------------------------------------------------------
+# autograd.Functions
+# ------------------------------------------------------------------------------------------------------
+class GatedMLPFunction(torch.autograd.Function):
+    """``down(act(g)·u)`` with the down projection given as tensors; saves g and u (and the weights as given).
+
+    Positional inputs: g, u, weight, bias, act, lora_meta, then 3 tensors (A, B, B-bias or None) per adapter;
+    ``lora_meta`` is a tuple of (scale, cast_input) per adapter.
+    """
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, act, lora_meta, *lora):
+        dev = g.device.type
+        ac = _autocast_dtype(dev)
+        h_dtype = torch.promote_types(g.dtype, u.dtype)
+        triton_path = use_triton(g) and use_triton(u) and g.device == u.device
+        with _no_autocast(dev):
+            h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+            out = F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac))
+            out_dtype = out.dtype
+            acc = out
+            for i, (scale, cast_input) in enumerate(lora_meta):
+                a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
+                hx = _to(h, a_w.dtype) if cast_input else h
+                t = F.linear(_cast(hx, ac), _cast(a_w, ac))
+                acc = acc + F.linear(_cast(t, ac), _cast(b_w, ac), _cast(b_b, ac)) * scale
+            out = _to(acc, out_dtype)
+            del h, acc
+        # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
+        need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.weight_dtype = weight.dtype
+        ctx.act = act
+        ctx.lora_meta = lora_meta
+        ctx.ac = ac
+        ctx.h_dtype = h_dtype
+        ctx.triton_path = triton_path
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        g, u, weight, *lora = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        ac, h_dtype, act, meta = ctx.ac, ctx.h_dtype, ctx.act, ctx.lora_meta
+        lora_needs = needs[6:]
+        need_dh = needs[0] or needs[1]
+        need_h = needs[2] or any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta)))
+        f = g.shape[-1]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyc = _cast(dy2, ac)
+        grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
+        dg = du = dw = db = h = None
+
+        with _no_autocast(g.device.type):
+            # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
+            gys, gts = [], []
+            for i, (scale, cast_input) in enumerate(meta):
+                a_w, b_w, _ = lora[3 * i: 3 * i + 3]
+                y_dtype = _lin_dtype(a_w.dtype if cast_input else h_dtype, ac)
+                used = need_dh or any(lora_needs[3 * i: 3 * i + 3])
+                gy = _to(dy2, y_dtype) * scale if used else None
+                gt = gy.matmul(_cast(b_w, ac)) if (need_dh or lora_needs[3 * i]) else None
+                gys.append(gy)
+                gts.append(gt)
+            if need_dh:
+                # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
+                dh = _to(dyc.matmul(_cast(weight, ac)), h_dtype)
+                for i, (scale, cast_input) in enumerate(meta):
+                    a_w = lora[3 * i]
+                    hx_dtype = a_w.dtype if cast_input else h_dtype
+                    dh = dh + _to(_to(gts[i].matmul(_cast(a_w, ac)), hx_dtype), h_dtype)
+                dh = dh.view(g.shape)
+                dg, du, h = _elementwise_bwd(dh, g, u, act, h_dtype if need_h else None, ctx.triton_path,
+                                             dg_into_dh=True)
+                del dh
+                dg = dg if needs[0] else None
+                du = du if needs[1] else None
+            elif need_h:
+                h = _elementwise_fwd(g, u, act, h_dtype, ctx.triton_path)
+            if need_h:
+                h2 = h.reshape(-1, f)
+                if needs[2]:
+                    dw = _to(_mm_t(dyc, _cast(h2, ac)), ctx.weight_dtype)
+                for i, (scale, cast_input) in enumerate(meta):
+                    a_w, b_w, _ = lora[3 * i: 3 * i + 3]
+                    if not (lora_needs[3 * i] or lora_needs[3 * i + 1]):
+                        continue
+                    hxc = _cast(_to(h2, a_w.dtype) if cast_input else h2, ac)
+                    if lora_needs[3 * i]:
+                        grads_lora[3 * i] = _to(_mm_t(gts[i], hxc), a_w.dtype)
+                    if lora_needs[3 * i + 1]:
+                        t = F.linear(hxc, _cast(a_w, ac))  # A(h) recomputed, never saved
+                        grads_lora[3 * i + 1] = _to(_mm_t(gys[i], _cast(t, ac)), b_w.dtype)
+                del h, h2
+            if needs[3]:
+                db = _to(dyc.sum(0), ctx.bias_dtype)
+            for i in range(len(meta)):
+                b_b = lora[3 * i + 2]
+                if lora_needs[3 * i + 2] and b_b is not None:
+                    grads_lora[3 * i + 2] = _to(gys[i].sum(0), b_b.dtype)
+        return (dg, du, dw, db, None, None, *grads_lora)
+
+
+class GatedActFunction(torch.autograd.Function):
+    """``h = act(g)·u`` saving only g and u (for down projections the fused op cannot take as tensors)."""
+
+    @staticmethod
+    def forward(ctx, g, u, act):
+        h_dtype = torch.promote_types(g.dtype, u.dtype)
+        triton_path = use_triton(g) and use_triton(u) and g.device == u.device
+        h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+        ctx.save_for_backward(g, u)
+        ctx.act = act
+        ctx.triton_path = triton_path
+        return h
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dh):
+        g, u = ctx.saved_tensors
+        dg, du, _ = _elementwise_bwd(dh, g, u, ctx.act, None, ctx.triton_path)
+        return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
+
+
+# ------------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------------
+def _check_gu(g: torch.Tensor, u: torch.Tensor, act: str, op: str) -> None:
+    _act_code(act)
+    check_dtype(g, op)
+    check_dtype(u, op)
+    if g.shape != u.shape:
+        raise ValueError(f"{op}: gate and up outputs differ in shape: {tuple(g.shape)} vs {tuple(u.shape)}")
+    if g.dim() == 0:
+        raise ValueError(f"{op}: gate/up outputs must have a feature dimension")
+    if g.device != u.device:
+        raise ValueError(f"{op}: gate and up outputs are on different devices ({g.device}, {u.device})")
+
+
+def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """``act(g)·u`` (dtype: promoted dtype of g and u) saving only g and u for backward."""
+    _check_gu(g, u, act, "gated_act")
+    return GatedActFunction.apply(g, u, act)
+
+
+def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              act: str = "silu", lora: Sequence[LoraAdapter] = ()) -> torch.Tensor:
+    """``F.linear(act(g)·u, weight, bias) + Σ scale·B(A(act(g)·u))``, saving only g and u for backward.
+
+    g, u: the gate and up projection outputs (..., f), possibly strided views (e.g. the two halves of a
+    fused gate_up output). weight (n, f), bias (n,) or None: the down projection, frozen or trainable.
+    lora: adapters on the down projection (PEFT semantics, dropout off). Output (..., n) in the dtype the
+    eager module would produce (the autocast dtype under torch.autocast).
+    """
+    _check_gu(g, u, act, "gated_mlp")
+    f = g.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != f:
+        raise ValueError(f"gated_mlp: down weight of shape {tuple(weight.shape)} does not take {f} features")
+    n = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gated_mlp: down bias of shape {tuple(bias.shape)}, expected ({n},)")
+    meta, flat = [], []
+    for ad in lora:
+        a_w, b_w, b_b = ad.a_weight, ad.b_weight, ad.b_bias
+        if a_w.dim() != 2 or b_w.dim() != 2 or a_w.shape[1] != f or b_w.shape != (n, a_w.shape[0]):
+            raise ValueError(f"gated_mlp: LoRA shapes A {tuple(a_w.shape)}, B {tuple(b_w.shape)} do not fit a "
+                             f"{f} -> {n} projection")
+        if b_b is not None and tuple(b_b.shape) != (n,):
+            raise ValueError(f"gated_mlp: LoRA B bias of shape {tuple(b_b.shape)}, expected ({n},)")
+        if isinstance(ad.scale, torch.Tensor) or not isinstance(ad.scale, (int, float)):
+            raise TypeError(f"gated_mlp: LoRA scale must be a Python number, got {type(ad.scale).__name__}")
+        meta.append((float(ad.scale), bool(ad.cast_input)))
+        flat += [a_w, b_w, b_b]
+    return GatedMLPFunction.apply(g, u, weight, bias, act, tuple(meta), *flat)

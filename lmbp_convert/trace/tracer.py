@@ -1,0 +1,211 @@
+"""Run one probe forward and record the data flow (see ``graph.py``).
+
+Tensor ops are seen through a ``TorchFunctionMode``; module calls through per-instance forward hooks that are
+removed afterwards. Ops inside *leaf* modules (the ones the matcher cares about as a whole: Linear, norms,
+activations, dropout, modules without children) are not recorded, so a Linear is one node, not its F.linear.
+Works on real and meta tensors alike: nothing here reads tensor values.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from .graph import ArgSlot, Graph, Node, ScopeCall, TensorInfo
+
+_INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
+
+
+class TraceError(RuntimeError):
+    """The probe forward failed; the message says how to help the walker."""
+
+
+class _Tracer(TorchFunctionMode):
+    def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool]):
+        super().__init__()
+        self.g = Graph()
+        self.names = names
+        self.is_leaf = is_leaf
+        self._ids: dict[int, int] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids unique while tracing
+        self._leaf_depth = 0
+        self._busy = 0
+        self._scope_stack: list[int] = []
+        self._leaf_inputs: list[tuple[str, dict[int, list[ArgSlot]], list[int]]] = []
+
+    # -- tensor ids -------------------------------------------------------------------------------
+    def _tid(self, t: torch.Tensor, producer: int | None = None, fresh: bool = False) -> int:
+        key = id(t)
+        if key in self._ids and not fresh:
+            return self._ids[key]
+        tid = len(self.g.tensors)
+        self._ids[key] = tid
+        self._alive.append(t)
+        self.g.tensors[tid] = TensorInfo(tid, tuple(t.shape), str(t.dtype).replace("torch.", ""), producer)
+        return tid
+
+    def _tensors_in(self, obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._tensors_in(o, out)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                self._tensors_in(o, out)
+        return out
+
+    def _summ(self, obj: Any) -> Any:
+        """Compact, value-free description of an op argument."""
+        if isinstance(obj, torch.Tensor):
+            return ("T", self._tid(obj))
+        if isinstance(obj, slice):
+            return ("slice", self._summ(obj.start), self._summ(obj.stop), self._summ(obj.step))
+        if isinstance(obj, (list, tuple)):
+            return tuple(self._summ(o) for o in obj)
+        if obj is Ellipsis:
+            return "..."
+        if isinstance(obj, (int, float, bool, str)) or obj is None:
+            return obj
+        if isinstance(obj, (torch.dtype, torch.device)):
+            return str(obj)
+        return f"<{type(obj).__name__}>"
+
+    # -- ops ----------------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._leaf_depth or self._busy:
+            return out
+        self._busy += 1
+        try:
+            self._record_op(func, args, kwargs, out)
+        finally:
+            self._busy -= 1
+        return out
+
+    def _record_op(self, func, args, kwargs, out) -> None:
+        try:
+            name = resolve_name(func) or getattr(func, "__name__", repr(func))
+        except Exception:
+            name = getattr(func, "__name__", repr(func))
+        ins = [self._tid(t) for t in self._tensors_in((args, kwargs), [])]
+        outs_t = self._tensors_in(out, [])
+        if not ins and not outs_t:
+            return
+        idx = len(self.g.nodes)
+        short = name.rsplit(".", 1)[-1]
+        inplace = short.endswith("_") and not short.endswith("__") or short in _INPLACE_EXCEPTIONS
+        info = {"args": self._summ(args), "kwargs": {k: self._summ(v) for k, v in kwargs.items()}}
+        outs = [self._tid(t, idx, fresh=True) for t in outs_t] if outs_t else []
+        if inplace:
+            info["inplace"] = True
+        self.g.nodes.append(Node(idx, "op", name, ins, outs, tuple(self._scope_stack), info))
+
+    # -- modules ------------------------------------------------------------------------------------
+    def _slots(self, args, kwargs) -> dict[int, list[ArgSlot]]:
+        slots: dict[int, list[ArgSlot]] = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                slots.setdefault(self._tid(a), []).append(ArgSlot(i, None))
+        for k, v in kwargs.items():
+            if isinstance(v, torch.Tensor):
+                slots.setdefault(self._tid(v), []).append(ArgSlot(None, k))
+        return slots
+
+    def pre_hook(self, module, args, kwargs):
+        if self._leaf_depth:
+            if self.is_leaf(module):
+                self._leaf_depth += 1
+            return None
+        self._busy += 1
+        try:
+            name = self.names.get(id(module), "?")
+            count = self.g.module_calls.get(name, 0)
+            self.g.module_calls[name] = count + 1
+            slots = self._slots(args, kwargs)
+            if self.is_leaf(module):
+                ins = [self._tid(t) for t in self._tensors_in((args, kwargs), [])]
+                self._leaf_inputs.append((name, slots, ins))
+                self._leaf_depth += 1
+            else:
+                idx = len(self.g.scopes)
+                parent = self._scope_stack[-1] if self._scope_stack else None
+                self.g.scopes.append(ScopeCall(idx, name, slots, [], parent, count))
+                self._scope_stack.append(idx)
+        finally:
+            self._busy -= 1
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        if self._leaf_depth > 1 or (self._leaf_depth == 1 and not self.is_leaf(module)):
+            if self.is_leaf(module):
+                self._leaf_depth -= 1
+            return None
+        self._busy += 1
+        try:
+            if self.is_leaf(module):
+                self._leaf_depth -= 1
+                name, slots, ins = self._leaf_inputs.pop()
+                idx = len(self.g.nodes)
+                outs = [self._tid(t, idx, fresh=True) for t in self._tensors_in(output, [])]
+                info = {"slots": {tid: [(s.position, s.keyword) for s in sl] for tid, sl in slots.items()}}
+                self.g.nodes.append(Node(idx, "module", name, ins, outs, tuple(self._scope_stack), info))
+            else:
+                idx = self._scope_stack.pop()
+                self.g.scopes[idx].outputs = [self._tid(t) for t in self._tensors_in(output, [])]
+        finally:
+            self._busy -= 1
+        return None
+
+
+def _output_paths(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    found: list[tuple[tuple, torch.Tensor]] = []
+    if isinstance(obj, dict):  # ModelOutput is an OrderedDict
+        for k, v in obj.items():
+            found += _output_paths(v, path + (k,))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            found += _output_paths(v, path + (i,))
+    return found
+
+
+def call_model(model: nn.Module, probe: Any) -> Any:
+    if isinstance(probe, dict):
+        return model(**probe)
+    if isinstance(probe, (list, tuple)):
+        return model(*probe)
+    return model(probe)
+
+
+def trace(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], bool]) -> tuple[Graph, Any]:
+    """Run ``model`` on ``probe`` once (no grad) and return its data-flow graph and the output."""
+    names: dict[int, str] = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    tracer = _Tracer(names, is_leaf)
+    with ExitStack() as stack:
+        for mod in model.modules():
+            stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
+            stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
+        stack.enter_context(torch.no_grad())
+        with tracer:
+            try:
+                out = call_model(model, probe)
+            except Exception as exc:  # a probe the model cannot take
+                raise TraceError(
+                    f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc}); "
+                    "pass probe=... (a tensor, a tuple of args or a dict of kwargs the model accepts)"
+                ) from exc
+    g = tracer.g
+    for path, t in _output_paths(out):
+        tid = tracer._ids.get(id(t))
+        if tid is not None:
+            g.root_outputs.setdefault(tid, []).append(path)
+    g.build_index()
+    return g, out
