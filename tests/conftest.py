@@ -10,6 +10,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import sys  # noqa: E402
+
+# Test files mirror the package (tests/ops/test_gated_mlp.py and tests/nn/test_gated_mlp.py), so pytest runs
+# with --import-mode=importlib; shared helpers are imported by name from these folders.
+_here = os.path.dirname(os.path.abspath(__file__))
+for _p in (_here, os.path.join(_here, "ops")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

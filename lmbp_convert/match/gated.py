@@ -1,6 +1,113 @@
-"""Gated-MLP pattern (act(gate(x)) · up(x) → down), found from data flow. Filled in with the fused op."""
+"""Gated-MLP pattern, found from data flow inside one module call:
+
+    x ─┬─ gate ── act ──┐
+       └─ up ───────────┴─ mul ── down ── (module output)
+
+or Phi-3 style ``gate_up(x).chunk(2, -1)`` feeding act and mul. The module is replaced by ``MSGatedMLP`` over
+the same projection submodules (same names, same state_dict keys), which saves only the gate and up outputs.
+"""
 from __future__ import annotations
 
+import math
+from typing import Iterator
 
-def find_gated_mlps(planner):
-    return []
+from ..catalogue import class_key
+from .commute import is_metadata, op_short
+from .plan import GatedMLPSwap, Skip
+
+FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def find_gated_mlps(planner) -> Iterator[tuple[GatedMLPSwap | None, Skip | None]]:
+    g = planner.g
+    inside: dict[int, list] = {}
+    for node in g.nodes:
+        if node.scopes and not is_metadata(node):
+            inside.setdefault(node.scopes[-1], []).append(node)
+    nested = {sc.parent for sc in g.scopes if sc.parent is not None}
+    for sc in g.scopes:
+        nodes = inside.get(sc.idx, [])
+        mods = [n for n in nodes if n.kind == "module"]
+        acts = [n for n in mods if planner.roles.get(n.target) and planner.roles[n.target].kind == "activation"]
+        if len(acts) != 1 or not sc.module or sc.idx in nested:
+            continue
+        if not planner.opt.selected(sc.module):
+            continue
+        swap_or_reason = _match(planner, sc, nodes, acts[0])
+        if isinstance(swap_or_reason, GatedMLPSwap):
+            yield swap_or_reason, None
+        elif swap_or_reason:
+            yield None, Skip(sc.module, class_key(planner.modules[sc.module]), swap_or_reason)
+
+
+def _match(planner, sc, nodes, act):
+    g = planner.g
+    mods = [n for n in nodes if n.kind == "module"]
+    ops = [n for n in nodes if n.kind == "op"]
+    linears = [n for n in mods if planner.roles[n.target].kind == "linear"]
+    if len(linears) not in (2, 3) or len(mods) != len(linears) + 1:
+        return None
+    producers = {o: n for n in nodes for o in n.outputs}
+    muls = [n for n in ops if op_short(n) in ("mul", "__mul__", "__rmul__")]
+    if len(muls) != 1 or len(muls[0].inputs) != 2 or act.outputs[0] not in muls[0].inputs:
+        return None
+    mul = muls[0]
+    downs = [n for n in linears if n.inputs and n.inputs[0] == mul.outputs[0]]
+    if len(downs) != 1 or sc.outputs != downs[0].outputs:
+        return None
+    down = downs[0]
+    other = next(t for t in mul.inputs if t != act.outputs[0])
+    gate_node = producers.get(act.inputs[0])
+    up_node = producers.get(other)
+    chunk = None
+    if gate_node is not None and gate_node is up_node and op_short(gate_node) == "chunk":
+        chunk = gate_node
+        args = chunk.info.get("args", ())
+        n_chunks = args[1] if len(args) > 1 else chunk.info["kwargs"].get("chunks")
+        dim = args[2] if len(args) > 2 else chunk.info["kwargs"].get("dim", 0)
+        src = producers.get(chunk.inputs[0])
+        if n_chunks != 2 or dim not in (-1, len(g.tensors[chunk.inputs[0]].shape) - 1) or src not in linears:
+            return None
+        gate_first = chunk.outputs.index(act.inputs[0]) == 0
+        projections = {"gate_up": src}
+        allowed_ops = {id(mul), id(chunk)}
+    else:
+        if gate_node not in linears or up_node not in linears or gate_node is up_node:
+            return None
+        gate_first = True
+        projections = {"gate": gate_node, "up": up_node}
+        allowed_ops = {id(mul)}
+    if any(id(n) not in allowed_ops for n in ops):
+        return None
+    xs = {p.inputs[0] for p in projections.values()}
+    if len(xs) != 1 or set(sc.args) != xs:
+        return None
+    # -- it is a gated MLP: from here on, a reason is reported when it cannot be converted ----------------
+    if planner.g.module_calls.get(sc.module, 0) != 1:
+        return f"gated MLP called {planner.g.module_calls.get(sc.module)} times per forward"
+    act_kind = planner.roles[act.target].act
+    if act_kind not in FUSED_ACTS:
+        return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
+    if planner.roles[down.target].layout != "out_in":
+        return f"down projection {down.target} is not an nn.Linear"
+    prefix = sc.module + "."
+    attrs = {}
+    for role, node in [*projections.items(), ("down", down), ("act", act)]:
+        if not node.target.startswith(prefix) or "." in node.target[len(prefix):]:
+            return f"{role} projection {node.target} is not a direct child of {sc.module}"
+        attrs[role] = node.target[len(prefix):]
+    module = planner.modules[sc.module]
+    kept = {attrs[k] for k in ("gate", "up", "gate_up", "down") if k in attrs}
+    for cname, child in module.named_children():
+        if cname not in kept and cname != attrs["act"] and any(True for _ in child.parameters()):
+            return f"{sc.module}.{cname} holds parameters the fused op would drop"
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        return f"{sc.module} holds its own parameters or buffers"
+    g_info = g.tensors[act.inputs[0]]
+    saved = 2 * math.prod(g_info.shape) * _ITEMSIZE.get(g_info.dtype, 4)  # act(g) and act(g)·u no longer kept
+    return GatedMLPSwap(
+        name=sc.module, cls=class_key(module), act=act_kind, act_module=act.target,
+        gate=attrs.get("gate"), up=attrs.get("up"), gate_up=attrs.get("gate_up"), down=attrs["down"],
+        gate_first=gate_first, predicted_saved_bytes=saved,
+    )

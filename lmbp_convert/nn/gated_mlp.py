@@ -56,10 +56,11 @@ def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
     for name in down.active_adapters:
         if name not in down.lora_A.keys():
             continue
-        if name in getattr(down, "lora_variant", {}):
+        variant = getattr(down, "lora_variant", {}).get(name)
+        if variant is not None or getattr(down, "use_dora", {}).get(name, False):
             raise NotImplementedError(
                 f"MSGatedMLP: LoRA adapter {name!r} on the down projection uses a variant "
-                f"({type(down.lora_variant[name]).__name__}, e.g. DoRA); only vanilla LoRA is supported")
+                f"({type(variant).__name__ if variant is not None else 'DoRA'}); only vanilla LoRA is supported")
         drop = down.lora_dropout[name]
         if not (isinstance(drop, nn.Identity) or (isinstance(drop, nn.Dropout) and drop.p == 0)):
             raise NotImplementedError(

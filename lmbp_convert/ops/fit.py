@@ -25,6 +25,7 @@ scipy is deliberately not used (not a dependency); torch provides everything nee
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -57,7 +58,7 @@ PAPER_CONSTANTS: dict[tuple[str, int], dict[str, tuple[float, ...]]] = {
 }
 
 DEFAULT_HALF_WIDTH = 40.0  # L: integrate over [-L, L]
-DEFAULT_PANEL_WIDTH = 0.5
+DEFAULT_PANEL_WIDTH = 1.0
 DEFAULT_ORDER = 16  # Gauss-Legendre nodes per panel
 _DT = torch.float64
 
@@ -218,8 +219,8 @@ def _optimise(kind: str, c0: torch.Tensor, settings: dict, max_iter: int) -> tup
     u = _to_params(c0.clone()).requires_grad_(True)
     with torch.no_grad():
         scale = float(value(u))
-    opt = torch.optim.LBFGS([u], lr=1.0, max_iter=max_iter, history_size=20, tolerance_grad=1e-11,
-                            tolerance_change=1e-16, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS([u], lr=1.0, max_iter=max_iter, history_size=20, tolerance_grad=1e-10,
+                            tolerance_change=1e-14, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()
@@ -243,14 +244,55 @@ def _insert_thresholds(c: torch.Tensor) -> torch.Tensor:
     return torch.sort(torch.cat([c, mids, c[:1] - gap, c[-1:] + gap])).values
 
 
-@lru_cache(maxsize=None)
+def _density_start(kind: str, m: int, half_width: float) -> torch.Tensor:
+    """Knots at the quantiles of |h''|**(2/5): the asymptotically L2-optimal knot density of a linear spline."""
+    x = torch.linspace(-half_width, half_width, 40001, dtype=_DT)
+    h, step = reference(kind), 1e-3
+    curv = ((h(x + step) - 2.0 * h(x) + h(x - step)) / step**2).abs().pow(0.4)
+    cdf = torch.cat([torch.zeros(1, dtype=_DT), torch.cumsum(0.5 * (curv[1:] + curv[:-1]) * (x[1:] - x[:-1]), 0)])
+    cdf = cdf / cdf[-1]
+    q = (torch.arange(m, dtype=_DT) + 0.5) / m
+    idx = torch.searchsorted(cdf, q).clamp(1, x.numel() - 1)
+    lo, hi = cdf[idx - 1], cdf[idx]
+    t = (q - lo) / (hi - lo).clamp_min(1e-300)
+    return x[idx - 1] + t * (x[idx] - x[idx - 1])
+
+
+def _mirror(c: torch.Tensor) -> torch.Tensor:
+    """The symmetrised thresholds (c - reversed(c)) / 2: the basin of the mirror-symmetric optimum that even
+    h - relu (every kind here) tends to have; for other activations it is just one more start."""
+    return 0.5 * (c - c.flip(0))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """The problem is a few thousand nodes by <= 15 columns: thread start-up dominates, and on a loaded
+    machine intra-op threads make each step 10-50x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def fit(kind: str, bits: int, *, half_width: float = DEFAULT_HALF_WIDTH, panel_width: float = DEFAULT_PANEL_WIDTH,
-        order: int = DEFAULT_ORDER, n_jitter: int = 2, seed: int = 0, max_iter: int = 400) -> FitResult:
+        order: int = DEFAULT_ORDER, n_jitter: int = 2, seed: int = 0, max_iter: int = 200) -> FitResult:
     """Fit 2**bits - 1 thresholds and slopes for ``kind`` (deterministic; results are cached).
 
-    Starts: symmetric spreads s*linspace(-1, 1, m) for s in {1, 2, 3, 4, 6, 8}, the (bits-1) solution with
-    thresholds inserted (fitted recursively), then ``n_jitter`` seeded perturbations of the best start.
+    Starts: knots at the quantiles of |h''|**(2/5), symmetric spreads s*linspace(-1, 1, m) for s in
+    {1.5, 3, 6}, the (bits-1) solution with thresholds inserted (fitted recursively; keeps the objective
+    non-increasing in bits), then the symmetrised best and ``n_jitter`` seeded perturbations of the best.
+    Returns the best fit found (a local search: several starts, no global-optimality certificate).
     """
+    with _one_thread():
+        return _fit(kind, bits, half_width=half_width, panel_width=panel_width, order=order, n_jitter=n_jitter,
+                    seed=seed, max_iter=max_iter)
+
+
+@lru_cache(maxsize=None)
+def _fit(kind: str, bits: int, *, half_width: float, panel_width: float, order: int, n_jitter: int, seed: int,
+         max_iter: int) -> FitResult:
     reference(kind)  # validates kind
     if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 4:
         raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
@@ -262,23 +304,27 @@ def fit(kind: str, bits: int, *, half_width: float = DEFAULT_HALF_WIDTH, panel_w
         obj = float(_objective_t(kind, a, c, half_width, panel_width, order))
         return FitResult(kind, bits, (1.0,), (0.0,), obj, settings)
 
-    starts = [s * torch.linspace(-1.0, 1.0, m, dtype=_DT) for s in (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)]
-    prev = fit(kind, bits - 1, half_width=half_width, panel_width=panel_width, order=order, n_jitter=n_jitter,
-               seed=seed, max_iter=max_iter)
+    prev = _fit(kind, bits - 1, half_width=half_width, panel_width=panel_width, order=order, n_jitter=n_jitter,
+                seed=seed, max_iter=max_iter)
+    starts = [_density_start(kind, m, half_width)]
+    starts += [s * torch.linspace(-1.0, 1.0, m, dtype=_DT) for s in (1.5, 3.0, 6.0)]
     starts.append(_insert_thresholds(torch.tensor(prev.c, dtype=_DT)))
 
     best_c, best_obj = None, math.inf
-    for c0 in starts:
-        c, obj = _optimise(kind, c0, settings, max_iter)
+
+    def attempt(c0: torch.Tensor) -> None:
+        nonlocal best_c, best_obj
+        c, obj = _optimise(kind, torch.sort(c0).values, settings, max_iter)
         if math.isfinite(obj) and obj < best_obj:
             best_c, best_obj = c, obj
+
+    for c0 in starts:
+        attempt(c0)
+    attempt(_mirror(best_c))
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n_jitter):
         spread = float((best_c[1:] - best_c[:-1]).min()) * 0.3
-        c0 = torch.sort(best_c + spread * torch.randn(m, generator=gen, dtype=_DT)).values
-        c, obj = _optimise(kind, c0, settings, max_iter)
-        if math.isfinite(obj) and obj < best_obj:
-            best_c, best_obj = c, obj
+        attempt(best_c + spread * torch.randn(m, generator=gen, dtype=_DT))
 
     a = _solve_a_t(kind, best_c, half_width, panel_width, order)
     obj = float(_objective_t(kind, a, best_c, half_width, panel_width, order))

@@ -11,6 +11,7 @@ from torch import nn
 from tolerances import tol
 
 from lmbp_convert.memory import SavedTensorLedger
+from lmbp_convert.ops._common import HAS_TRITON
 from lmbp_convert.ops import ms_norm as M
 from lmbp_convert.ops.ms_norm import ms_layer_norm, ms_rms_norm
 
@@ -33,6 +34,9 @@ def ref(kind, x, shape, eps):
 
 def default_eps(kind):
     return 1e-5 if kind == "layer" else 1e-6
+
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def force_triton(monkeypatch):
@@ -138,7 +142,7 @@ def test_empty(kind, shape, nshape):
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, in the interpreter
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("triton_path", (False, True))
+@pytest.mark.parametrize("triton_path", (False, pytest.param(True, marks=needs_triton)))
 def test_nan_inf_propagate_like_torch(kind, triton_path, monkeypatch):
     if triton_path:
         force_triton(monkeypatch)
@@ -180,6 +184,7 @@ def test_int_and_tuple_shape_agree():
 
 
 # ------------------------------------------------------------------------------ Triton launchers (interpreter)
+@needs_triton
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", LOW_DTYPES)
 @pytest.mark.parametrize("chunk", (None, 16))  # None: single-block kernel; 16: looped kernel, 3 chunks per row
@@ -200,6 +205,7 @@ def test_triton_launchers_match_torch_path(kind, dtype, chunk):
         torch.testing.assert_close(d_t, d_p, **tol(dtype, "bwd"))
 
 
+@needs_triton
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_long_rows_use_looped_kernel(kind):
     is_rms = kind == "rms"
@@ -213,6 +219,7 @@ def test_triton_long_rows_use_looped_kernel(kind):
                                    M._bwd_torch(g, y_p, r_p, is_rms, x.dtype), **tol(torch.float32, "bwd"))
 
 
+@needs_triton
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_autograd_through_triton_path(kind, dtype, monkeypatch):
@@ -229,6 +236,7 @@ def test_autograd_through_triton_path(kind, dtype, monkeypatch):
     torch.testing.assert_close(x_t.grad, x_p.grad, **tol(dtype, "bwd"))
 
 
+@needs_triton
 @pytest.mark.parametrize("kind", KINDS)
 def test_triton_path_empty_and_dtype_fallback(kind, monkeypatch):
     force_triton(monkeypatch)
@@ -239,6 +247,7 @@ def test_triton_path_empty_and_dtype_fallback(kind, monkeypatch):
     torch.testing.assert_close(ms(kind, x64, 5), ref(kind, x64, 5, default_eps(kind)), **tol(torch.float64))
 
 
+@needs_triton
 def test_custom_ops_opcheck():
     x = torch.randn(3, 4, 10).transpose(0, 1)
     for is_rms in (False, True):
@@ -339,6 +348,7 @@ def test_compile_cpu_matches_eager():
         torch.testing.assert_close(b, a, **tol(torch.float32, "bwd"))
 
 
+@needs_triton
 def test_compile_triton_path_uses_custom_ops(monkeypatch):
     """Under compile the Triton path is two opaque custom ops (no graph break, no tracing into launchers)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs

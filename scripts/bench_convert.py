@@ -1,0 +1,69 @@
+"""How long convert() takes on a LLaMA-shaped model on CPU (issue 3: a 1B model well under a minute).
+
+    python scripts/bench_convert.py                 # ~1.1B params (TinyLlama shape), fp32
+    python scripts/bench_convert.py --dtype bf16
+    python scripts/bench_convert.py --small         # smoke run
+
+Prints the phases (trace+plan, rewrite+verify) and the report summary. Weights are random (no network).
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+
+def build(hidden: int, inter: int, layers: int, vocab: int, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                               num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                               vocab_size=vocab, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():  # cheap random init: normal weights, norms with non-trivial affine
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.02)
+    model.model.rotary_emb.__init__(config=cfg)  # its inv_freq buffer was left uninitialised by to_empty
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--small", action="store_true", help="tiny model, for a smoke run")
+    args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    shape = (256, 688, 2, 1000) if args.small else (2048, 5632, 22, 32000)
+    t0 = time.perf_counter()
+    model = build(*shape, dtype)
+    n = sum(p.numel() for p in model.parameters())
+    t_build = time.perf_counter() - t0
+
+    from lmbp_convert import convert, plan_conversion
+
+    t0 = time.perf_counter()
+    plan_conversion(model)
+    t_plan = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, report = convert(model, return_report=True)
+    t_convert = time.perf_counter() - t0
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    print(f"model: LLaMA-shaped hidden={shape[0]} intermediate={shape[1]} layers={shape[2]} vocab={shape[3]}, "
+          f"{n / 1e9:.2f} B params, {args.dtype} (built in {t_build:.1f} s)")
+    print(f"trace + plan alone: {t_plan:.2f} s")
+    print(f"convert() total (trace, plan, rewrite, verify): {t_convert:.2f} s")
+    print(f"verified: {report.verified}, relative error {report.relative_error:.2e}; "
+          f"{len(report.plan.norm_folds)} norms, {len(report.plan.gated_mlps)} gated MLPs, "
+          f"{len(report.plan.act_swaps)} activations")
+
+
+if __name__ == "__main__":
+    main()

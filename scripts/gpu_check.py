@@ -1,0 +1,656 @@
+#!/usr/bin/env python
+"""One prepared command for a CUDA machine: check every Triton kernel against the PyTorch path, then measure
+forward / backward bandwidth next to torch's own kernels.
+
+CI has no GPU (the kernels are only exercised there through Triton's interpreter), so this is where the
+compiled kernels meet real hardware. Two parts, run in this order:
+
+1. Correctness, fp32 / fp16 / bf16: each Triton launcher against the PyTorch path with the same contract
+   (approx_act every kind and 1-4 bits; both MS norms on short, non-power-of-2, max fused (16384) and long,
+   looped rows, strided inputs and autocast output dtypes; the gated MLP elementwise kernels incl. strided
+   halves and in-place dg), plus the public ops end to end (autograd, dispatch, saved bytes) on CUDA.
+2. Bandwidth: bytes moved / time, CUDA events, median of runs (L2 flushed and the GPU kept busy ahead of the
+   timed launch, so host launch latency is not timed), at 16M / 64M / 256M elements, next to torch's gelu /
+   silu / layer_norm / rms_norm, as a markdown table with % of the HBM peak (H200: 4.8 TB/s).
+
+Bytes moved: every tensor a kernel must read plus every tensor it writes, once (``io_bytes``); a kernel at
+the memory roofline reaches the peak. Exits 0 when every check passes, 1 on a failed check, 2 without CUDA.
+A time budget (``--budget-s``, default 420 s) skips what would overrun it; skipped work is listed.
+Writes ``$OUT/gpu_check.md`` when OUT is set (or ``--out FILE``). Usage::
+
+    python scripts/gpu_check.py                  # everything, defaults
+    python scripts/gpu_check.py --quick          # small sizes, fewer runs
+    python scripts/gpu_check.py --skip-bench --dtypes bf16
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (_ROOT, os.path.join(_ROOT, "tests", "ops")):  # the package, and the shared tolerance table
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+HBM_PEAK_GBPS = 4800.0  # H200 HBM3e, TB/s * 1000
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
+#: Where checks and benches allocate; tests set "cpu" to run the same code through Triton's interpreter.
+DEVICE = "cuda"
+#: MS norm checks, (rows, n, forced chunk): tiny, non-power-of-2, typical, > 4096 non-pow2, the max fused
+#: row (16384), looped rows just past it / long / odd, and the looped kernel forced on a short row.
+NORM_CASES = [(37, 33, None), (16, 768, None), (8, 4096, None), (6, 5120, None), (4, 16384, None),
+              (3, 16385, None), (3, 20000, None), (2, 65536 + 7, None), (5, 300, 64)]
+#: Row lengths of the end-to-end norm op check (fused and looped kernel).
+NORM_PUBLIC_ROWS = (4096, 20000)
+#: Gated MLP elementwise checks, (rows, f, g and u as strided halves of one gate_up tensor).
+GATED_CASES = [(37, 333, False), (8, 4096, False), (11, 2000, True)]
+NO_CUDA_MESSAGE = ("gpu_check: no CUDA device available (torch.cuda.is_available() is False). This script "
+                   "checks and times the Triton kernels on a CUDA GPU; run it on the GPU machine.")
+
+
+# ------------------------------------------------------------------------------------------ accounting
+def io_bytes(reads: Iterable[Optional[torch.Tensor]], writes: Iterable[Optional[torch.Tensor]]) -> int:
+    """Bytes a kernel must move: each tensor read once plus each tensor written once (views by their size)."""
+    return sum(t.numel() * t.element_size() for t in list(reads) + list(writes) if t is not None)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+
+
+def pct_peak(gb_per_s: float, peak: float = HBM_PEAK_GBPS) -> float:
+    return 100.0 * gb_per_s / peak
+
+
+def _parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def size_label(n: int) -> str:
+    for unit, m in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+# ----------------------------------------------------------------------------------------------- report
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class CheckResult:
+    name: str
+    dtype: str
+    shape: str
+    max_err: float = float("nan")
+    ok: bool = False
+    detail: str = ""
+
+
+@dataclass
+class BenchResult:
+    op: str
+    ref: str
+    dtype: str
+    numel: int
+    fwd_s: float
+    bwd_s: float
+    fwd_bytes: int
+    bwd_bytes: int
+    ref_fwd_s: float
+    ref_bwd_s: float
+    ref_fwd_bytes: int
+    ref_bwd_bytes: int
+
+
+def _g(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.0f}"
+
+
+def bench_table(results: Sequence[BenchResult], peak: float = HBM_PEAK_GBPS) -> str:
+    header = ("op (Triton)", "torch op", "dtype", "elements", "fwd GB/s op / torch", "fwd % peak op / torch",
+              "bwd GB/s op / torch", "bwd % peak op / torch", "fwd µs op / torch", "bwd µs op / torch")
+    rows = []
+    for r in results:
+        f, rf = gbps(r.fwd_bytes, r.fwd_s), gbps(r.ref_fwd_bytes, r.ref_fwd_s)
+        b, rb = gbps(r.bwd_bytes, r.bwd_s), gbps(r.ref_bwd_bytes, r.ref_bwd_s)
+        rows.append((r.op, r.ref, r.dtype, size_label(r.numel), f"{_g(f)} / {_g(rf)}",
+                     f"{pct_peak(f, peak):.0f}% / {pct_peak(rf, peak):.0f}%", f"{_g(b)} / {_g(rb)}",
+                     f"{pct_peak(b, peak):.0f}% / {pct_peak(rb, peak):.0f}%",
+                     f"{r.fwd_s * 1e6:.1f} / {r.ref_fwd_s * 1e6:.1f}", f"{r.bwd_s * 1e6:.1f} / {r.ref_bwd_s * 1e6:.1f}"))
+    return markdown_table(header, rows)
+
+
+def check_table(results: Sequence[CheckResult]) -> str:
+    rows = [(r.name, r.dtype, r.shape, f"{r.max_err:.3g}", "ok" if r.ok else f"**FAIL** {r.detail}")
+            for r in results]
+    return markdown_table(("check", "dtype", "shape", "max abs err", "result"), rows)
+
+
+# ---------------------------------------------------------------------------------------------- args
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtypes", default="fp32,fp16,bf16", help="correctness dtypes")
+    p.add_argument("--bench-dtypes", default="bf16,fp32", help="bandwidth dtypes")
+    p.add_argument("--sizes", default="16M,64M,256M", help="bandwidth sizes in elements (K/M/G suffix)")
+    p.add_argument("--row", type=int, default=4096, help="norm row length (and gated MLP width) in the bench")
+    p.add_argument("--runs", type=int, default=20, help="timed runs per measurement (median)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--bits", default="1,2,3,4", help="approx_act bits to check")
+    p.add_argument("--bench-bits", type=int, default=2, help="approx_act bits in the bench")
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--quick", action="store_true", help="bench 1M/4M only, 5 runs")
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining work past this many seconds")
+    p.add_argument("--peak-gbps", type=float, default=HBM_PEAK_GBPS, help="HBM peak for the %% column")
+    p.add_argument("--out", default=None, help="markdown file (default $OUT/gpu_check.md when OUT is set)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sizes, a.runs, a.warmup = "1M,4M", 5, 1
+
+    def dtype_list(s: str, flag: str) -> list:
+        names = [d.strip() for d in s.split(",") if d.strip()]
+        bad = [d for d in names if d not in DTYPES]
+        if bad:
+            p.error(f"{flag}: unknown {bad}; choose from {list(DTYPES)}")
+        return [DTYPES[d] for d in names]
+
+    a.dtype_list = dtype_list(a.dtypes, "--dtypes")
+    a.bench_dtype_list = dtype_list(a.bench_dtypes, "--bench-dtypes")
+    try:
+        a.size_list = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
+        a.bits_list = [int(b) for b in a.bits.split(",") if b.strip()]
+    except ValueError:
+        p.error("--sizes / --bits: cannot parse")
+    if a.row <= 0 or any(s <= 0 or s % a.row for s in a.size_list):
+        p.error(f"--sizes must be positive multiples of --row ({a.row})")
+    if any(b < 1 or b > 8 for b in a.bits_list) or not 1 <= a.bench_bits <= 8:
+        p.error("bits must be in 1..8")
+    if a.runs < 1 or a.warmup < 0:
+        p.error("--runs must be >= 1, --warmup >= 0")
+    if a.out is None and os.environ.get("OUT"):
+        a.out = os.path.join(os.environ["OUT"], "gpu_check.md")
+    return a
+
+
+def environment_problem() -> Optional[str]:
+    """Why the checks cannot run here (None when they can). Must not import the ops: kernels are defined
+    at import, after TRITON_INTERPRET is read."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return ("gpu_check: TRITON_INTERPRET=1 is set, so Triton would run its CPU interpreter instead of "
+                "compiling for the GPU; unset it and run again.")
+    if not torch.cuda.is_available():
+        return NO_CUDA_MESSAGE
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - environment
+        return f"gpu_check: triton cannot be imported ({e}); the kernels need it."
+    return None
+
+
+# ------------------------------------------------------------------------------------------ checking
+class Checker:
+    """Runs comparisons; a failure or an exception is recorded and the run continues with the next one."""
+
+    def __init__(self, deadline: float):
+        self.results: list = []
+        self.deadline = deadline
+        self.skipped: list = []
+
+    def out_of_time(self, what: str) -> bool:
+        if time.perf_counter() > self.deadline:
+            self.skipped.append(what)
+            return True
+        return False
+
+    def compare(self, name: str, dtype: torch.dtype, shape, pairs: Callable[[], Sequence[tuple]],
+                which: str = "fwd", tol_override: Optional[dict] = None) -> bool:
+        """``pairs()`` returns [(label, actual, expected)]; all must match within the dtype's tolerance."""
+        from tolerances import tol
+
+        res = CheckResult(name, DTYPE_NAMES.get(dtype, str(dtype)), "x".join(map(str, shape)))
+        worst = float("nan")
+        try:
+            worst = 0.0
+            for label, act, exp in pairs():
+                if act.shape != exp.shape or act.dtype != exp.dtype:
+                    raise AssertionError(f"{label}: {tuple(act.shape)} {act.dtype} vs {tuple(exp.shape)} "
+                                         f"{exp.dtype}")
+                t = tol_override or tol(exp.dtype if exp.dtype in DTYPE_NAMES else torch.float32, which)
+                if act.numel():
+                    worst = max(worst, (act.double() - exp.double()).abs().max().item())
+                try:
+                    torch.testing.assert_close(act, exp, **t)
+                except AssertionError as e:
+                    raise AssertionError(f"{label}: " + " ".join(str(e).split("\n")[:3])) from None
+            res.max_err, res.ok = worst, True
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to compile is a finding, not a crash
+            res.max_err = worst
+            res.detail = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            if not isinstance(e, AssertionError):
+                res.detail = f"{type(e).__name__}: {res.detail}"
+                traceback.print_exc(limit=3)
+        self.results.append(res)
+        return res.ok
+
+
+def _randn(shape, dtype, scale=1.0, shift=0.0):
+    return (torch.randn(*shape, device=DEVICE, dtype=torch.float32) * scale + shift).to(dtype)
+
+
+def check_norms(ck: Checker, dtypes: Sequence[torch.dtype]) -> None:
+    import torch.nn.functional as F
+
+    from lmbp_convert.memory import SavedTensorLedger
+    from lmbp_convert.ops import ms_norm as M
+
+    for is_rms in (False, True):
+        kind = "rms" if is_rms else "layer"
+        eps = 1e-6 if is_rms else 1e-5
+        for dtype in dtypes:
+            for rows, n, chunk in NORM_CASES:
+                if ck.out_of_time(f"ms_norm {kind} {DTYPE_NAMES[dtype]} {rows}x{n}"):
+                    return
+                x = _randn((rows, n), dtype, 2.0, 0.5)
+                g = _randn((rows, n), dtype)
+                tag = f"ms_{kind}_norm triton{' chunk=' + str(chunk) if chunk else ''}"
+
+                def fwd(x=x, n=n, chunk=chunk):
+                    y, r = M._fwd_triton(x, n, eps, is_rms, x.dtype, chunk=chunk)
+                    y_ref, r_ref = M._fwd_torch(x, n, eps, is_rms, x.dtype)
+                    return [("y", y, y_ref), ("rstd", r, r_ref)]
+
+                ck.compare(f"{tag} fwd vs torch path", dtype, (rows, n), fwd)
+
+                def bwd(x=x, g=g, n=n, chunk=chunk):
+                    y, r = M._fwd_torch(x, n, eps, is_rms, x.dtype)
+                    dx = M._bwd_triton(g, y, r, is_rms, x.dtype, chunk=chunk)
+                    return [("dx", dx, M._bwd_torch(g, y, r, is_rms, x.dtype))]
+
+                ck.compare(f"{tag} bwd vs torch path", dtype, (rows, n), bwd, "bwd")
+
+        # Strided rows (a slice of a wider tensor) and fp32 in / low-precision out (the autocast case).
+        for dtype in dtypes:
+            if ck.out_of_time(f"ms_norm {kind} strided/mixed {DTYPE_NAMES[dtype]}"):
+                return
+            wide = _randn((9, 1100), dtype, 2.0)
+            xs = wide[:, 13:13 + 1000]
+            gs = _randn((9, 1100), dtype)[:, 50:1050]
+
+            def strided(xs=xs, gs=gs):
+                y, r = M._fwd_triton(xs, 1000, eps, is_rms, xs.dtype)
+                y_ref, r_ref = M._fwd_torch(xs, 1000, eps, is_rms, xs.dtype)
+                dx = M._bwd_triton(gs, y_ref, r_ref, is_rms, xs.dtype)
+                return [("y", y, y_ref), ("rstd", r, r_ref),
+                        ("dx", dx, M._bwd_torch(gs, y_ref, r_ref, is_rms, xs.dtype))]
+
+            ck.compare(f"ms_{kind}_norm triton strided rows", dtype, (9, 1000), strided, "bwd")
+            if dtype != torch.float32:
+                x32 = _randn((7, 2048), torch.float32, 2.0)
+                g_lo = _randn((7, 2048), dtype)
+
+                def mixed(x32=x32, g_lo=g_lo, dtype=dtype):
+                    y, r = M._fwd_triton(x32, 2048, eps, is_rms, dtype)
+                    y_ref, r_ref = M._fwd_torch(x32, 2048, eps, is_rms, dtype)
+                    dx = M._bwd_triton(g_lo, y_ref, r_ref, is_rms, torch.float32)
+                    return [("y", y, y_ref), ("rstd", r, r_ref),
+                            ("dx", dx, M._bwd_torch(g_lo, y_ref, r_ref, is_rms, torch.float32))]
+
+                ck.compare(f"ms_{kind}_norm triton fp32 in, low out", dtype, (7, 2048), mixed, "bwd")
+
+        # Public op end to end (dispatch to Triton on CUDA, autograd): against torch's own norm (fp32).
+        fn = M.ms_rms_norm if is_rms else M.ms_layer_norm
+        for n in NORM_PUBLIC_ROWS:
+            if ck.out_of_time(f"ms_{kind}_norm public op n={n}"):
+                return
+
+            def public(n=n, fn=fn):
+                x = _randn((6, n), torch.float32, 2.0, 0.3).requires_grad_(True)
+                g = _randn((6, n), torch.float32)
+                if x.is_cuda and not M.use_triton(x):
+                    raise AssertionError("the op did not dispatch to its Triton kernels")
+                y = fn(x, n, eps)
+                (dx,) = torch.autograd.grad(y, x, g)
+                xr = x.detach().requires_grad_(True)
+                yr = F.rms_norm(xr, (n,), eps=eps) if is_rms else F.layer_norm(xr, (n,), eps=eps)
+                (dxr,) = torch.autograd.grad(yr, xr, g)
+                return [("y", y, yr), ("dx", dx, dxr)]
+
+            ck.compare(f"ms_{kind}_norm op end to end vs F.{kind}_norm", torch.float32, (6, n), public, "bwd")
+
+        # Memory sharing on CUDA under autocast: norm → Linear keeps one activation storage (+ rstd).
+        if ck.out_of_time(f"ms_{kind}_norm autocast sharing"):
+            return
+
+        def sharing(fn=fn):
+            lin = torch.nn.Linear(1024, 256, device=DEVICE)
+            x = _randn((64, 1024), torch.float32).requires_grad_(True)
+            with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+                with SavedTensorLedger(lin) as alone:
+                    y = fn(x, 1024, eps)
+                with SavedTensorLedger(lin) as pair:
+                    out = lin(fn(x, 1024, eps))
+            expect = y.numel() * y.element_size() + 64 * 4  # y (bf16) + rstd (fp32)
+            got = torch.tensor([float(alone.bytes), float(pair.bytes), float(y.dtype == torch.bfloat16)])
+            del out
+            return [("saved bytes alone / with Linear / bf16 out", got,
+                     torch.tensor([float(expect), float(expect), 1.0]))]
+
+        ck.compare(f"ms_{kind}_norm autocast bf16: saved bytes shared with Linear", torch.bfloat16, (64, 1024),
+                   sharing, tol_override={"atol": 0, "rtol": 0})
+
+
+def check_gated(ck: Checker, dtypes: Sequence[torch.dtype]) -> None:
+    try:
+        from lmbp_convert.ops import gated_mlp as G
+    except ModuleNotFoundError:
+        ck.skipped.append("gated_mlp: lmbp_convert/ops/gated_mlp.py not present")
+        return
+    for act in G.ACT_KINDS:
+        for dtype in dtypes:
+            for rows, f, fused in GATED_CASES:
+                if ck.out_of_time(f"gated {act} {DTYPE_NAMES[dtype]} {rows}x{f}"):
+                    return
+                if fused:  # g, u: the two halves of one gate_up output (strided views)
+                    gu = _randn((rows, 2 * f), dtype, 2.0)
+                    g, u = gu[:, :f], gu[:, f:]
+                else:
+                    g, u = _randn((rows, f), dtype, 2.0), _randn((rows, f), dtype)
+                dh = _randn((rows, f), dtype)
+                tag = f"gated_mlp {act} triton{' strided halves' if fused else ''}"
+
+                def fwd(g=g, u=u):
+                    return [("h", G._fwd_triton(g, u, act, g.dtype), G._fwd_torch(g, u, act, g.dtype))]
+
+                ck.compare(f"{tag} fwd vs torch path", dtype, (rows, f), fwd)
+
+                def bwd(g=g, u=u, dh=dh):
+                    dg, du, h = G._bwd_triton(dh, g, u, act, g.dtype)
+                    dg_r, du_r, h_r = G._bwd_torch(dh, g, u, act, g.dtype)
+                    dh2 = dh.clone()
+                    dg2, du2, none = G._bwd_triton(dh2, g, u, act, None, dg_into_dh=True)
+                    if none is not None:
+                        raise AssertionError("h returned although h_dtype is None")
+                    return [("dg", dg, dg_r), ("du", du, du_r), ("h", h, h_r), ("dg in dh", dg2, dg_r),
+                            ("du (in-place call)", du2, du_r)]
+
+                ck.compare(f"{tag} bwd vs torch path", dtype, (rows, f), bwd, "bwd")
+
+    # Public op end to end (fp32): fused gated MLP vs the eager module maths, values and all grads.
+    import torch.nn.functional as F
+
+    acts = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+    for act in G.ACT_KINDS:
+        if ck.out_of_time(f"gated_mlp op {act}"):
+            return
+
+        def public(act=act):
+            torch.backends.cuda.matmul.allow_tf32 = False
+            g = _randn((64, 512), torch.float32, 2.0).requires_grad_(True)
+            u = _randn((64, 512), torch.float32).requires_grad_(True)
+            w = (_randn((128, 512), torch.float32) * 512 ** -0.5).requires_grad_(True)
+            b = _randn((128,), torch.float32).requires_grad_(True)
+            dy = _randn((64, 128), torch.float32)
+            out = G.gated_mlp(g, u, w, b, act)
+            grads = torch.autograd.grad(out, (g, u, w, b), dy)
+            ref = F.linear(acts[act](g) * u, w, b)
+            grads_r = torch.autograd.grad(ref, (g, u, w, b), dy)
+            return [("out", out, ref)] + [(n, a, e) for n, a, e in zip(("dg", "du", "dW", "db"), grads, grads_r)]
+
+        ck.compare(f"gated_mlp {act} op end to end vs eager", torch.float32, (64, 512), public, "bwd",
+                   tol_override={"atol": 1e-4, "rtol": 1e-4})
+
+
+# -------------------------------------------------------------------------------------------- timing
+def time_cuda(fn: Callable[[], object], runs: int, warmup: int, flush: Optional[torch.Tensor]) -> float:
+    """Median GPU seconds of ``fn()``: L2 flushed, the stream kept busy (``_sleep``) so the timed launch is
+    queued before it starts and host-side launch latency is not measured."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        if flush is not None:
+            flush.zero_()
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU clock cycles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+@dataclass
+class Kernel:
+    """One side of a bandwidth comparison: fwd and bwd closures and the bytes each must move."""
+
+    fwd: Callable[[], object]
+    bwd: Callable[[], object]
+    fwd_bytes: int
+    bwd_bytes: int
+    keep: list = field(default_factory=list)  # tensors kept alive for the closures
+
+
+def norm_kernels(numel: int, row: int, dtype: torch.dtype, is_rms: bool) -> tuple:
+    import torch.nn.functional as F
+
+    from lmbp_convert.ops import ms_norm as M
+
+    eps = 1e-6 if is_rms else 1e-5
+    rows = numel // row
+    x = _randn((rows, row), dtype, 2.0)
+    g = _randn((rows, row), dtype)
+    y, r = M._fwd_triton(x, row, eps, is_rms, dtype)
+    dx = M._bwd_triton(g, y, r, is_rms, dtype)
+    op = Kernel(lambda: M._fwd_triton(x, row, eps, is_rms, dtype), lambda: M._bwd_triton(g, y, r, is_rms, dtype),
+                io_bytes([x], [y, r]), io_bytes([g, y, r], [dx]))
+    del dx
+    # torch's kernels with a frozen affine (the op replaced; no weight gradient), called at the aten level.
+    w = torch.randn(row, device=DEVICE).to(dtype)
+    if is_rms:
+        try:  # the fused CUDA kernels F.rms_norm dispatches to
+            yr, rr = torch.ops.aten._fused_rms_norm(x, [row], w, eps)
+            dxr = torch.ops.aten._fused_rms_norm_backward(g, x, [row], rr, w, [True, False])[0]
+            ref = Kernel(lambda: torch.ops.aten._fused_rms_norm(x, [row], w, eps),
+                         lambda: torch.ops.aten._fused_rms_norm_backward(g, x, [row], rr, w, [True, False]),
+                         io_bytes([x, w], [yr, rr]), io_bytes([g, x, rr, w], [dxr]), [yr])
+        except (NotImplementedError, RuntimeError, AttributeError):  # no fused kernel: F.rms_norm + autograd
+            xl = x.detach().requires_grad_(True)
+            yr = F.rms_norm(xl, (row,), w, eps)
+            rstd_bytes = rows * 4  # what a fused kernel would save and re-read
+            ref = Kernel(lambda: F.rms_norm(x, (row,), w, eps),
+                         lambda: torch.autograd.grad(yr, xl, g, retain_graph=True),
+                         io_bytes([x, w], [yr]) + rstd_bytes, io_bytes([g, x, w], [x]) + rstd_bytes, [yr])
+            return op, ref
+    else:
+        b = torch.randn(row, device=DEVICE).to(dtype)
+        yr, mean, rr = torch.ops.aten.native_layer_norm(x, [row], w, b, eps)
+        dxr = torch.ops.aten.native_layer_norm_backward(g, x, [row], mean, rr, w, b, [True, False, False])[0]
+        ref = Kernel(lambda: torch.ops.aten.native_layer_norm(x, [row], w, b, eps),
+                     lambda: torch.ops.aten.native_layer_norm_backward(g, x, [row], mean, rr, w, b,
+                                                                        [True, False, False]),
+                     io_bytes([x, w, b], [yr, mean, rr]), io_bytes([g, x, mean, rr, w], [dxr]), [yr])
+    del dxr
+    return op, ref
+
+
+def gated_kernels(numel: int, row: int, dtype: torch.dtype, act: str = "silu") -> tuple:
+    import torch.nn.functional as F
+
+    from lmbp_convert.ops import gated_mlp as G
+
+    rows = numel // row
+    g, u, dh = _randn((rows, row), dtype, 2.0), _randn((rows, row), dtype), _randn((rows, row), dtype)
+    h = G._fwd_triton(g, u, act, dtype)
+    dg, du, _ = G._bwd_triton(dh, g, u, act, None)
+    op = Kernel(lambda: G._fwd_triton(g, u, act, dtype), lambda: G._bwd_triton(dh, g, u, act, None),
+                io_bytes([g, u], [h]), io_bytes([dh, g, u], [dg, du]))
+    del h, dg, du
+    # Eager act(g)*u: forward and autograd backward, several kernels; same ideal bytes.
+    fa = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    gl, ul = g.detach().requires_grad_(True), u.detach().requires_grad_(True)
+    ho = fa(gl) * ul
+    ref = Kernel(lambda: fa(g) * u, lambda: torch.autograd.grad(ho, (gl, ul), dh, retain_graph=True),
+                 op.fwd_bytes, op.bwd_bytes, [ho])
+    return op, ref
+
+
+def run_bench(args: argparse.Namespace, deadline: float, skipped: list, specs: Sequence[tuple]) -> list:
+    """``specs``: (op name, torch name, builder(numel, dtype) -> (op Kernel, ref Kernel))."""
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")  # > H200's 60 MB L2
+    results = []
+    for dtype in args.bench_dtype_list:
+        for numel in args.size_list:
+            for name, ref_name, build in specs:
+                what = f"bench {name} {DTYPE_NAMES[dtype]} {size_label(numel)}"
+                if time.perf_counter() > deadline:
+                    skipped.append(what)
+                    continue
+                try:
+                    op, ref = build(numel, dtype)
+                    t = [time_cuda(k, args.runs, args.warmup, flush) for k in (op.fwd, op.bwd, ref.fwd, ref.bwd)]
+                    results.append(BenchResult(name, ref_name, DTYPE_NAMES[dtype], numel, t[0], t[1],
+                                               op.fwd_bytes, op.bwd_bytes, t[2], t[3], ref.fwd_bytes,
+                                               ref.bwd_bytes))
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory at 256M; keep going
+                    traceback.print_exc(limit=3)
+                    skipped.append(f"{what}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                finally:
+                    op = ref = None  # noqa: F841
+                    torch.cuda.empty_cache()
+                print(f"  {what} done ({time.perf_counter() - START:.0f} s)", flush=True)
+    return results
+
+
+def bench_specs(args: argparse.Namespace) -> list:
+    specs = []
+    act_mod = _approx_act_module()
+    if act_mod is not None:
+        for kind in ACT_KINDS:
+            specs.append((f"approx_act {kind} {args.bench_bits}-bit", _TORCH_ACT_NAME[kind],
+                          lambda n, d, k=kind: act_kernels(n, args.row, d, k, args.bench_bits)))
+    specs.append(("ms_layer_norm", "layer_norm +affine", lambda n, d: norm_kernels(n, args.row, d, False)))
+    specs.append(("ms_rms_norm", "rms_norm +weight", lambda n, d: norm_kernels(n, args.row, d, True)))
+    try:
+        import lmbp_convert.ops.gated_mlp  # noqa: F401
+
+        specs.append(("gated_mlp silu (elementwise)", "silu(g)*u eager",
+                      lambda n, d: gated_kernels(n, args.row, d, "silu")))
+    except ModuleNotFoundError:
+        pass
+    return specs
+
+
+# ------------------------------------------------------------------------------------- approx_act parts
+_TORCH_ACT_NAME = {"gelu": "gelu", "gelu_tanh": "gelu(tanh)", "silu": "silu", "quick_gelu": "x*sigmoid(1.702x)"}
+
+
+def _approx_act_module():
+    try:
+        from lmbp_convert.ops import approx_act
+    except ModuleNotFoundError:
+        return None
+    return approx_act
+
+
+def check_approx_act(ck: Checker, dtypes: Sequence[torch.dtype], bits_list: Sequence[int]) -> None:
+    ck.skipped.append("approx_act: checks not wired yet")
+
+
+def act_kernels(numel: int, row: int, dtype: torch.dtype, kind: str, bits: int) -> tuple:
+    raise NotImplementedError("approx_act bench not wired yet")
+
+
+# ----------------------------------------------------------------------------------------------- main
+START = time.perf_counter()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    global START
+    START = time.perf_counter()
+    args = parse_args(argv)
+    problem = environment_problem()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    from lmbp_convert.ops._common import HAS_TRITON
+
+    if not HAS_TRITON:
+        print("gpu_check: lmbp_convert sees no Triton (HAS_TRITON is False)", file=sys.stderr)
+        return 2
+    import triton
+
+    deadline = START + args.budget_s
+    torch.manual_seed(0)
+    dev = torch.cuda.get_device_properties(0)
+    head = [
+        "# lmbp gpu_check: Triton kernels vs the PyTorch path, and bandwidth",
+        "",
+        f"- device: {dev.name}, {dev.total_memory / 2 ** 30:.0f} GiB, {dev.multi_processor_count} SMs; "
+        f"torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}",
+        f"- HBM peak used for %: {args.peak_gbps:.0f} GB/s",
+    ]
+    print("\n".join(head), flush=True)
+
+    ck = Checker(deadline)
+    if not args.skip_check:
+        for section, run in (("approx_act", lambda: check_approx_act(ck, args.dtype_list, args.bits_list)),
+                             ("ms_norm", lambda: check_norms(ck, args.dtype_list)),
+                             ("gated_mlp", lambda: check_gated(ck, args.dtype_list))):
+            t0 = time.perf_counter()
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001 - an import error in one op must not hide the others
+                traceback.print_exc(limit=5)
+                ck.results.append(CheckResult(f"{section} section", "-", "-", detail=f"{type(e).__name__}: {e}"))
+            n_fail = sum(not r.ok for r in ck.results)
+            print(f"  checks {section}: {time.perf_counter() - t0:.0f} s; {len(ck.results)} so far, "
+                  f"{n_fail} failed", flush=True)
+
+    bench = []
+    if not args.skip_bench:
+        bench = run_bench(args, deadline, ck.skipped, bench_specs(args))
+
+    failed = [r for r in ck.results if not r.ok]
+    body = []
+    if ck.results:
+        body += ["", f"## Correctness: {len(ck.results) - len(failed)}/{len(ck.results)} checks pass "
+                 f"(tolerances: tests/ops/tolerances.py)", "", check_table(ck.results)]
+    if bench:
+        body += ["", f"## Bandwidth (bytes moved / time; CUDA events, median of {args.runs}; norms row "
+                 f"{args.row}; torch norms with a frozen affine)", "", bench_table(bench, args.peak_gbps)]
+    if ck.skipped:
+        body += ["", "## Skipped", ""] + [f"- {s}" for s in ck.skipped]
+    tail = ["", f"Total {time.perf_counter() - START:.0f} s. "
+            + ("ALL CHECKS PASS" if not failed else f"{len(failed)} CHECKS FAILED:")]
+    tail += [f"- {r.name} [{r.dtype} {r.shape}]: {r.detail}" for r in failed]
+    text = "\n".join(head + body + tail) + "\n"
+    print("\n".join(body + tail), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as fh:
+            fh.write(text)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

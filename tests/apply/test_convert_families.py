@@ -1,0 +1,130 @@
+"""convert() on tiny random-init models of every family the issue names: exact outputs, real byte savings,
+training works, gradients as the paper says (MS-BP exact, approx-BP close)."""
+import copy
+
+import pytest
+import torch
+
+from lmbp_convert import SavedTensorLedger, convert
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from tiny_models import FAMILIES
+
+
+def _outputs(model, probe):
+    with torch.no_grad():
+        out = call_model(model, probe)
+    return out.logits if hasattr(out, "logits") else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_converts_with_exact_outputs(family):
+    model = FAMILIES[family]().eval()
+    ref_model = copy.deepcopy(model)
+    probe, _, _ = make_probe(model, batch=3, seq=11)
+    _, report = convert(model, return_report=True)
+    assert report.verified, str(report)
+    assert report.plan.norm_folds, str(report)
+    assert report.plan.act_swaps or report.plan.gated_mlps, str(report)
+    err = _rel(_outputs(model, probe), _outputs(ref_model, probe))
+    assert err <= 1e-5, (family, err)
+    # a training step runs
+    model.train()
+    out = call_model(model, probe)
+    logits = out.logits if hasattr(out, "logits") else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out)
+    logits.float().pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads if g is not None)
+    assert sum(g is not None for g in grads) > len(grads) // 2
+
+
+def _saved(model, probe, autocast):
+    model.train()
+    with SavedTensorLedger(model) as led:
+        if autocast:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                call_model(model, probe)
+        else:
+            call_model(model, probe)
+    return led.bytes
+
+
+# (family, minimum relative reduction of saved-for-backward bytes) — issue 3's targets
+TARGETS = [("llama", 0.30), ("timm_vit", 0.30), ("vit", 0.30), ("bert", 0.20)]
+
+
+@pytest.mark.parametrize("family,target", TARGETS)
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+def test_saved_bytes_reduction(family, target, mode):
+    model = FAMILIES[family]()
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    probe, _, _ = make_probe(model, batch=2, seq=32)
+    torch.manual_seed(0)
+    before = _saved(model, probe, mode == "autocast")
+    convert(model)
+    torch.manual_seed(0)
+    after = _saved(model, probe, mode == "autocast")
+    reduction = 1 - after / before
+    print(f"{family} {mode}: {before} -> {after} bytes ({reduction:.1%})")
+    assert reduction >= target, (family, mode, before, after)
+
+
+def _named_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2", "bert", "timm_vit", "timm_swin"])
+def test_norm_only_gradients_equal_original(family):
+    """MS-BP is exact: with only norms converted, gradients match the original's (original parameterisation)."""
+    model = FAMILIES[family]().eval()  # eval: dropout off, so both runs see the same function
+    ref = copy.deepcopy(model)
+    probe, _, _ = make_probe(model)
+    _, report = convert(model, activations=False, gated_mlp=False, return_report=True)
+    for m in (model, ref):
+        out = _outputs_grad(m, probe)
+        out.double().pow(2).mean().backward()
+    g_new, g_ref = _named_grads(model), _named_grads(ref)
+    folded = {t.name: f for f in report.plan.norm_folds for t in f.targets}
+    ref_params = dict(ref.named_parameters())
+    checked = 0
+    for name, g in g_ref.items():
+        mod_name, _, leaf = name.rpartition(".")
+        if mod_name in folded and leaf == "weight":
+            f = folded[mod_name]
+            norm_w = ref_params[f.name + ".weight"].detach()
+            gamma = norm_w + 1 if f.param == "1+w" else norm_w
+            t = next(t for t in f.targets if t.name == mod_name)
+            got = g_new[name] * (gamma if t.layout == "out_in" else gamma[:, None])  # dL/dW = dL/dW' · diag(γ)
+        elif name in g_new:
+            got = g_new[name]
+        else:
+            continue  # the norm's own γ, β: folded away
+        assert torch.allclose(got, g, rtol=1e-4, atol=1e-6 * g.abs().max().item()), name
+        checked += 1
+    assert checked >= len(g_ref) // 2
+
+
+def _outputs_grad(model, probe):
+    out = call_model(model, probe)
+    return out.logits if hasattr(out, "logits") else (out.last_hidden_state if hasattr(out, "last_hidden_state") else out)
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "timm_vit"])
+def test_approx_activation_gradient_cosine(family, capsys):
+    """Approx-BP changes gradients slightly; the embedding/patch-embedding gradient stays well aligned."""
+    model = FAMILIES[family]().eval()
+    ref = copy.deepcopy(model)
+    probe, _, _ = make_probe(model)
+    convert(model)
+    for m in (model, ref):
+        _outputs_grad(m, probe).double().pow(2).mean().backward()
+    g_new, g_ref = _named_grads(model), _named_grads(ref)
+    emb = next(n for n in g_ref if "embed" in n and n.endswith("weight"))
+    cos = torch.nn.functional.cosine_similarity(g_new[emb].flatten().double(), g_ref[emb].flatten().double(), dim=0)
+    print(f"{family}: cosine(embedding grads) = {cos:.5f}")
+    assert cos > 0.95

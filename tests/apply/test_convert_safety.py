@@ -1,0 +1,199 @@
+"""convert() is all-or-nothing, idempotent, keeps the model's state, and explains itself."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lmbp_convert.apply.rewrite as rewrite_mod
+from lmbp_convert import ConvertOptions, NothingToConvertError, ProbeError, TraceError, convert, last_report
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from tiny_models import FAMILIES, hf
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+
+
+def _same(model, state):
+    sd, types = state
+    now = model.state_dict()
+    return [type(m) for m in model.modules()] == types and sd.keys() == now.keys() and all(
+        torch.equal(sd[k], now[k]) for k in sd)
+
+
+def test_failing_probe_leaves_model_untouched():
+    model = FAMILIES["llama"]()
+    state = _state(model)
+    with pytest.raises(TraceError, match="probe="):
+        convert(model, probe={"not_an_argument": torch.zeros(1)})
+    assert _same(model, state)
+
+
+def test_model_without_probe_gets_a_clear_error():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
+    with pytest.raises(ProbeError, match="pass probe="):
+        convert(model)
+    _, report = convert(model, probe=torch.randn(2, 8), return_report=True)
+    assert [f.name for f in report.plan.norm_folds] == ["1"] and report.plan.norm_folds[0].targets[0].name == "2"
+    assert [a.name for a in report.plan.act_swaps] == ["3"]
+
+
+def test_nothing_to_convert_is_an_error_that_names_the_candidates():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.LayerNorm(8))  # norm feeds nothing
+    with pytest.raises(NothingToConvertError, match="no Linear consumer"):
+        convert(model, probe=torch.randn(2, 8))
+
+
+def test_bad_options_fail_before_anything():
+    model = FAMILIES["llama"]()
+    state = _state(model)
+    with pytest.raises(ValueError, match="bits"):
+        convert(model, bits=7)
+    with pytest.raises(ValueError, match="regular expression"):
+        convert(model, exclude=["(unclosed"])
+    with pytest.raises(ValueError, match="nothing to convert"):
+        ConvertOptions(activations=False, norms=False, gated_mlp=False)
+    assert _same(model, state)
+
+
+def test_rewrite_that_changes_outputs_is_rolled_back(monkeypatch):
+    model = FAMILIES["llama"]().eval()
+    ref = copy.deepcopy(model)
+    real = rewrite_mod.fold_affine
+    calls = []
+
+    def corrupt(weight, bias, gamma, beta, layout="out_in"):  # a wrong fold for one norm's Linears
+        w, b = real(weight, bias, gamma, beta, layout)
+        calls.append(1)
+        return (w * 1.5 if len(calls) <= 2 else w), b
+
+    monkeypatch.setattr(rewrite_mod, "fold_affine", corrupt)
+    _, report = convert(model, return_report=True)
+    assert report.verified and report.rolled_back, str(report)
+    assert "model.layers.0.input_layernorm" in report.rolled_back[0][0]
+    assert any("rolled back" in s.reason for s in report.plan.skips)
+    probe, _, _ = make_probe(model)
+    with torch.no_grad():
+        a, b = call_model(model, probe).logits, call_model(ref, probe).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert type(model.model.layers[0].input_layernorm) is type(ref.model.layers[0].input_layernorm)
+
+
+def test_idempotent_and_reports_already_converted():
+    model = FAMILIES["gpt2"]()
+    convert(model)
+    state = _state(model)
+    _, report = convert(model, return_report=True)
+    assert report.plan.empty and report.plan.already_converted
+    assert "already converted" in str(report)
+    assert _same(model, state)
+    assert last_report(model) is report
+
+
+def test_keeps_mode_dtype_device_and_requires_grad():
+    model = FAMILIES["llama"]().to(torch.bfloat16)
+    model.train()
+    model.model.layers[0].eval()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    convert(model)
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    assert not model.model.layers[0].input_layernorm.training
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and p.device.type == "cpu"
+        assert p.requires_grad == flags.get(n, True), n
+    for b in model.buffers():
+        assert b.dtype in (torch.bfloat16, torch.int64, torch.float32)
+
+
+def test_state_dict_keys_are_kept():
+    model = FAMILIES["llama"]()
+    keys = set(model.state_dict())
+    convert(model)
+    assert set(model.state_dict()) == keys
+    norm = model.model.layers[0].input_layernorm
+    assert torch.all(norm.weight == 1)
+
+
+def test_include_exclude_by_name_and_regex():
+    model = FAMILIES["llama"]()
+    _, rep = convert(model, exclude=[r"model\.layers\.0\..*", "model.norm"], return_report=True)
+    names = rep.swapped
+    assert names and not any(n.startswith("model.layers.0.") or n == "model.norm" for n in names)
+    model = FAMILIES["llama"]()
+    _, rep = convert(model, include=["model.layers.1.input_layernorm"], return_report=True)
+    assert rep.swapped == ["model.layers.1.input_layernorm"]
+
+
+def test_activation_and_norm_switches():
+    model = FAMILIES["bert"]()
+    _, rep = convert(model, norms=False, return_report=True)
+    assert rep.plan.act_swaps and not rep.plan.norm_folds
+    model = FAMILIES["bert"]()
+    _, rep = convert(model, activations=False, return_report=True)
+    assert rep.plan.norm_folds and not rep.plan.act_swaps
+
+
+def test_tied_head_is_skipped_with_reason_unless_untied():
+    model = hf("llama", tie_word_embeddings=True)
+    _, rep = convert(model, return_report=True)
+    skip = {s.name: s.reason for s in rep.plan.skips}
+    assert "tied" in skip["model.norm"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model = hf("llama", tie_word_embeddings=True)
+    ref = copy.deepcopy(model).eval()
+    _, rep = convert(model, untie=True, return_report=True)
+    assert "model.norm" in [f.name for f in rep.plan.norm_folds] and rep.verified
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    probe, _, _ = make_probe(model)
+    with torch.no_grad():
+        assert torch.allclose(call_model(model.eval(), probe).logits, call_model(ref, probe).logits, atol=1e-5)
+
+
+def test_post_ln_reapplies_affine_on_residual_and_output():
+    model = hf("bert", head="base")
+    _, rep = convert(model, return_report=True)
+    sites = [r.describe() for f in rep.plan.norm_folds for r in f.reapply]
+    assert any("encoder.layer.0.output" in s for s in sites)
+    assert any("last_hidden_state" in s for s in sites)
+    assert rep.verified and rep.relative_error < 1e-5
+    skip = {s.name: s.reason for s in rep.plan.skips}
+    assert "dropout" in skip["embeddings.LayerNorm"]
+
+
+def test_deepcopy_of_converted_model_keeps_working():
+    model = hf("bert", head="base").eval()
+    convert(model)
+    twin = copy.deepcopy(model)
+    probe, _, _ = make_probe(model)
+    with torch.no_grad():
+        twin.encoder.layer[0].attention.output.LayerNorm.bias.add_(1.0)  # only the copy's hooks must see this
+        a = call_model(model, probe).last_hidden_state
+        b = call_model(twin, probe).last_hidden_state
+    assert not torch.allclose(a, b)
+
+
+def test_meta_model_is_planned_and_swapped_without_verification():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    _, rep = convert(model, return_report=True)
+    assert rep.verified is None and "meta" in rep.notes[0]
+    assert len(rep.plan.norm_folds) == 5
+
+
+def test_report_is_printable_and_serialisable():
+    import json
+
+    model = FAMILIES["timm_swin"]()
+    _, rep = convert(model, return_report=True)
+    text = str(rep)
+    assert "layers.0.blocks.0.norm1" in text and "skipped:" in text and "per image" in text
+    d = rep.to_dict()
+    json.dumps(d)
+    assert d["predicted_saved_bytes"] > 0 and d["plan"]["norm_folds"]
