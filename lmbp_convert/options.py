@@ -62,6 +62,10 @@ class ConvertOptions:
             return False
         return not hit(self._exclude_rx, self.exclude)
 
+    def excluded(self, name: str) -> bool:
+        """Explicitly excluded (used for fold targets: include lists the modules to convert, not the Linears)."""
+        return any(name == p for p in self.exclude or []) or any(rx.fullmatch(name) for rx in self._exclude_rx)
+
     def summary(self) -> dict:
         return {
             "activations": self.activations, "norms": self.norms, "gated_mlp": self.gated_mlp,

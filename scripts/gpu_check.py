@@ -14,8 +14,9 @@ compiled kernels meet real hardware. Two parts, run in this order:
    silu / layer_norm / rms_norm, as a markdown table with % of the HBM peak (H200: 4.8 TB/s).
 
 Bytes moved: every tensor a kernel must read plus every tensor it writes, once (``io_bytes``); a kernel at
-the memory roofline reaches the peak. Exits 0 when every check passes, 1 on a failed check, 2 without CUDA.
-A time budget (``--budget-s``, default 420 s) skips what would overrun it; skipped work is listed.
+the memory roofline reaches the peak. A time budget (``--budget-s``, default 420 s, of which the checks leave
+``--bench-reserve-s`` to the bench) skips what would overrun it; skipped work is listed. Exit status: 0 every
+check run passed, 1 a check failed, 2 no CUDA (or Triton's interpreter is on), 3 checks skipped for time.
 Writes ``$OUT/gpu_check.md`` when OUT is set (or ``--out FILE``). Usage::
 
     python scripts/gpu_check.py                  # everything, defaults
@@ -53,6 +54,9 @@ NORM_CASES = [(37, 33, None), (16, 768, None), (8, 4096, None), (6, 5120, None),
               (3, 16385, None), (3, 20000, None), (2, 65536 + 7, None), (5, 300, 64)]
 #: Row lengths of the end-to-end norm op check (fused and looped kernel).
 NORM_PUBLIC_ROWS = (4096, 20000)
+#: approx_act checks, (rows, cols, strided): several programs with a ragged tail (N not a multiple of the
+#: codes per byte nor of a program's 2048 elements), and a strided slice. Few shapes: each compiles anew.
+ACT_CHECK_SHAPES = [(37, 333, False), (19, 500, True)]
 #: Gated MLP elementwise checks, (rows, f, g and u as strided halves of one gate_up tensor).
 GATED_CASES = [(37, 333, False), (8, 4096, False), (11, 2000, True)]
 NO_CUDA_MESSAGE = ("gpu_check: no CUDA device available (torch.cuda.is_available() is False). This script "
@@ -159,6 +163,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--quick", action="store_true", help="bench 1M/4M only, 5 runs")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining work past this many seconds")
+    p.add_argument("--bench-reserve-s", type=float, default=120.0,
+                   help="seconds of the budget the checks leave to the bench")
     p.add_argument("--peak-gbps", type=float, default=HBM_PEAK_GBPS, help="HBM peak for the %% column")
     p.add_argument("--out", default=None, help="markdown file (default $OUT/gpu_check.md when OUT is set)")
     a = p.parse_args(argv)
@@ -213,27 +219,31 @@ class Checker:
         self.results: list = []
         self.deadline = deadline
         self.skipped: list = []
+        self.timed_out = False
 
     def out_of_time(self, what: str) -> bool:
         if time.perf_counter() > self.deadline:
-            self.skipped.append(what)
+            self.skipped.append(f"{what} and the rest of its section (time budget)")
+            self.timed_out = True
             return True
         return False
 
     def compare(self, name: str, dtype: torch.dtype, shape, pairs: Callable[[], Sequence[tuple]],
                 which: str = "fwd", tol_override: Optional[dict] = None) -> bool:
-        """``pairs()`` returns [(label, actual, expected)]; all must match within the dtype's tolerance."""
+        """``pairs()`` returns [(label, actual, expected[, tolerance])]; all must match, by default within the
+        expected dtype's tolerance for ``which`` (tests/ops/tolerances.py), or ``tol_override``."""
         from tolerances import tol
 
         res = CheckResult(name, DTYPE_NAMES.get(dtype, str(dtype)), "x".join(map(str, shape)))
         worst = float("nan")
         try:
             worst = 0.0
-            for label, act, exp in pairs():
+            for label, act, exp, *pair_tol in pairs():
                 if act.shape != exp.shape or act.dtype != exp.dtype:
                     raise AssertionError(f"{label}: {tuple(act.shape)} {act.dtype} vs {tuple(exp.shape)} "
                                          f"{exp.dtype}")
-                t = tol_override or tol(exp.dtype if exp.dtype in DTYPE_NAMES else torch.float32, which)
+                t = (pair_tol[0] if pair_tol else tol_override
+                     or tol(exp.dtype if exp.dtype in DTYPE_NAMES else torch.float32, which))
                 if act.numel():
                     worst = max(worst, (act.double() - exp.double()).abs().max().item())
                 try:
@@ -573,11 +583,120 @@ def _approx_act_module():
 
 
 def check_approx_act(ck: Checker, dtypes: Sequence[torch.dtype], bits_list: Sequence[int]) -> None:
-    ck.skipped.append("approx_act: checks not wired yet")
+    import torch.nn.functional as F
+
+    from lmbp_convert.memory import SavedTensorLedger
+
+    A = _approx_act_module()
+    if A is None:
+        ck.skipped.append("approx_act: lmbp_convert/ops/approx_act.py not present")
+        return
+    exact = {"atol": 0, "rtol": 0}
+    torch_act = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+                 "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
+    for kind in A.ACT_KINDS:
+        for bits in bits_list:
+            for dtype in dtypes:
+                for rows, cols, strided in ACT_CHECK_SHAPES:
+                    if ck.out_of_time(f"approx_act {kind} {bits}-bit {DTYPE_NAMES[dtype]} {rows}x{cols}"):
+                        return
+                    if strided:  # a slice of a wider tensor (e.g. one half of gate_up): read in place
+                        x = _randn((rows, cols + 29), dtype, 3.0)[:, 7:7 + cols]
+                        g = _randn((rows, cols + 29), dtype)[:, 11:11 + cols]
+                    else:
+                        x, g = _randn((rows, cols), dtype, 3.0), _randn((rows, cols), dtype)
+                    tag = f"approx_act {kind} {bits}-bit triton{' strided' if strided else ''}"
+
+                    def fwd(x=x, kind=kind, bits=bits):
+                        y, packed = A._fwd_triton(x, kind, bits)
+                        y_ref, packed_ref = A._fwd_torch(x, kind, bits)
+                        xf = x.float()
+                        return [("y", y, y_ref), ("packed codes", packed, packed_ref, exact),
+                                ("y vs torch's activation", y, torch_act[kind](xf).to(x.dtype))]
+
+                    ck.compare(f"{tag} fwd vs torch path", dtype, (rows, cols), fwd)
+
+                    def bwd(x=x, g=g, kind=kind, bits=bits):
+                        _, packed = A._fwd_torch(x, kind, bits)
+                        dx = A._bwd_triton(g, packed, bits, kind)
+                        return [("dx", dx, A._bwd_torch(g, packed, bits, kind))]
+
+                    ck.compare(f"{tag} bwd vs torch path", dtype, (rows, cols), bwd, "bwd")
+
+    # Public op end to end (dispatch, autograd) against the same op on CPU (the PyTorch path), and its
+    # saved bytes: the packed codes only.
+    for kind in A.ACT_KINDS:
+        for dtype in dtypes:
+            if ck.out_of_time(f"approx_act {kind} op {DTYPE_NAMES[dtype]}"):
+                return
+
+            def public(kind=kind, dtype=dtype):
+                x = _randn((64, 1000), dtype, 3.0).requires_grad_(True)
+                g = _randn((64, 1000), dtype)
+                if x.is_cuda and not A.use_triton(x):
+                    raise AssertionError("the op did not dispatch to its Triton kernels")
+                with SavedTensorLedger() as ledger:
+                    y = A.approx_act(x, kind, 2)
+                (dx,) = torch.autograd.grad(y, x, g)
+                xc = x.detach().cpu().requires_grad_(True)
+                yc = A.approx_act(xc, kind, 2)
+                (dxc,) = torch.autograd.grad(yc, xc, g.cpu())
+                nb = torch.tensor([float(ledger.bytes)])
+                return [("y", y.cpu(), yc), ("dx", dx.cpu(), dxc),
+                        ("saved bytes", nb, torch.tensor([float(A.packed_nbytes(x.numel(), 2))]), exact)]
+
+            ck.compare(f"approx_act {kind} 2-bit op end to end vs PyTorch path", dtype, (64, 1000), public, "bwd")
 
 
 def act_kernels(numel: int, row: int, dtype: torch.dtype, kind: str, bits: int) -> tuple:
-    raise NotImplementedError("approx_act bench not wired yet")
+    from lmbp_convert.ops import approx_act as A
+
+    x = _randn((numel // row, row), dtype, 3.0)
+    g = _randn((numel // row, row), dtype)
+    y, packed = A._fwd_triton(x, kind, bits)
+    dx = A._bwd_triton(g, packed, bits, kind)
+    op = Kernel(lambda: A._fwd_triton(x, kind, bits), lambda: A._bwd_triton(g, packed, bits, kind),
+                io_bytes([x], [y, packed]), io_bytes([g, packed], [dx]), [packed])
+    del y, dx
+    fwd_bytes, bwd_bytes = io_bytes([x], [x]), io_bytes([g, x], [x])  # y and dx are x-sized
+    if kind in ("gelu", "gelu_tanh"):  # torch's own single kernels, at the aten level
+        approx = "tanh" if kind == "gelu_tanh" else "none"
+        ref = Kernel(lambda: torch.ops.aten.gelu(x, approximate=approx),
+                     lambda: torch.ops.aten.gelu_backward(g, x, approximate=approx), fwd_bytes, bwd_bytes)
+    elif kind == "silu":
+        ref = Kernel(lambda: torch.ops.aten.silu(x), lambda: torch.ops.aten.silu_backward(g, x),
+                     fwd_bytes, bwd_bytes)
+    else:  # quick_gelu as models write it: x * sigmoid(1.702 x), eager kernels and autograd
+        xl = x.detach().requires_grad_(True)
+        yl = xl * torch.sigmoid(1.702 * xl)
+        ref = Kernel(lambda: x * torch.sigmoid(1.702 * x),
+                     lambda: torch.autograd.grad(yl, xl, g, retain_graph=True), fwd_bytes, bwd_bytes, [yl])
+    return op, ref
+
+
+def render(checks: Sequence[CheckResult], bench: Sequence[BenchResult], skipped: Sequence[str],
+           args: argparse.Namespace, elapsed: float, full: bool) -> str:
+    """The markdown report: every check (``full``) or only the failed ones, the bandwidth table, what was
+    skipped, and a last line that says whether everything passed."""
+    failed = [r for r in checks if not r.ok]
+    body = []
+    if checks:
+        body += ["", f"## Correctness: {len(checks) - len(failed)}/{len(checks)} checks pass "
+                 f"(tolerances: tests/ops/tolerances.py)"]
+        shown = list(checks) if full else failed
+        if shown:
+            body += ["", check_table(shown)]
+    if bench:
+        body += ["", f"## Bandwidth (bytes moved / time; CUDA events, median of {args.runs}; norms row "
+                 f"{args.row}; torch norms with a frozen affine; peak {args.peak_gbps:.0f} GB/s)", "",
+                 bench_table(bench, args.peak_gbps)]
+    if skipped:
+        body += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]
+    verdict = ("ALL CHECKS PASS" if not failed else f"{len(failed)} CHECKS FAILED") if checks else "NO CHECKS RUN"
+    if any("(time budget)" in s for s in skipped):
+        verdict += " (INCOMPLETE: some checks were skipped for time)"
+    body += ["", f"Total {elapsed:.0f} s. {verdict}."]
+    return "\n".join(body) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------- main
@@ -611,7 +730,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ]
     print("\n".join(head), flush=True)
 
-    ck = Checker(deadline)
+    ck = Checker(deadline - (0.0 if args.skip_bench else args.bench_reserve_s))
     if not args.skip_check:
         for section, run in (("approx_act", lambda: check_approx_act(ck, args.dtype_list, args.bits_list)),
                              ("ms_norm", lambda: check_norms(ck, args.dtype_list)),
@@ -630,26 +749,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.skip_bench:
         bench = run_bench(args, deadline, ck.skipped, bench_specs(args))
 
+    elapsed = time.perf_counter() - START
     failed = [r for r in ck.results if not r.ok]
-    body = []
-    if ck.results:
-        body += ["", f"## Correctness: {len(ck.results) - len(failed)}/{len(ck.results)} checks pass "
-                 f"(tolerances: tests/ops/tolerances.py)", "", check_table(ck.results)]
-    if bench:
-        body += ["", f"## Bandwidth (bytes moved / time; CUDA events, median of {args.runs}; norms row "
-                 f"{args.row}; torch norms with a frozen affine)", "", bench_table(bench, args.peak_gbps)]
-    if ck.skipped:
-        body += ["", "## Skipped", ""] + [f"- {s}" for s in ck.skipped]
-    tail = ["", f"Total {time.perf_counter() - START:.0f} s. "
-            + ("ALL CHECKS PASS" if not failed else f"{len(failed)} CHECKS FAILED:")]
-    tail += [f"- {r.name} [{r.dtype} {r.shape}]: {r.detail}" for r in failed]
-    text = "\n".join(head + body + tail) + "\n"
-    print("\n".join(body + tail), flush=True)
+    # stdout (whose tail is what a remote run shows) gets failures only; the file gets every check.
+    print(render(ck.results, bench, ck.skipped, args, elapsed, full=False), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
-            fh.write(text)
-    return 1 if failed else 0
+            fh.write("\n".join(head) + "\n" + render(ck.results, bench, ck.skipped, args, elapsed, full=True))
+        print(f"wrote {args.out}")
+    if failed:
+        return 1
+    return 3 if ck.timed_out else 0
 
 
 if __name__ == "__main__":

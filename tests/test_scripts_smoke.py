@@ -144,7 +144,22 @@ def test_gpu_check_checker_reports_failures(gc):
     assert ck.results[1].max_err == pytest.approx(1e-2) and "ZeroDivisionError" in ck.results[3].detail
     assert "**FAIL**" in gc.check_table(ck.results)
     late = gc.Checker(time.perf_counter() - 1)
-    assert late.out_of_time("x") and late.skipped == ["x"]
+    assert late.out_of_time("x") and late.timed_out and late.skipped[0].startswith("x ")
+
+
+def test_gpu_check_report(gc):
+    args = gc.parse_args(["--quick"])
+    ok = gc.CheckResult("good", "bf16", "2x3", 0.0, True)
+    bad = gc.CheckResult("bad", "fp16", "4", 0.5, False, "y: Mismatched elements")
+    b = gc.BenchResult("ms_layer_norm", "layer_norm", "fp32", 2 ** 20, 1e-3, 1e-3, 10 ** 9, 10 ** 9, 1e-3,
+                       1e-3, 10 ** 9, 10 ** 9)
+    full = gc.render([ok, bad], [b], [], args, 12.0, full=True)
+    short = gc.render([ok, bad], [b], [], args, 12.0, full=False)
+    assert "1/2 checks pass" in full and "| good |" in full and "| good |" not in short
+    assert "**FAIL** y: Mismatched elements" in short and "1 CHECKS FAILED" in short
+    assert "| ms_layer_norm | layer_norm | fp32 | 1M |" in short
+    done = gc.render([ok], [], ["x and the rest of its section (time budget)"], args, 1.0, full=False)
+    assert "ALL CHECKS PASS (INCOMPLETE" in done and "## Skipped" in done
 
 
 @pytest.fixture
@@ -157,7 +172,7 @@ def gc_cpu(gc, monkeypatch):
     monkeypatch.setattr(gc, "NORM_CASES", [(5, 33, None), (3, 300, 64), (2, 16385, None)])
     monkeypatch.setattr(gc, "NORM_PUBLIC_ROWS", (64,))
     monkeypatch.setattr(gc, "GATED_CASES", [(5, 33, False), (3, 20, True)])
-    monkeypatch.setattr(gc, "ACT_CHECK_SHAPES", [(3, 37)], raising=False)
+    monkeypatch.setattr(gc, "ACT_CHECK_SHAPES", [(3, 37, False), (2, 50, True)])
     return gc
 
 
@@ -194,3 +209,12 @@ def test_gpu_check_bench_bytes(gc_cpu):
     for k in (op, ref):  # the closures run
         k.fwd()
         k.bwd()
+    if HAS_APPROX_ACT:
+        for kind in gc_cpu.ACT_KINDS:
+            op, ref = gc_cpu.act_kernels(rows * n, n, torch.bfloat16, kind, bits=2)
+            codes = rows * n // 4  # 2-bit codes, four per byte
+            assert (op.fwd_bytes, op.bwd_bytes) == (2 * act + codes, 2 * act + codes)  # x -> y, codes; g, codes -> dx
+            assert (ref.fwd_bytes, ref.bwd_bytes) == (2 * act, 3 * act)  # x -> y; g, x -> dx
+            for k in (op, ref):
+                k.fwd()
+                k.bwd()

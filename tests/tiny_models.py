@@ -8,7 +8,8 @@ from torch import nn
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
-HF_SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+# Real models' MLP ratios: 4× for BERT/ViT/CLIP/GPT-2, 11008/4096 ≈ 2.69× for LLaMA-style gated MLPs.
+HF_SMALL = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
 
 
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -36,6 +37,8 @@ def hf(arch: str, head: str = "causal", **overrides) -> nn.Module:
         kw = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64)
     if arch in ("gemma",):
         kw.update(head_dim=16, num_key_value_heads=2)
+    if arch in ("llama", "mistral", "qwen2", "gemma"):
+        kw.update(intermediate_size=172)
     if arch in ("llama", "mistral", "qwen2"):
         kw.update(num_key_value_heads=2, tie_word_embeddings=False)
     if arch == "vit":
@@ -51,7 +54,7 @@ def clip_vision() -> nn.Module:
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(0)
-    cfg = CLIPVisionConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    cfg = CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                            image_size=32, patch_size=8)
     return randomize_norms(CLIPVisionModel(cfg))
 

@@ -89,7 +89,7 @@ class Planner:
         slots = node.info["slots"].get(tid, [])
         if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
             return f"{name} takes the norm output as a secondary argument"
-        if not self.opt.selected(name):
+        if self.opt.excluded(name):
             return f"{name} is excluded by the options"
         if self.g.module_calls.get(name, 0) != 1:
             return f"{name} is called {self.g.module_calls.get(name, 0)} times per forward"

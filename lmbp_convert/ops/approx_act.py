@@ -59,7 +59,6 @@ ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
 ACT_BITS = (1, 2, 3, 4)
 _KIND_ID = {k: i for i, k in enumerate(ACT_KINDS)}
 _SQRT1_2 = 0.7071067811865476
-_SQRT_2_OVER_PI = 0.7978845608028654
 _ELEMS_PER_PROGRAM = 2048  # elements one Triton program handles (BLOCK bytes * codes per byte)
 
 

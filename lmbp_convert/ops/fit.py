@@ -285,6 +285,10 @@ def fit(kind: str, bits: int, *, half_width: float = DEFAULT_HALF_WIDTH, panel_w
     non-increasing in bits), then the symmetrised best and ``n_jitter`` seeded perturbations of the best.
     Returns the best fit found (a local search: several starts, no global-optimality certificate).
     """
+    reference(kind)  # validates kind
+    # validated before the cache: True == 1 would otherwise hit the 1-bit entry
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 4:
+        raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
     with _one_thread():
         return _fit(kind, bits, half_width=half_width, panel_width=panel_width, order=order, n_jitter=n_jitter,
                     seed=seed, max_iter=max_iter)
@@ -293,9 +297,6 @@ def fit(kind: str, bits: int, *, half_width: float = DEFAULT_HALF_WIDTH, panel_w
 @lru_cache(maxsize=None)
 def _fit(kind: str, bits: int, *, half_width: float, panel_width: float, order: int, n_jitter: int, seed: int,
          max_iter: int) -> FitResult:
-    reference(kind)  # validates kind
-    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 4:
-        raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
     settings = {"half_width": half_width, "panel_width": panel_width, "order": order, "n_jitter": n_jitter,
                 "seed": seed, "max_iter": max_iter}
     m = 2**bits - 1

@@ -7,7 +7,7 @@ differs between a Triton kernel and ATen.
 
 Usage::
 
-    from tolerances import tol          # tests/ops is on sys.path under pytest's default import mode
+    from tolerances import tol          # tests/conftest.py puts tests/ops on sys.path
     torch.testing.assert_close(out, ref, **tol(out.dtype))          # forward
     torch.testing.assert_close(dx, dx_ref, **tol(dx.dtype, "bwd"))  # backward
 """

@@ -1,0 +1,355 @@
+"""From the walker's plan to what happens on disk: which folds a plain checkpoint can hold, and what each output
+tensor is made of. Pure decisions, no tensor data read.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from ..apply.convert import CONFIG_KEY
+from ..match.plan import NormFold, Plan, Skip
+from .errors import CheckpointError
+from .models import KeyMap, ModelView, map_keys
+from .sources import Source
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclass
+class Action:
+    """How an output tensor is computed from the source (keys are source checkpoint keys)."""
+
+    kind: str  # "identity" (norm weight), "zero" (norm bias), "fold_w" (Linear weight), "fold_b" (Linear bias)
+    norm: str
+    param: str = "w"  # the norm's parameterisation: "w" or "1+w"
+    layout: str = "out_in"
+    gamma: str | None = None
+    beta: str | None = None
+    weight: str | None = None  # the Linear's original weight (fold_b needs it: b' = b + W·β)
+
+
+@dataclass
+class OutTensor:
+    key: str  # name in DST
+    source: str  # source key its data comes from
+    action: Action | None = None
+
+
+@dataclass
+class OutShard:
+    name: str
+    source: str
+    tensors: list[OutTensor] = field(default_factory=list)
+
+
+@dataclass
+class DiskPlan:
+    view: ModelView
+    plan: Plan
+    folds: list[NormFold]
+    skips: list[Skip]
+    shards: list[OutShard]
+    record: dict
+    nbytes: dict[str, int]  # output key → bytes
+    dtype: str  # activation dtype the per-token estimate assumes
+    index_name: str | None = None
+    index: dict | None = None
+    config: dict | None = None
+    untied: list[str] = field(default_factory=list)
+    copies: list[str] = field(default_factory=list)
+    not_copied: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    @property
+    def predicted_saved_bytes(self) -> int:
+        return sum(f.predicted_saved_bytes for f in self.folds)
+
+    @property
+    def saved_per_unit(self) -> float:
+        return self.predicted_saved_bytes / max(1, self.plan.probe_tokens)
+
+    def to_dict(self) -> dict:
+        return {
+            "architecture": self.view.arch,
+            "folds": [{"norm": f.name, "kind": f.kind, "param": f.param,
+                       "into": [t.name for t in f.targets]} for f in self.folds],
+            "skips": [asdict(s) for s in self.skips],
+            "untied": list(self.untied),
+            "predicted_saved_bytes_per_" + self.plan.probe_unit: self.saved_per_unit,
+            "activation_dtype": self.dtype,
+            "shards": [{"name": s.name, "tensors": len(s.tensors),
+                        "bytes": sum(self.nbytes[t.key] for t in s.tensors)} for s in self.shards],
+            "total_bytes": self.total_bytes,
+            "copies": list(self.copies),
+            "not_copied": list(self.not_copied),
+            "notes": list(self.notes),
+        }
+
+    def describe(self) -> str:
+        lines = [f"lmbp-convert plan for {self.view.arch}: {len(self.folds)} norm(s) folded into the following "
+                 f"Linear layers, {len(self.skips)} skipped"]
+        for f in self.folds:
+            kind = f"{f.kind}, {'1+w' if f.param == '1+w' else 'w'}" + (", +bias" if f.has_bias else "")
+            lines.append(f"  fold {f.name} [{kind}] -> {', '.join(t.name for t in f.targets)}")
+        for s in self.skips:
+            lines.append(f"  skip {s.name}: {s.reason}")
+        for u in self.untied:
+            lines.append(f"  untie {u}: written as its own tensor (tie_word_embeddings -> false)")
+        lines.append(f"predicted activation memory saved once convert() swaps these norms for fine-tuning: "
+                     f"{_fmt_bytes(self.saved_per_unit)} per {self.plan.probe_unit} ({self.dtype} activations)")
+        n = sum(len(s.tensors) for s in self.shards)
+        lines.append(f"writes {len(self.shards)} shard(s), {n} tensors, {_fmt_bytes(self.total_bytes)}"
+                     + (f"; copies {', '.join(self.copies)}" if self.copies else ""))
+        if self.not_copied:
+            lines.append(f"not copied: {', '.join(self.not_copied)}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _untie_config(raw: dict) -> dict:
+    out = copy.deepcopy(raw)
+    out["tie_word_embeddings"] = False
+    for sub in ("text_config", "decoder"):
+        if isinstance(out.get(sub), dict) and "tie_word_embeddings" in out[sub]:
+            out[sub]["tie_word_embeddings"] = False
+    return out
+
+
+class _Planner:
+    def __init__(self, src: Source, view: ModelView, plan: Plan, untie: bool, raw: dict | None,
+                 make_view: Callable[[dict], ModelView] | None, out_name: Callable[[str], str],
+                 options: dict) -> None:
+        self.src, self.view, self.plan, self.untie, self.raw = src, view, plan, untie, raw
+        self.make_view, self.out_name, self.options = make_view, out_name, options
+        self.skips: list[Skip] = list(plan.skips)
+        self.km: KeyMap = map_keys(view, list(src.infos), lambda k: src.infos[k].shard)
+        self.stored = self.km.stored()
+        for k, m in self.km.plain.items():
+            shape = view.state[m][0]
+            if src.infos[k].shape != shape:
+                raise CheckpointError(f"tensor {k!r} in {src.infos[k].shard} has shape {list(src.infos[k].shape)}, "
+                                      f"but the config expects {list(shape)} for {m}")
+
+    # -- lookups --------------------------------------------------------------------------------------------
+    def key_of(self, name: str) -> str | None:
+        """The source key holding model tensor ``name`` (itself or a tied twin), if stored plainly."""
+        if name in self.stored:
+            return self.stored[name]
+        for n in sorted(self.view.group(name)):
+            if n in self.stored:
+                return self.stored[n]
+        return None
+
+    def _tensor_problem(self, name: str) -> str | None:
+        k = self.key_of(name)
+        if k is None:
+            return (f"{name} is not stored as a plain tensor in the checkpoint (missing, or produced by a load-time "
+                    "weight conversion)")
+        if not self.src.infos[k].is_float:
+            return f"{name} is stored as {self.src.infos[k].dtype} (quantized or integer), which cannot be rewritten"
+        return None
+
+    # -- decisions -------------------------------------------------------------------------------------------
+    def _first_problem(self, f: NormFold) -> tuple[str | None, bool]:
+        """(reason to skip, needs untying)."""
+        if f.prefolded:
+            return "already folded on disk (config.json records it)", False
+        if f.reapply:
+            where = "; ".join(r.describe() for r in f.reapply)
+            return (f"its affine must be re-applied at run time for {where}, which a plain checkpoint cannot "
+                    "express (convert() does it when it loads the model)"), False
+        for t in f.targets:
+            if t.adds_bias:
+                return (f"{t.name} has no bias to take the norm's shift (beta); the plain architecture cannot "
+                        "express the fold"), False
+        names = [f"{f.name}.weight"] + ([f"{f.name}.bias"] if f.has_bias else [])
+        needs_untie = False
+        for t in f.targets:
+            names.append(f"{t.name}.weight")
+            if f"{t.name}.bias" in self.view.state:
+                names.append(f"{t.name}.bias")
+            w = self.view.state.get(f"{t.name}.weight")
+            if w is None:
+                return f"{t.name} has no weight tensor", False
+            d = w[0][1] if t.layout == "out_in" else w[0][0]
+            if len(w[0]) != 2 or [d] != list(f.shape):
+                return f"{t.name}.weight has shape {list(w[0])}, which does not take {f.shape[0]} inputs", False
+            if len(self.view.group(f"{t.name}.weight")) > 1:
+                if not self.untie:
+                    return f"{t.name}.weight is tied (--untie folds into an untied copy)", False
+                needs_untie = True
+        for n in names:
+            problem = self._tensor_problem(n)
+            if problem:
+                return problem, False
+        return None, needs_untie
+
+    def run(self) -> DiskPlan:
+        cands: list[tuple[NormFold, bool]] = []
+        for f in self.plan.norm_folds:
+            reason, needs_untie = self._first_problem(f)
+            if reason:
+                self.skips.append(Skip(f.name, f.cls, reason))
+            else:
+                cands.append((f, needs_untie))
+        dst_view, dst_raw = self.view, self.raw
+        if any(u for _, u in cands):
+            dst_raw, dst_view = self._untied_view()
+            keep = []
+            for f, u in cands:
+                tied = [f"{t.name}.weight" for t in f.targets if len(dst_view.group(f"{t.name}.weight")) > 1]
+                if u and tied:
+                    self.skips.append(Skip(f.name, f.cls, f"{tied[0]} stays tied to "
+                                           f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
+                                           "tie_word_embeddings=false"))
+                else:
+                    keep.append((f, u))
+            cands = keep
+            if not any(u for _, u in cands):
+                dst_view, dst_raw = self.view, self.raw
+        claims: dict[str, Action] = {}
+        folds: list[NormFold] = []
+        for f, _ in cands:
+            acts = self._actions(f)
+            problem = self._claim_problem(f, acts, dst_view, claims)
+            if problem:
+                self.skips.append(Skip(f.name, f.cls, problem))
+                continue
+            claims.update(acts)
+            folds.append(f)
+        return self._outputs(folds, claims, dst_view, dst_raw)
+
+    def _untied_view(self) -> tuple[dict | None, ModelView]:
+        if self.raw is None or self.make_view is None:
+            raise CheckpointError("--untie needs a config to untie (Hugging Face checkpoints only)")
+        raw = _untie_config(self.raw)
+        view = self.make_view(raw)
+        if set(view.state) != set(self.view.state):
+            raise CheckpointError("untying the word embeddings changes the model's tensors; cannot --untie this model")
+        return raw, view
+
+    def _actions(self, f: NormFold) -> dict[str, Action]:
+        gk = self.key_of(f"{f.name}.weight")
+        bk = self.key_of(f"{f.name}.bias") if f.has_bias else None
+        acts = {f"{f.name}.weight": Action("identity", f.name, f.param)}
+        if f.has_bias:
+            acts[f"{f.name}.bias"] = Action("zero", f.name, f.param)
+        for t in f.targets:
+            acts[f"{t.name}.weight"] = Action("fold_w", f.name, f.param, t.layout, gamma=gk)
+            if f"{t.name}.bias" in self.view.state and bk is not None:
+                acts[f"{t.name}.bias"] = Action("fold_b", f.name, f.param, t.layout, gamma=gk, beta=bk,
+                                                weight=self.key_of(f"{t.name}.weight"))
+        return acts
+
+    def _claim_problem(self, f: NormFold, acts: dict[str, Action], dst: ModelView,
+                       claims: dict[str, Action]) -> str | None:
+        for name in acts:
+            group = dst.group(name)
+            if name.startswith(f.name + ".") and len(group) > 1:
+                return f"{name} is shared with {', '.join(sorted(group - {name}))}"
+            for other in sorted(group - {name}):
+                owner = other.rsplit(".", 1)[0]
+                if owner in dst.linear_like and not any(other.startswith(t.name + ".") for t in f.targets):
+                    return f"{name} is shared with {other}, another layer that the fold would change"
+            for member in group:
+                if member in claims:
+                    return f"{member} is already rewritten by the fold of {claims[member].norm}"
+        return None
+
+    def _outputs(self, folds: list[NormFold], claims: dict[str, Action], dst: ModelView,
+                 dst_raw: dict | None) -> DiskPlan:
+        src = self.src
+        shards: dict[str, OutShard] = {}
+        nbytes: dict[str, int] = {}
+        for s in src.shards:
+            out = shards[s] = OutShard(self.out_name(s), s)
+            for info in src.shard_tensors(s):
+                act = None
+                m = self.km.plain.get(info.key)
+                if m is not None:
+                    act = next((claims[n] for n in sorted(dst.group(m)) if n in claims), None)
+                out.tensors.append(OutTensor(info.key, info.key, act))
+                nbytes[info.key] = info.nbytes
+        # tensors that untying splits off a stored twin: written explicitly, next to their source
+        untied: list[str] = []
+        written = set(self.km.plain.values())
+        for group in sorted({g for g in dst.groups.values()}, key=lambda g: sorted(g)):
+            if group & written:
+                continue
+            src_group = frozenset().union(*(self.view.group(n) for n in group))
+            if src_group == group:
+                continue  # not split by untying: missing in SRC as well, loaded (or not) as SRC would be
+            name = next((n for n in sorted(group) if n in claims), sorted(group)[0])
+            key = self.key_of(name)
+            if key is None:
+                continue
+            if name in nbytes:
+                raise CheckpointError(f"cannot add untied tensor {name!r}: the checkpoint already has a tensor "
+                                      "of that name")
+            shards[src.infos[key].shard].tensors.append(OutTensor(name, key, claims.get(name)))
+            nbytes[name] = src.infos[key].nbytes
+            untied.append(name)
+            written |= group
+        from .. import __version__
+
+        record = {
+            "version": __version__,
+            "folded_norms": [f.name for f in folds],
+            "architecture": self.view.arch,
+            "options": self.options,
+            "untied": untied,
+        }
+        prev = (self.raw or {}).get(CONFIG_KEY)
+        if isinstance(prev, dict) and prev.get("folded_norms"):
+            earlier = [n for n in prev["folded_norms"] if n not in record["folded_norms"]]
+            record["folded_norms"] = earlier + record["folded_norms"]
+            record["untied"] = list(dict.fromkeys([*prev.get("untied", []), *untied]))
+        config = None
+        if dst_raw is not None:
+            config = copy.deepcopy(dst_raw)
+            config[CONFIG_KEY] = record
+        index_name = index = None
+        out_shards = [shards[s] for s in src.shards]
+        if src.index is not None:
+            index_name = SAFETENSORS_INDEX
+            meta = dict(src.index.get("metadata") or {}) if src.fmt == "safetensors" else {}
+            meta["total_size"] = sum(nbytes.values())
+            index = {"metadata": meta,
+                     "weight_map": {t.key: s.name for s in out_shards for t in s.tensors}}
+        dtype = next((str(p.dtype).replace("torch.", "") for p in self.view.model.parameters()
+                      if p.is_floating_point()), "float32")
+        notes = []
+        if folds and self.view.kind == "hf":
+            notes.append(f"DST reproduces the outputs of {self.view.arch}; hidden states read right after a folded "
+                         "norm (output_hidden_states, or another head class on the same weights) lack its affine")
+        if self.km.ignored:
+            notes.append(f"{len(self.km.ignored)} tensor(s) the model ignores on load copied as they are "
+                         f"(e.g. {self.km.ignored[0]})")
+        return DiskPlan(self.view, self.plan, folds, self.skips, out_shards, record, nbytes, dtype, index_name,
+                        index, config, untied, notes=notes)
+
+
+def plan_disk(src: Source, view: ModelView, plan: Plan, *, untie: bool, raw_config: dict | None,
+              make_view: Callable[[dict], ModelView] | None, out_name: Callable[[str], str],
+              options: dict) -> DiskPlan:
+    """Decide which of ``plan``'s norm folds go on disk and how each output tensor is made."""
+    return _Planner(src, view, plan, untie, raw_config, make_view, out_name, options).run()
+
+
+def record_json(record: dict) -> str:
+    return json.dumps(record, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,148 @@
+"""``lmbp-convert SRC DST``: fold norm affines into the following Linears of a saved checkpoint, on disk.
+
+The result loads with plain transformers / timm (no lmbp_convert needed) and gives the same outputs; ``convert()``
+on a model loaded from it then swaps the norms for memory-sharing ones without folding again.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+EPILOG = """\
+SRC is a Hugging Face model directory (config.json plus model.safetensors, sharded safetensors with
+model.safetensors.index.json, or pytorch_model*.bin, which is only read with torch.load(weights_only=True));
+DST is a new directory with the same shards (always safetensors), config.json recording the conversion under
+"lmbp_convert", and SRC's other top-level files (tokenizer, generation config, README...).
+With --timm-model NAME, SRC is a timm checkpoint file (.safetensors, or .pth/.bin holding a state dict) and DST is
+a .safetensors file: load it with timm.create_model(NAME, checkpoint_path=DST).
+
+Folds that a plain checkpoint cannot express (the affine would have to be re-applied on another branch at run
+time, e.g. post-LN encoders; a Linear without a bias to take the norm's shift; a tied head without --untie) are
+skipped with their reason; convert() still handles them at load time.
+
+Exit status: 0 done, 1 bad input or failed write (nothing written), 2 usage error, 130 interrupted.
+"""
+
+
+class _Terminated(BaseException):
+    """SIGTERM, turned into an exception so that the temporary DST is removed on the way out."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmbp-convert", description="Fold norm affines into the following Linear layers of a checkpoint.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("src", metavar="SRC", help="Hugging Face model directory, or a timm checkpoint file")
+    p.add_argument("dst", metavar="DST", help="output directory (or .safetensors file with --timm-model)")
+    p.add_argument("--timm-model", metavar="NAME", help="SRC is a checkpoint of this timm model")
+    p.add_argument("--timm-arg", metavar="KEY=VALUE", action="append", default=[],
+                   help="keyword for timm.create_model (VALUE parsed as JSON when it can be), e.g. num_classes=10")
+    p.add_argument("--use-ema", action="store_true", help="timm: convert the EMA weights of a training checkpoint")
+    p.add_argument("--untie", action="store_true",
+                   help="fold into a head tied to the embeddings by writing it as its own tensor "
+                        "(sets tie_word_embeddings=false)")
+    p.add_argument("--include", metavar="REGEX", action="append", help="only these modules (full match)")
+    p.add_argument("--exclude", metavar="REGEX", action="append", help="not these modules (full match)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
+    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is done)")
+    p.add_argument("--allow-empty", action="store_true", help="write DST even when no norm can be folded")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
+    p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it only shows on a terminal)")
+    p.add_argument("--debug", action="store_true", help="show a traceback for unexpected errors")
+    return p
+
+
+def _timm_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--timm-arg takes KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(val)
+        except json.JSONDecodeError:
+            out[key] = val
+    return out
+
+
+def _err(msg: str) -> None:
+    print(f"lmbp-convert: error: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        timm_kwargs = _timm_kwargs(args.timm_arg)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if (args.timm_arg or args.use_ema) and not args.timm_model:
+        parser.error("--timm-arg and --use-ema need --timm-model")
+
+    def on_term(signum, frame):
+        raise _Terminated()
+
+    try:
+        old_term = signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread
+        old_term = None
+    t0 = time.perf_counter()
+    try:
+        from .checkpoint import CheckpointError, convert_checkpoint
+
+        def show(plan) -> None:
+            if args.json:
+                print(json.dumps(plan.to_dict(), indent=2), flush=True)
+            elif not args.quiet:
+                print(plan.describe(), flush=True)
+
+        try:
+            plan = convert_checkpoint(
+                args.src, args.dst, timm_model=args.timm_model, timm_kwargs=timm_kwargs, use_ema=args.use_ema,
+                untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
+                dry_run=args.dry_run, allow_empty=args.allow_empty,
+                progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show)
+        except CheckpointError as exc:
+            _err(str(exc))
+            return 1
+        except KeyboardInterrupt:
+            _err("interrupted; SRC untouched, no DST written")
+            return 130
+        except _Terminated:
+            _err("terminated; SRC untouched, no DST written")
+            return 143
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                _err(f"no space left on device while writing {args.dst}; no DST written")
+            else:
+                where = f" ({exc.filename})" if exc.filename else ""
+                _err(f"cannot write {args.dst}: {exc.strerror or exc}{where}; no DST written")
+            return 1
+        except Exception as exc:  # a bug, not a bad input: still one line unless asked
+            if args.debug:
+                raise
+            _err(f"internal error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                 " (run with --debug for a traceback)")
+            return 1
+        if args.dry_run:
+            if not args.quiet and not args.json:
+                print("dry run: nothing written")
+            return 0
+        if not args.quiet and not args.json:
+            dt = time.perf_counter() - t0
+            print(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "
+                  f"{plan.total_bytes / 2**30:.2f} GiB in {dt:.1f} s")
+        return 0
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

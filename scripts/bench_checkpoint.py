@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Benchmark ``lmbp-convert`` on a multi-GB LLaMA-layout sharded checkpoint: throughput vs a plain copy, peak RSS.
+
+The checkpoint is random bf16 written straight with safetensors (no model is built), with a LlamaForCausalLM
+config.json. Both contenders run with the source in the page cache (it is read once before each timing), write
+fresh files into the same file system, and are timed end to end; the CLI runs in a subprocess whose own peak RSS
+is read with ``os.wait4``. The CLI's fixed start-up (imports, meta-device planning) is measured separately with
+``--dry-run`` and reported, with the streaming rate once it is taken out.
+
+    python scripts/bench_checkpoint.py            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
+    python scripts/bench_checkpoint.py --small    # a quick smoke run (~60 MB)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def llama_tensors(hidden: int, inter: int, layers: int, vocab: int, kv_heads: int, heads: int):
+    """(name, shape) of every LlamaForCausalLM tensor, in the order save_pretrained writes them."""
+    hd = hidden // heads
+    yield "model.embed_tokens.weight", (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (hidden,)
+        yield p + "self_attn.q_proj.weight", (hidden, hidden)
+        yield p + "self_attn.k_proj.weight", (kv_heads * hd, hidden)
+        yield p + "self_attn.v_proj.weight", (kv_heads * hd, hidden)
+        yield p + "self_attn.o_proj.weight", (hidden, hidden)
+        yield p + "post_attention_layernorm.weight", (hidden,)
+        yield p + "mlp.gate_proj.weight", (inter, hidden)
+        yield p + "mlp.up_proj.weight", (inter, hidden)
+        yield p + "mlp.down_proj.weight", (hidden, inter)
+    yield "model.norm.weight", (hidden,)
+    yield "lm_head.weight", (vocab, hidden)
+
+
+def make_checkpoint(root: Path, a: argparse.Namespace) -> None:
+    root.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    specs = list(llama_tensors(a.hidden, a.intermediate, a.layers, a.vocab, a.heads, a.heads))
+    limit = int(a.shard_mb * 2**20)
+    groups, cur, size = [], [], 0
+    for name, shape in specs:
+        n = torch.Size(shape).numel() * 2
+        if cur and size + n > limit:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append((name, shape))
+        size += n
+    groups.append(cur)
+    weight_map, total = {}, 0
+    for gi, group in enumerate(groups):
+        fname = f"model-{gi + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {}
+        for name, shape in group:
+            if len(shape) == 1:  # norm weights around 1
+                t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            else:
+                t = torch.randn(shape, generator=gen) * 0.02
+            tensors[name] = t.to(torch.bfloat16)
+            weight_map[name] = fname
+            total += tensors[name].numel() * 2
+        save_file(tensors, str(root / fname), metadata={"format": "pt"})
+        del tensors
+    (root / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.hidden,
+           "intermediate_size": a.intermediate, "num_hidden_layers": a.layers, "num_attention_heads": a.heads,
+           "num_key_value_heads": a.heads, "vocab_size": a.vocab, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "dtype": "bfloat16"}
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    (root / "tokenizer_config.json").write_text("{}")
+
+
+def warm(root: Path) -> None:
+    for p in sorted(root.iterdir()):
+        with open(p, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+
+
+def file_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.iterdir() if p.is_file())
+
+
+def time_copy(src: Path, dst: Path) -> float:
+    t0 = time.perf_counter()
+    dst.mkdir()
+    for p in sorted(src.iterdir()):
+        shutil.copy(p, dst / p.name)
+    return time.perf_counter() - t0
+
+
+def run_cli(args: list[str]) -> tuple[float, int, int, str]:
+    """(seconds, exit code, peak RSS in bytes, stderr) of ``python -m lmbp_convert ARGS`` in a child process."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "lmbp_convert", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)
+    stderr = proc.stderr.read().decode()
+    _, status, usage = os.wait4(proc.pid, 0)
+    dt = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return dt, proc.returncode, rss, stderr
+
+
+def spot_check(src: Path, dst: Path) -> float:
+    """Largest |DST - fold(SRC)| over a few rows of a folded weight (0.0: bit-identical)."""
+    from lmbp_convert.fold import fold_affine
+
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    worst = 0.0
+    for w, g in [("model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"),
+                 ("lm_head.weight", "model.norm.weight")]:
+        with safe_open(src / idx[w], "pt") as f:
+            rows = f.get_slice(w)[:64]
+        with safe_open(src / idx[g], "pt") as f:
+            gamma = f.get_tensor(g)
+        with safe_open(dst / idx[w], "pt") as f:
+            got = f.get_slice(w)[:64]
+        with safe_open(dst / idx[g], "pt") as f:
+            ident = f.get_tensor(g)
+        want = fold_affine(rows, None, gamma.float(), None)[0]
+        worst = max(worst, (got.float() - want.float()).abs().max().item(), (ident.float() - 1).abs().max().item())
+    return worst
+
+
+def machine() -> list[tuple[str, str]]:
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
+    except (ValueError, OSError):
+        mem = float("nan")
+    return [("cpu", f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"),
+            ("memory", f"{mem:.1f} GiB"), ("os", platform.platform()),
+            ("python / torch", f"{platform.python_version()} / {torch.__version__}")]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="quick smoke run (~60 MB)")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=11008)
+    ap.add_argument("--layers", type=int, default=7)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--shard-mb", type=float, default=1024)
+    ap.add_argument("--repeat", type=int, default=2, help="timings per contender (best is reported)")
+    ap.add_argument("--dir", default=None, help="work directory (default: a new one under $TMPDIR)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    a = ap.parse_args()
+    if a.small:
+        a.hidden, a.intermediate, a.layers, a.heads, a.vocab, a.shard_mb = 512, 1376, 4, 8, 4000, 16
+    work = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="lmbp-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    src, copy_dst, cli_dst = work / "src", work / "copy", work / "folded"
+    try:
+        t0 = time.perf_counter()
+        make_checkpoint(src, a)
+        gen_s = time.perf_counter() - t0
+        total = file_bytes(src)
+        largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
+        copies, clis, rsss = [], [], []
+        for _ in range(a.repeat):
+            warm(src)
+            copies.append(time_copy(src, copy_dst))
+            shutil.rmtree(copy_dst)
+            warm(src)
+            dt, rc, rss, err = run_cli([str(src), str(cli_dst), "-q", "--no-progress"])
+            if rc != 0:
+                print(f"lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
+                return 1
+            clis.append(dt)
+            rsss.append(rss)
+            if len(clis) < a.repeat:
+                shutil.rmtree(cli_dst)
+        err_max = spot_check(src, cli_dst)
+        shutil.rmtree(cli_dst)
+        dry, rc, dry_rss, err = run_cli([str(src), str(cli_dst), "-q", "--dry-run"])
+        copy_s, cli_s = min(copies), min(clis)
+        stream_s = max(1e-9, cli_s - dry)
+        gib = 2**30
+        rows = machine() + [
+            ("checkpoint", f"{total / gib:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shards "
+                           f"(largest {largest / gib:.2f} GiB); hidden {a.hidden}, intermediate {a.intermediate}, "
+                           f"{a.layers} layers, vocab {a.vocab}; generated in {gen_s:.1f} s"),
+            ("file system", f"{work} ({shutil.disk_usage(work).free / gib:.0f} GiB free)"),
+            ("plain copy (shutil.copy)", f"{copy_s:.2f} s  {total / copy_s / gib:.2f} GiB/s  (runs: "
+                                         f"{', '.join(f'{c:.2f}' for c in copies)})"),
+            ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
+                                        f"{', '.join(f'{c:.2f}' for c in clis)})"),
+            ("  of which start-up + plan", f"{dry:.2f} s (--dry-run; peak RSS {dry_rss / 2**20:.0f} MiB)"),
+            ("  streaming rate", f"{total / stream_s / gib:.2f} GiB/s"),
+            ("throughput vs copy", f"{copy_s / cli_s:.2f}x end to end, {copy_s / stream_s:.2f}x streaming "
+                                   "(aim >= 0.7x)"),
+            ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
+                                      f"{'+' if max(rsss) >= largest else '-'} "
+                                      f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),
+            ("spot check", f"max |DST - fold(SRC)| = {err_max:g} (0 means bit-identical)"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        print("lmbp-convert checkpoint benchmark")
+        for k, v in rows:
+            print(f"  {k:<{width}}  {v}")
+        return 0
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""What the planner folds, blocks and re-applies, on small hand-made modules (one pattern each)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmbp_convert import convert, plan_conversion
+
+
+class NormThen(nn.Module):
+    """x → LayerNorm → f(·) → Linear; f is the pattern under test."""
+
+    def __init__(self, f, d=8, extra=None):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 5)
+        self.f = f
+        self.extra = extra
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.normal_()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.fc(self.f(h, self))
+
+
+def _plan(f, x=None, **kw):
+    m = NormThen(f, **kw)
+    x = torch.randn(2, 6, 8) if x is None else x
+    plan, _, _ = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
+    return m, plan, x
+
+
+COMMUTING = {
+    "reshape": lambda h, m: h.reshape(-1, 8),
+    "permute_and_back": lambda h, m: h.permute(2, 0, 1).permute(1, 2, 0),
+    "transpose_tokens": lambda h, m: h.transpose(0, 1),
+    "roll_tokens": lambda h, m: torch.roll(h, 1, dims=1),
+    "token_slice": lambda h, m: h[:, 1:],
+    "cls_token": lambda h, m: h[:, 0],
+    "mean_tokens": lambda h, m: h.mean(dim=1),
+    "dropout_p0": lambda h, m: F.dropout(h, p=0.0, training=True),
+    "cast": lambda h, m: h.to(torch.float64).to(torch.float32),
+    "zero_pad_noop": lambda h, m: F.pad(h, (0, 0, 0, 0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMMUTING))
+def test_affine_commuting_paths_fold_exactly(name):
+    m, plan, x = _plan(COMMUTING[name])
+    assert [f.name for f in plan.norm_folds] == ["norm"], plan.skips
+    ref = m(x)
+    _, rep = convert(m, probe=x, activations=False, gated_mlp=False, return_report=True)
+    assert rep.verified
+    assert torch.allclose(m(x), ref, atol=1e-5)
+
+
+BLOCKED = {
+    "dropout": (lambda h, m: F.dropout(h, p=0.1, training=m.training), "dropout"),
+    "zero_pad_tokens": (lambda h, m: F.pad(h, (0, 0, 0, 2))[:, :6], "padding"),
+    "channel_slice": (lambda h, m: F.pad(h[..., :4], (0, 4)), "channel"),
+    "sum_tokens": (lambda h, m: h.sum(dim=1), "no Linear consumer"),
+    "channel_mix": (lambda h, m: h @ torch.ones(8, 8), "no Linear consumer"),
+    "residual_in_same_forward": (lambda h, m: h + m.fc.weight.new_ones(8) * 0 + h, "no Linear consumer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKED))
+def test_inexact_paths_are_skipped_with_reason(name):
+    f, why = BLOCKED[name]
+    _, plan, _ = _plan(f)
+    assert not plan.norm_folds
+    (skip,) = [s for s in plan.skips if s.name == "norm"]
+    assert why in skip.reason, skip.reason
+
+
+class SameScopeResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.fc(h) + h  # no module boundary between the norm and the add
+
+
+def test_other_consumer_without_module_boundary_blocks_the_fold():
+    plan, _, _ = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    (skip,) = plan.skips
+    assert "no module boundary" in skip.reason
+
+
+class Residual(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class PostLN(nn.Module):
+    """BERT-style: the norm output goes to a Linear and, as an argument, to another module's residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+        self.res = Residual()
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+            self.norm.bias.normal_()
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.res(self.fc(h), h)
+
+
+def test_other_branch_at_module_boundary_gets_affine_reapplied():
+    m, x = PostLN(), torch.randn(3, 8)
+    ref = m(x)
+    _, rep = convert(m, probe=x, activations=False, gated_mlp=False, return_report=True)
+    (fold,) = rep.plan.norm_folds
+    assert [r.describe() for r in fold.reapply] == ["input arg 1 of res"]
+    assert torch.allclose(m(x), ref, atol=1e-6)
+    # training the norm's γ still reaches the re-applied branch
+    m(x).sum().backward()
+    assert m.norm.weight.grad is not None and m.norm.weight.grad.abs().sum() > 0
+
+
+class QKNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.q_norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        q = self.q_norm(self.q(x))
+        return q @ q.transpose(-1, -2)
+
+
+def test_norm_without_linear_consumer_is_left_with_reason():
+    plan, _, _ = plan_conversion(QKNorm(), probe=torch.randn(2, 4, 8), activations=False, gated_mlp=False)
+    assert plan.skips and "no Linear consumer" in plan.skips[0].reason
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.fc(self.norm(x))))
+
+
+def test_shared_modules_are_not_folded():
+    plan, _, _ = plan_conversion(Shared(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    assert "called 2 times" in plan.skips[0].reason
+
+
+class Gemmaish(nn.Module):
+    """A norm class the catalogue does not list, scaling by (1 + w): identified by behaviour."""
+
+    class MyRMSNorm(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(d) * 0.3)
+            self.eps = 1e-6
+
+        def forward(self, x):
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return y * (1 + self.weight)
+
+    def __init__(self):
+        super().__init__()
+        self.norm = self.MyRMSNorm(8)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_unlisted_norm_class_is_identified_by_behaviour():
+    m, x = Gemmaish(), torch.randn(4, 8)
+    ref = m(x)
+    _, rep = convert(m, probe=x, return_report=True)
+    (fold,) = rep.plan.norm_folds
+    assert (fold.kind, fold.param) == ("rms", "1+w")
+    assert torch.allclose(m(x), ref, atol=1e-5)
+    assert torch.all(m.norm.weight == 0)  # identity of the (1 + w) parameterisation
