@@ -31,6 +31,7 @@ class Catalogue:
     linears: dict[str, dict]
     dropouts: dict[str, dict]
     identities: frozenset[str]
+    lora_linears: dict[str, dict]
 
     @classmethod
     def from_dict(cls, data: dict) -> "Catalogue":
@@ -46,6 +47,7 @@ class Catalogue:
             linears={e["class"]: e for e in data.get("linears", [])},
             dropouts={e["class"]: e for e in data.get("dropouts", [])},
             identities=frozenset(e["class"] for e in data.get("identities", [])),
+            lora_linears={e["class"]: e for e in data.get("lora_linears", [])},
         )
 
     # -- role queries -------------------------------------------------------------------------------
@@ -73,6 +75,10 @@ class Catalogue:
     def linear_layout(self, module: nn.Module) -> str | None:
         entry = self.linears.get(class_key(module))
         return entry["layout"] if entry else None
+
+    def lora_entry(self, module: nn.Module) -> dict | None:
+        """A LoRA-wrapped Linear (PEFT): the entry names its base layer and adapter containers."""
+        return self.lora_linears.get(class_key(module))
 
     def dropout_p(self, module: nn.Module) -> float | None:
         entry = self.dropouts.get(class_key(module))

@@ -8,7 +8,8 @@ compiled kernels meet real hardware. Two parts, run in this order:
 1. Correctness, fp32 / fp16 / bf16: each Triton launcher against the PyTorch path with the same contract
    (approx_act every kind and 1-4 bits; both MS norms on short, non-power-of-2, max fused (16384) and long,
    looped rows, strided inputs and autocast output dtypes; the gated MLP elementwise kernels incl. strided
-   halves and in-place dg), plus the public ops end to end (autograd, dispatch, saved bytes) on CUDA.
+   halves and in-place dg), plus the public ops end to end (autograd, dispatch, saved bytes) on CUDA and
+   under torch.compile(fullgraph=True), where the Triton path runs as custom ops.
 2. Bandwidth: bytes moved / time, CUDA events, median of runs (L2 flushed and the GPU kept busy ahead of the
    timed launch, so host launch latency is not timed), at 16M / 64M / 256M elements, next to torch's gelu /
    silu / layer_norm / rms_norm, as a markdown table with % of the HBM peak (H200: 4.8 TB/s).
@@ -45,7 +46,6 @@ import torch  # noqa: E402
 HBM_PEAK_GBPS = 4800.0  # H200 HBM3e, TB/s * 1000
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
 #: Where checks and benches allocate; tests set "cpu" to run the same code through Triton's interpreter.
 DEVICE = "cuda"
 #: MS norm checks, (rows, n, forced chunk): tiny, non-power-of-2, typical, > 4096 non-pow2, the max fused
@@ -57,6 +57,8 @@ NORM_PUBLIC_ROWS = (4096, 20000)
 #: approx_act checks, (rows, cols, strided): several programs with a ragged tail (N not a multiple of the
 #: codes per byte nor of a program's 2048 elements), and a strided slice. Few shapes: each compiles anew.
 ACT_CHECK_SHAPES = [(37, 333, False), (19, 500, True)]
+#: Ops checked under torch.compile (approx_act gelu 2-bit, gated_mlp silu).
+COMPILE_OPS = ("approx_act", "ms_layer_norm", "ms_rms_norm", "gated_mlp")
 #: Gated MLP elementwise checks, (rows, f, g and u as strided halves of one gate_up tensor).
 GATED_CASES = [(37, 333, False), (8, 4096, False), (11, 2000, True)]
 NO_CUDA_MESSAGE = ("gpu_check: no CUDA device available (torch.cuda.is_available() is False). This script "
@@ -137,7 +139,8 @@ def bench_table(results: Sequence[BenchResult], peak: float = HBM_PEAK_GBPS) -> 
         rows.append((r.op, r.ref, r.dtype, size_label(r.numel), f"{_g(f)} / {_g(rf)}",
                      f"{pct_peak(f, peak):.0f}% / {pct_peak(rf, peak):.0f}%", f"{_g(b)} / {_g(rb)}",
                      f"{pct_peak(b, peak):.0f}% / {pct_peak(rb, peak):.0f}%",
-                     f"{r.fwd_s * 1e6:.1f} / {r.ref_fwd_s * 1e6:.1f}", f"{r.bwd_s * 1e6:.1f} / {r.ref_bwd_s * 1e6:.1f}"))
+                     f"{r.fwd_s * 1e6:.1f} / {r.ref_fwd_s * 1e6:.1f}",
+                     f"{r.bwd_s * 1e6:.1f} / {r.ref_bwd_s * 1e6:.1f}"))
     return markdown_table(header, rows)
 
 
@@ -161,6 +164,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--bench-bits", type=int, default=2, help="approx_act bits in the bench")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--skip-compile", action="store_true", help="skip the torch.compile checks")
     p.add_argument("--quick", action="store_true", help="bench 1M/4M only, 5 runs")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining work past this many seconds")
     p.add_argument("--bench-reserve-s", type=float, default=120.0,
@@ -428,6 +432,39 @@ def check_gated(ck: Checker, dtypes: Sequence[torch.dtype]) -> None:
                    tol_override={"atol": 1e-4, "rtol": 1e-4})
 
 
+def check_compile(ck: Checker, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Each op under ``torch.compile(fullgraph=True)`` (on CUDA: its custom ops, opaque to Dynamo, with fake
+    kernels) against eager: values and input grads."""
+    from lmbp_convert.ops import gated_mlp as G
+    from lmbp_convert.ops import ms_norm as M
+
+    A = _approx_act_module()
+    w = _randn((256, 512), dtype) * 512 ** -0.5
+    cases = {"ms_layer_norm": (lambda x: M.ms_layer_norm(x, 512), 1),
+             "ms_rms_norm": (lambda x: M.ms_rms_norm(x, 512), 1),
+             "gated_mlp": (lambda g, u: G.gated_mlp(g, u, w, None, "silu"), 2)}
+    if A is not None:
+        cases["approx_act"] = (lambda x: A.approx_act(x, "gelu", 2), 1)
+    for name in COMPILE_OPS:
+        if name not in cases:
+            continue
+        fn, n_in = cases[name]
+        if ck.out_of_time(f"torch.compile {name}"):
+            return
+
+        def run(fn=fn, n_in=n_in):
+            torch._dynamo.reset()
+            xs = [_randn((64, 512), dtype, 2.0).requires_grad_(True) for _ in range(n_in)]
+            y = fn(*xs)
+            g = torch.randn_like(y)
+            grads = torch.autograd.grad(y, xs, g)
+            yc = torch.compile(fn, fullgraph=True)(*xs)
+            grads_c = torch.autograd.grad(yc, xs, g)
+            return [("y", yc, y)] + [(f"grad {i}", a, e) for i, (a, e) in enumerate(zip(grads_c, grads))]
+
+        ck.compare(f"{name} torch.compile(fullgraph) vs eager", dtype, (64, 512), run, "bwd")
+
+
 # -------------------------------------------------------------------------------------------- timing
 def time_cuda(fn: Callable[[], object], runs: int, warmup: int, flush: Optional[torch.Tensor]) -> float:
     """Median GPU seconds of ``fn()``: L2 flushed, the stream kept busy (``_sleep``) so the timed launch is
@@ -555,7 +592,7 @@ def bench_specs(args: argparse.Namespace) -> list:
     specs = []
     act_mod = _approx_act_module()
     if act_mod is not None:
-        for kind in ACT_KINDS:
+        for kind in act_mod.ACT_KINDS:
             specs.append((f"approx_act {kind} {args.bench_bits}-bit", _TORCH_ACT_NAME[kind],
                           lambda n, d, k=kind: act_kernels(n, args.row, d, k, args.bench_bits)))
     specs.append(("ms_layer_norm", "layer_norm +affine", lambda n, d: norm_kernels(n, args.row, d, False)))
@@ -571,7 +608,8 @@ def bench_specs(args: argparse.Namespace) -> list:
 
 
 # ------------------------------------------------------------------------------------- approx_act parts
-_TORCH_ACT_NAME = {"gelu": "gelu", "gelu_tanh": "gelu(tanh)", "silu": "silu", "quick_gelu": "x*sigmoid(1.702x)"}
+_TORCH_ACT_NAME = {"gelu": "gelu", "gelu_tanh": "gelu(tanh)", "silu": "silu",
+                   "quick_gelu": "x*sigmoid(1.702x) eager"}
 
 
 def _approx_act_module():
@@ -734,7 +772,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.skip_check:
         for section, run in (("approx_act", lambda: check_approx_act(ck, args.dtype_list, args.bits_list)),
                              ("ms_norm", lambda: check_norms(ck, args.dtype_list)),
-                             ("gated_mlp", lambda: check_gated(ck, args.dtype_list))):
+                             ("gated_mlp", lambda: check_gated(ck, args.dtype_list)),
+                             ("torch.compile", lambda: None if args.skip_compile else check_compile(ck))):
             t0 = time.perf_counter()
             try:
                 run()

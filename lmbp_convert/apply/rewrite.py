@@ -140,6 +140,13 @@ class UnitBuilder:
             gamma = effective_scale(weight, fold.param)
             for t in fold.targets:
                 lin = self.modules[t.name]
+                if t.base:  # LoRA-wrapped: A(γ·x̂) = (A·diag(γ))·x̂; β only reaches the base (planner checked)
+                    for adapter in t.lora_adapters:
+                        a = getattr(lin, t.lora_a_attr)[adapter]
+                        a_new, _ = fold_affine(a.weight, None, gamma, None, "out_in")
+                        if a.weight.device.type != "meta":
+                            self.swap_data(unit, a.weight, a_new)
+                    lin = getattr(lin, t.base)
                 w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, bias, t.layout)
                 if lin.weight.device.type != "meta":
                     self._set_weight(unit, lin, w_new)

@@ -159,18 +159,13 @@ class _Folder:
                 gc = g if a.layout == "out_in" else g[r0:r1]
                 w.write_tensor(fold_affine(chunk, None, gc, None, a.layout)[0])
                 on_bytes(chunk.numel() * chunk.element_size())
-        elif a.kind == "fold_b":
+        elif a.kind == "fold_b":  # b' = b + W·β, over the whole W: bit-identical to convert()'s fold (a
+            # matrix-vector product split into row blocks may round differently), at the cost of one fp32 W
             weight = self.source.tensor(a.weight)
             bias = self.source.tensor(key)
             beta = self.source.tensor(a.beta)
-            g = self.gamma(a)
-            if a.layout == "out_in":  # chunk over output rows: b'[rows] = b[rows] + W[rows]·β
-                step = max(1, CHUNK_ELEMS // max(1, weight.shape[1]))
-                parts = [fold_affine(weight[r0:r0 + step], bias[r0:r0 + step], g, beta, "out_in")[1]
-                         for r0 in range(0, weight.shape[0], step)]
-                new_b = torch.cat(parts) if parts else bias
-            else:
-                new_b = fold_affine(weight, bias, g, beta, "in_out")[1]
+            new_b = fold_affine(weight, bias, self.gamma(a), beta, a.layout)[1]
+            del weight
             w.write_tensor(new_b.to(dtype))
             on_bytes(info.nbytes)
         else:  # pragma: no cover - plan_disk only makes the kinds above

@@ -334,9 +334,11 @@ class _Planner:
         dtype = next((str(p.dtype).replace("torch.", "") for p in self.view.model.parameters()
                       if p.is_floating_point()), "float32")
         notes = []
-        if folds and self.view.kind == "hf":
-            notes.append(f"DST reproduces the outputs of {self.view.arch}; hidden states read right after a folded "
-                         "norm (output_hidden_states, or another head class on the same weights) lack its affine")
+        if folds:
+            where = ("output_hidden_states, or another head class on the same weights" if self.view.kind == "hf"
+                     else "forward_features, or a reset/removed head")
+            notes.append(f"DST reproduces the outputs of {self.view.arch}; features read right after a folded "
+                         f"norm ({where}) lack its affine")
         if self.km.ignored:
             notes.append(f"{len(self.km.ignored)} tensor(s) the model ignores on load copied as they are "
                          f"(e.g. {self.km.ignored[0]})")

@@ -10,6 +10,9 @@ class LinearTarget:
     layout: str  # "out_in" (nn.Linear) or "in_out" (HF Conv1D)
     via: list[str] = field(default_factory=list)  # commuting ops between the norm and this Linear
     adds_bias: bool = False  # the Linear has no bias but the norm has β
+    base: str | None = None  # LoRA-wrapped Linear: attribute of the base layer (folded like a Linear) ...
+    lora_adapters: list[str] = field(default_factory=list)  # ... and adapters whose lora_A gets A·diag(γ)
+    lora_a_attr: str | None = None
 
 
 @dataclass

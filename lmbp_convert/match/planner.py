@@ -83,9 +83,10 @@ class Planner:
     def _skip(self, name: str, mod: nn.Module, reason: str) -> None:
         self.plan.skips.append(Skip(name, class_key(mod), reason))
 
-    def _linear_problem(self, node: Node, tid: int) -> str | None:
+    def _linear_problem(self, node: Node, tid: int, has_beta: bool) -> str | None:
         name = node.target
         mod = self.modules[name]
+        lora = self.roles[name].lora
         slots = node.info["slots"].get(tid, [])
         if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
             return f"{name} takes the norm output as a secondary argument"
@@ -93,12 +94,37 @@ class Planner:
             return f"{name} is excluded by the options"
         if self.g.module_calls.get(name, 0) != 1:
             return f"{name} is called {self.g.module_calls.get(name, 0)} times per forward"
+        if lora is not None:
+            problem = self._lora_problem(name, mod, lora, has_beta)
+            if problem:
+                return problem
+            mod = getattr(mod, lora["base"])
         w = getattr(mod, "weight", None)
         if w is None or not w.is_floating_point():
             return f"{name} has weights that cannot be rewritten ({getattr(w, 'dtype', None)}, e.g. quantized)"
         owners = self.param_owners.get(id(w), [])
         if len(owners) > 1 and not self.opt.untie:
             return f"{name}.weight is tied to {', '.join(o for o in owners if not o.startswith(name + '.'))} (untie=True would fold into an untied copy)"
+        return None
+
+    @staticmethod
+    def _lora_problem(name: str, mod: nn.Module, lora: dict, has_beta: bool) -> str | None:
+        """Folding γ into lora_A is exact for any adapter; β is only exact while no adapter can see it."""
+        if any(getattr(mod, "use_dora", {}).values()) if isinstance(getattr(mod, "use_dora", None), dict) else False:
+            return f"{name} uses DoRA (magnitude vector depends on the weight norm; not folded)"
+        if getattr(mod, "merged", False):
+            return f"{name} has merged adapters; unmerge them first"
+        if not has_beta:
+            return None
+        for adapter, drop in getattr(mod, lora["dropout"]).items():
+            p = float(getattr(drop, "p", 0.0) or 0.0)
+            if p > 0:
+                return (f"{name}: adapter {adapter!r} has lora_dropout={p}, which would drop the norm's β on the "
+                        "adapter path (convert before get_peft_model, or use lora_dropout=0)")
+        for adapter, b in getattr(mod, lora["adapters_B"]).items():
+            if b.weight.device.type != "meta" and bool(b.weight.detach().ne(0).any()):
+                return (f"{name}: adapter {adapter!r} is already trained (lora_B ≠ 0), so the norm's β would have "
+                        "to enter the adapter; convert before get_peft_model or before training")
         return None
 
     def _plan_norm(self, name: str, mod: nn.Module, role: Role) -> None:
@@ -138,11 +164,16 @@ class Planner:
                     r = self.roles.get(c.target, Role("other"))
                     ndim = len(self.g.tensors[tid].shape)
                     if r.kind == "linear" and axis == ndim - 1:
-                        problem = self._linear_problem(c, tid)
+                        problem = self._linear_problem(c, tid, nr.has_bias)
                         if problem is None:
                             mod_l = self.modules[c.target]
+                            adapters = list(getattr(mod_l, r.lora["adapters_A"]).keys()) if r.lora else []
+                            if r.lora:
+                                mod_l = getattr(mod_l, r.lora["base"])
                             adds_bias = nr.has_bias and getattr(mod_l, "bias", None) is None
-                            targets[c.target] = LinearTarget(c.target, r.layout, list(via), adds_bias)
+                            targets[c.target] = LinearTarget(c.target, r.layout, list(via), adds_bias,
+                                                             r.lora["base"] if r.lora else None, adapters,
+                                                             r.lora["adapters_A"] if r.lora else None)
                             active_scopes.update(c.scopes)
                         else:
                             blocks.append(problem)

@@ -31,6 +31,7 @@ class Role:
     norm: NormRole | None = None
     layout: str | None = None  # linear weight layout: "out_in" (nn.Linear) or "in_out" (HF Conv1D)
     p: float | None = None  # dropout probability
+    lora: dict | None = None  # for LoRA-wrapped Linears: catalogue entry (base layer / adapter attributes)
     problem: str | None = None  # why a would-be norm cannot be used
 
 
@@ -116,6 +117,13 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     layout = cat.linear_layout(mod)
     if layout is not None:
         return Role("linear", layout=layout)
+    lora = cat.lora_entry(mod)
+    if lora is not None:
+        base = getattr(mod, lora["base"], None)
+        base_layout = cat.linear_layout(base) if base is not None else None
+        if base_layout is not None:
+            return Role("linear", layout=base_layout, lora=lora)
+        return Role("other", problem=f"{class_key(mod)}: LoRA over {class_key(base)} (not a Linear the fold knows)")
     p = cat.dropout_p(mod)
     if p is not None:
         return Role("dropout", p=p)

@@ -5,7 +5,7 @@ the mul) and h = a·u (for down's weight gradient): four T×f tensors besides x.
 g and u; a and h are cheap elementwise recomputations. This op therefore saves the very g and u it is given
 (views of one fused gate_up output stay one storage) and, for backward,
 
-    h  = act(g) · u                  (recomputed, fp32 math, rounded to h's dtype exactly as in forward)
+    h  = act(g) · u                  (recomputed, rounded to h's dtype exactly as in forward)
     dW = dYᵀ·h, db = Σ dY            (only when needed)
     dh = dY·W (+ LoRA terms)
     dg = dh · u · act'(g),  du = dh · act(g)
@@ -22,7 +22,9 @@ promotion and the result is cast back to the base output dtype. Weights are save
 copies) and recast in backward; gradients come back in each input's dtype.
 
 Dispatch: the elementwise parts (forward h; backward dg, du and the h recompute fused in one kernel) run as
-Triton kernels on CUDA tensors (`use_triton`), as the PyTorch path (`_fwd_torch` / `_bwd_torch`, the reference
+Triton kernels on CUDA tensors (`use_triton`; fp32 math in registers, one rounding per output), as the PyTorch
+path (ATen's act and act-backward kernels in the inputs' dtype: bitwise the roundings of eager autograd, and
+no fp32 copies of T×f tensors, which on CPU would cost more than the maths) (`_fwd_torch` / `_bwd_torch`, the reference
 in tests) everywhere else. The launchers `_fwd_triton` / `_bwd_triton` are callable directly and are exposed
 as the custom ops ``lmbp_convert::gated_mlp_fwd`` / ``lmbp_convert::gated_mlp_bwd``, which is what runs under
 torch.compile. The matmuls are ordinary PyTorch calls.
@@ -196,10 +198,6 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
 # ------------------------------------------------------------------------------------------------------
 # PyTorch path: identical semantics, every device; the reference in tests.
 # ------------------------------------------------------------------------------------------------------
-def _math_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
 def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return F.silu(g)
@@ -218,7 +216,7 @@ def _act_backward_torch(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.
 def _fwd_torch(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
     """PyTorch forward, same contract as `_fwd_triton`."""
     _act_code(act)
-    md = _math_dtype(g.dtype, u.dtype)
+    md = torch.promote_types(g.dtype, u.dtype)  # eager's own ops and roundings: bitwise what eager computes
     return _act_torch(g.to(md), act).mul_(u.to(md)).to(h_dtype)
 
 
@@ -226,7 +224,9 @@ def _bwd_torch(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_d
                dg_into_dh: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """PyTorch backward, same contract as `_bwd_triton` (``dg_into_dh`` is ignored: dg is always new)."""
     _act_code(act)
-    md = _math_dtype(g.dtype, u.dtype, dh.dtype)
+    # In the inputs' own dtype, like eager autograd (ATen's act kernels compute in fp32 internally): no
+    # fp32 copies of T×f tensors, which on CPU cost more than the elementwise maths itself.
+    md = torch.promote_types(torch.promote_types(g.dtype, u.dtype), dh.dtype)
     gf, uf, dhf = g.to(md), u.to(md), dh.to(md)
     a = _act_torch(gf, act)
     h = (a * uf).to(h_dtype) if h_dtype is not None else None  # the very ops of `_fwd_torch`

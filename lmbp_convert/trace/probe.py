@@ -31,6 +31,9 @@ def _first(cfg: Any, *names: str, default=None):
 def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int, str]:
     """Return (probe, count, unit): the input, and how many tokens/images it holds (for per-token figures)."""
     device, dtype = _device_dtype(model)
+    get_base = getattr(model, "get_base_model", None)  # PEFT wrappers: the input is the base model's
+    if callable(get_base):
+        model = get_base()
     cfg = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if cfg is not None and main == "input_ids":

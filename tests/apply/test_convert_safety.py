@@ -197,3 +197,39 @@ def test_report_is_printable_and_serialisable():
     d = rep.to_dict()
     json.dumps(d)
     assert d["predicted_saved_bytes"] > 0 and d["plan"]["norm_folds"]
+
+
+def _lora(model, **kw):
+    from peft import LoraConfig, get_peft_model
+
+    cfg = dict(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "qkv", "fc1",
+                                    "query", "value", "dense"], lora_dropout=0.0)
+    cfg.update(kw)
+    return get_peft_model(model, LoraConfig(**cfg))
+
+
+@pytest.mark.parametrize("family", ["llama", "timm_vit"])
+def test_fold_into_lora_wrapped_linears_after_get_peft_model(family):
+    model = _lora(FAMILIES[family]())
+    with torch.no_grad():  # a trained-looking adapter, so A·diag(γ) matters
+        for n, p in model.named_parameters():
+            if "lora_B" in n and family == "llama":  # RMSNorm: no β, any B is exact
+                p.normal_(0, 0.1)
+    model.eval()
+    ref = copy.deepcopy(model)
+    probe = make_probe(model)[0]
+    _, rep = convert(model, return_report=True)
+    lora_targets = [t for f in rep.plan.norm_folds for t in f.targets if t.base]
+    assert lora_targets and rep.verified, str(rep)
+    with torch.no_grad():
+        a, b = call_model(model, probe), call_model(ref, probe)
+    a = a.logits if hasattr(a, "logits") else a
+    b = b.logits if hasattr(b, "logits") else b
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_with_dropout_and_norm_bias_is_blocked_with_reason():
+    model = _lora(FAMILIES["timm_vit"](), lora_dropout=0.1)
+    _, rep = convert(model, return_report=True)
+    reasons = " ".join(s.reason for s in rep.plan.skips)
+    assert "lora_dropout" in reasons

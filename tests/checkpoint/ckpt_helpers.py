@@ -67,4 +67,6 @@ def tree_hash(path: Path) -> dict[str, str]:
 
 def leftovers(parent: Path) -> list[str]:
     """Temporary files the converter might have left beside DST."""
+    if not parent.is_dir():
+        return []
     return [p.name for p in parent.iterdir() if ".lmbp-tmp-" in p.name or ".lmbp-old-" in p.name]

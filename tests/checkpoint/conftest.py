@@ -19,6 +19,7 @@ def cli(capsys):
     from lmbp_convert.cli import main
 
     def run(*args) -> tuple[int, str, str]:
+        capsys.readouterr()  # drop what fixtures printed (save_pretrained's progress bars)
         rc = main([str(a) for a in args])
         out, err = capsys.readouterr()
         return rc, out, err

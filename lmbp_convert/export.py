@@ -1,0 +1,231 @@
+"""Export a converted model as a checkpoint that plain transformers / timm load, without this package.
+
+A converted model's own ``state_dict()`` already has the original keys, and for most folds it is already a
+plain checkpoint: the folded norm holds identity ``weight``/``bias`` buffers and the Linears hold W·diag(γ),
+b + W·β, which a plain model computes identically. Two kinds of fold are not expressible that way:
+
+* norms whose affine is re-applied on another branch (post-LN BERT/RoBERTa, a returned final norm): they keep
+  γ, β as Parameters, so a plain model would apply γ, β *and* the folded Linear. Here the Linears are
+  unfolded with the norm's current γ, β: W = W'·diag(1/γ), b = b' − W·β (exact up to rounding, also after
+  training, since the converted function is W'·x̂ + b' on that branch and γ·x̂ + β on the others).
+* folds that gave a bias-less Linear a bias for β (timm Swin's patch-merging ``reduction``; an untied LM
+  head): the plain Linear has no bias. The identity norm gets a shift β* instead, solving W'·β* = b' for the
+  bias-less targets (exact while that system is consistent: always for a Linear that reduces width, e.g.
+  4C → 2C, and before training otherwise), and the norm's other targets compensate with b − W'·β*.
+  When no β* reproduces the function, ``ExportError`` says so rather than writing a different model.
+
+Nothing here changes the model; ``convert()`` needs no extra call: the fold record is ``model.lmbp_report``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .apply.convert import REPORT_ATTR
+from .errors import ConversionError
+from .fold import effective_scale
+from .report import ConversionReport
+
+__all__ = ["ExportError", "plain_state_dict", "save_pretrained"]
+
+#: relative residual ‖W'·β* − b'‖ / ‖b'‖ up to which a bias moved back into a norm's shift counts as exact
+DEFAULT_RTOL = 1e-4
+
+
+class ExportError(ConversionError):
+    """The converted model cannot be written as a plain checkpoint with the same function."""
+
+
+def _find_report(model: nn.Module, report: ConversionReport | None) -> tuple[ConversionReport, Callable[[str], str]]:
+    """The report, and a map from its module names to ``model``'s."""
+    if report is not None:
+        return report, _name_map(model, report)
+    for name, mod in model.named_modules():
+        rep = getattr(mod, REPORT_ATTR, None)
+        if isinstance(rep, ConversionReport):
+            return rep, (lambda n, p=name: f"{p}.{n}" if p else n)
+    raise ExportError(f"{type(model).__name__} carries no conversion report (model.{REPORT_ATTR}): was it "
+                      "converted with lmbp_convert.convert()? Pass report=... if it was converted under another "
+                      "wrapper")
+
+
+def _name_map(model: nn.Module, report: ConversionReport) -> Callable[[str], str]:
+    """Map the report's module names onto ``model``: the same model, a wrapper of it, or a module it wraps
+    (e.g. ``merge_and_unload()`` of a PeftModel that was converted)."""
+    names = dict(model.named_modules())
+    folds = report.plan.norm_folds
+    if not folds or folds[0].name in names:
+        return lambda n: n
+    probe = folds[0].name
+    for cand in names:  # model wraps the converted module
+        if cand and f"{cand}.{probe}" in names:
+            return lambda n, p=cand: f"{p}.{n}"
+    parts = probe.split(".")
+    for k in range(1, len(parts)):  # the converted module wrapped model
+
+        def strip(n: str, p: str = ".".join(parts[:k]) + ".") -> str:
+            if not n.startswith(p):
+                raise ExportError(f"{n!r} is outside the exported module (expected under {p[:-1]!r})")
+            return n[len(p):]
+
+        if strip(probe) in names:
+            return strip
+    raise ExportError(f"the report's norm {probe!r} is not a module of {type(model).__name__}")
+
+
+def _key(module_name: str, attr: str) -> str:
+    return f"{module_name}.{attr}" if module_name else attr
+
+
+def _unfold_scale(w: torch.Tensor, gamma: torch.Tensor, layout: str) -> torch.Tensor:
+    """W'·diag(1/γ) in float64; a zero γ is only allowed where W' is zero too."""
+    zero = gamma == 0
+    if bool(zero.any()):
+        cols = w[:, zero] if layout == "out_in" else w[zero, :]
+        if bool(cols.ne(0).any()):
+            raise ExportError("a norm scale γ is exactly 0 but the folded Linear still reads that channel: "
+                              "a plain model cannot express it")
+    safe = torch.where(zero, torch.ones_like(gamma), gamma)
+    return w / safe if layout == "out_in" else w / safe[:, None]
+
+
+def _matvec(w: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
+    return w @ v if layout == "out_in" else v @ w
+
+
+def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None,
+                     rtol: float = DEFAULT_RTOL) -> dict[str, torch.Tensor]:
+    """The state dict of the unconverted architecture that computes what the converted ``model`` computes.
+
+    Keys are the original model's (a converted model adds none and drops none); untouched entries are the
+    model's own tensors (detached), changed ones are new tensors in the original dtypes. Works after
+    training. ``report`` defaults to the ``lmbp_report`` of ``model`` or of the submodule that was converted.
+    Raises ``ExportError`` if a fold has no plain equivalent (see the module docstring).
+    """
+    rep, rename = _find_report(model, report)
+    sd = model.state_dict()
+    modules = dict(model.named_modules())
+    for fold in rep.plan.norm_folds:
+        norm_name = rename(fold.name)
+        norm = modules.get(norm_name)
+        if norm is None:
+            raise ExportError(f"norm {norm_name!r} of the report is not in the model")
+        if not type(norm).__module__.startswith("lmbp_convert.nn"):
+            raise ExportError(f"{norm_name} is a {type(norm).__name__}, not a converted norm: the report does not "
+                              "describe this model")
+        targets = []
+        for t in fold.targets:
+            lname = rename(t.name)
+            lin = modules.get(lname)
+            if lin is None:
+                raise ExportError(f"Linear {lname!r} of the report is not in the model")
+            if getattr(t, "base", None) or hasattr(lin, "base_layer"):
+                raise ExportError(f"{lname} is wrapped by a LoRA adapter; merge the adapters first "
+                                  "(merge_and_unload()) and pass report=<the converted model's report>")
+            targets.append((t, lname, lin))
+        if isinstance(norm._parameters.get("weight"), nn.Parameter):
+            _unfold_reapplied(sd, fold, norm, targets, rtol)
+        else:
+            _move_added_bias(sd, fold, norm_name, norm, targets, rtol)
+    return sd
+
+
+def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: float) -> None:
+    """Norm keeps γ, β (re-applied elsewhere): unfold them out of its Linears."""
+    gamma = effective_scale(norm.weight, fold.param).to(torch.float64)
+    beta = norm.bias.detach().to(torch.float64) if isinstance(getattr(norm, "bias", None), torch.Tensor) else None
+    for t, lname, lin in targets:
+        wk, bk = _key(lname, "weight"), _key(lname, "bias")
+        w_fold = lin.weight.detach().to(torch.float64)
+        w = _unfold_scale(w_fold, gamma.to(w_fold.device), t.layout)
+        sd[wk] = w.to(lin.weight.dtype)
+        b = lin.bias.detach().to(torch.float64) if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
+        if beta is not None and b is not None:
+            b = b - _matvec(w, beta.to(w.device), t.layout)
+        if t.adds_bias:  # the plain Linear has no bias: what is left of b' must be nothing
+            if b is not None:
+                _require_small(b, lin.bias.detach().to(torch.float64).norm(), rtol, lname)
+            sd.pop(bk, None)
+        elif b is not None:
+            sd[bk] = b.to(lin.bias.dtype)
+
+
+def _require_small(residual: torch.Tensor, scale: torch.Tensor, rtol: float, what: str) -> None:
+    rel = float(residual.norm() / scale.clamp_min(1e-30))
+    if rel > rtol:
+        raise ExportError(f"{what}: the fold gave this bias-less Linear a bias that no plain checkpoint can hold "
+                          f"(relative residual {rel:.1e} > {rtol:.0e}); the converted model has drifted from "
+                          "the plain architecture during training. Save it with its own state_dict and rebuild "
+                          "with lmbp_convert instead")
+
+
+def _move_added_bias(sd: dict, fold, norm_name: str, norm: nn.Module, targets: list, rtol: float) -> None:
+    """Identity norm: move the biases a fold added to bias-less Linears back into the norm's shift."""
+    added = [(t, n, lin) for t, n, lin in targets if t.adds_bias]
+    if not added:
+        return
+    bias_key = _key(norm_name, "bias")
+    if bias_key not in sd:
+        raise ExportError(f"{norm_name} has no bias entry to take the shift that {added[0][1]} needs")
+    rows, rhs = [], []
+    for t, lname, lin in added:
+        w = lin.weight.detach().to(torch.float64)
+        rows.append(w if t.layout == "out_in" else w.t())
+        rhs.append(lin.bias.detach().to(torch.float64))
+    a, y = torch.cat(rows), torch.cat(rhs)
+    beta = torch.linalg.lstsq(a.cpu(), y.cpu()[:, None], driver="gelsd").solution[:, 0].to(a.device)
+    _require_small(a @ beta - y, y.norm(), rtol,
+                   ", ".join(n for _, n, _ in added))
+    old = norm.bias.detach().to(torch.float64)
+    sd[bias_key] = (old + beta.to(old.device)).to(norm.bias.dtype)
+    for t, lname, lin in targets:
+        if t.adds_bias:
+            sd.pop(_key(lname, "bias"), None)
+        elif isinstance(getattr(lin, "bias", None), torch.Tensor):
+            w = lin.weight.detach().to(torch.float64)
+            b = lin.bias.detach().to(torch.float64) - _matvec(w, beta.to(w.device), t.layout)
+            sd[_key(lname, "bias")] = b.to(lin.bias.dtype)
+
+
+def _untied_tie_flags(model: nn.Module) -> list[Any]:
+    """Configs that say "tie word embeddings" although a fold (untie=True) gave the head its own weight."""
+    get_in = getattr(model, "get_input_embeddings", None)
+    get_out = getattr(model, "get_output_embeddings", None)
+    cfg = getattr(model, "config", None)
+    if cfg is None or get_in is None or get_out is None:
+        return []
+    emb_in, emb_out = get_in(), get_out()
+    if emb_in is None or emb_out is None or getattr(emb_out, "weight", None) is None:
+        return []
+    if emb_out.weight is emb_in.weight:
+        return []
+    cfgs = [cfg]
+    text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else None
+    if text is not None and text is not cfg:
+        cfgs.append(text)
+    return [c for c in cfgs if getattr(c, "tie_word_embeddings", False)]
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *,
+                    report: ConversionReport | None = None, rtol: float = DEFAULT_RTOL, **kwargs: Any) -> None:
+    """``model.save_pretrained(save_directory)`` with the plain state dict: a checkpoint that plain
+    ``from_pretrained`` loads, without lmbp_convert, with this model's outputs. When a fold untied the LM
+    head (``convert(untie=True)``), the saved config says ``tie_word_embeddings=False`` so that loading does
+    not tie it back. Extra keyword arguments go to ``save_pretrained``.
+    """
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} has no save_pretrained; use torch.save(plain_state_dict(model))")
+    if "state_dict" in kwargs:
+        raise TypeError("save_pretrained() computes the state dict itself; do not pass state_dict=")
+    sd = plain_state_dict(model, report=report, rtol=rtol)
+    flags = _untied_tie_flags(model)
+    for c in flags:
+        c.tie_word_embeddings = False
+    try:
+        model.save_pretrained(save_directory, state_dict=sd, **kwargs)
+    finally:
+        for c in flags:
+            c.tie_word_embeddings = True

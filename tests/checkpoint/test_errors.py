@@ -1,0 +1,302 @@
+"""Every bad input gets one clear line on stderr and a non-zero exit, no traceback; SRC stays byte-identical and
+no DST (nor any temporary directory) is left behind — also after a full disk or Ctrl-C in the middle."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import leftovers, tree_hash
+from safetensors.torch import load_file, save_file
+
+import lmbp_convert.checkpoint.api as api
+import lmbp_convert.checkpoint.safetensors_io as sio
+
+
+def expect_error(cli, src: Path, dst: Path, *args, match: str, code: int = 1) -> str:
+    before = tree_hash(src)
+    dst_before = tree_hash(dst) if dst.exists() else None
+    rc, out, err = cli(src, dst, *args)
+    assert rc == code, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lmbp-convert: error: "), err
+    assert "Traceback" not in out + err
+    assert re.search(match, lines[0]), lines[0]
+    assert tree_hash(src) == before, "SRC changed"
+    if dst_before is None:
+        assert not os.path.lexists(dst), "a DST was left behind"
+    else:
+        assert tree_hash(dst) == dst_before, "the existing DST changed"
+    assert not leftovers(dst.parent), leftovers(dst.parent)
+    return lines[0]
+
+
+@pytest.fixture
+def src(saved, tmp_path) -> Path:
+    """A private copy of the sharded LLaMA checkpoint, free to damage."""
+    path = tmp_path / "src"
+    shutil.copytree(saved("llama"), path)
+    return path
+
+
+def shards(src: Path) -> list[Path]:
+    return sorted(src.glob("model-*.safetensors"))
+
+
+def edit_config(src: Path, **changes) -> None:
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(changes)
+    (src / "config.json").write_text(json.dumps(cfg))
+
+
+# -- config.json ---------------------------------------------------------------------------------------------
+def test_missing_config(cli, src, tmp_path):
+    (src / "config.json").unlink()
+    expect_error(cli, src, tmp_path / "dst", match="has no config.json")
+
+
+@pytest.mark.parametrize("text,match", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "not an object"),
+    ('{"hidden_size": 8}', "no model_type"),
+])
+def test_invalid_config(cli, src, tmp_path, text, match):
+    (src / "config.json").write_text(text)
+    expect_error(cli, src, tmp_path / "dst", match=match)
+
+
+def test_unknown_model_type(cli, src, tmp_path):
+    edit_config(src, model_type="no_such_model_xyz")
+    expect_error(cli, src, tmp_path / "dst", match="unknown architecture: model_type 'no_such_model_xyz'")
+
+
+def test_unknown_architecture_class(cli, src, tmp_path):
+    edit_config(src, architectures=["NoSuchModelForCausalLM"])
+    expect_error(cli, src, tmp_path / "dst", match="unknown architecture: .*NoSuchModelForCausalLM")
+
+
+def test_quantized_source_refused(cli, src, tmp_path):
+    edit_config(src, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    expect_error(cli, src, tmp_path / "dst", match="quantized")
+
+
+# -- weights ------------------------------------------------------------------------------------------------
+def test_truncated_shard(cli, src, tmp_path):
+    p = shards(src)[-1]
+    data = p.read_bytes()
+    p.write_bytes(data[:-100])
+    expect_error(cli, src, tmp_path / "dst", match=rf"{p.name} is truncated")
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda d: (10**12).to_bytes(8, "little") + d[8:], "truncated or corrupt"),
+    (lambda d: d[:8] + b"#" + d[9:], "corrupt .*not valid JSON"),
+    (lambda d: d[:5], "truncated or not a safetensors file"),
+    (lambda d: d + b"\0" * 16, r"corrupt \(trailing bytes"),
+])
+def test_corrupt_shard(cli, src, tmp_path, damage, match):
+    p = shards(src)[1]
+    p.write_bytes(damage(p.read_bytes()))
+    expect_error(cli, src, tmp_path / "dst", match=f"{p.name} is {match}")
+
+
+def test_shard_named_in_index_missing(cli, src, tmp_path):
+    p = shards(src)[2]
+    p.unlink()
+    expect_error(cli, src, tmp_path / "dst", match=f"shard {p.name} named in model.safetensors.index.json is missing")
+
+
+def test_corrupt_index(cli, src, tmp_path):
+    (src / "model.safetensors.index.json").write_text('{"weight_map": ')
+    expect_error(cli, src, tmp_path / "dst", match="model.safetensors.index.json is not valid JSON")
+
+
+def test_index_disagrees_with_shard(cli, src, tmp_path):
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    key = next(iter(idx["weight_map"]))
+    other = next(s for s in idx["weight_map"].values() if s != idx["weight_map"][key])
+    idx["weight_map"][key] = other
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    expect_error(cli, src, tmp_path / "dst", match="corrupt index or shard")
+
+
+def test_unexpected_tensor(cli, src, tmp_path):
+    p = shards(src)[0]
+    tensors = load_file(p)
+    tensors["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    save_file(tensors, p, metadata={"format": "pt"})
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.layers.0.mlp.extra_proj.weight"] = p.name
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    expect_error(cli, src, tmp_path / "dst", match="'model.layers.0.mlp.extra_proj.weight' .* not expected by the "
+                                                   "config")
+
+
+def test_shape_disagrees_with_config(cli, src, tmp_path):
+    edit_config(src, intermediate_size=48)
+    expect_error(cli, src, tmp_path / "dst", match="has shape .* but the config expects")
+
+
+class NotATensor:  # a pickled object: torch.load(weights_only=True) must refuse it
+    pass
+
+
+def test_bin_loaded_only_with_weights_only(cli, saved, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(saved("llama") / "config.json", src / "config.json")
+    torch.save({"model.embed_tokens.weight": torch.zeros(96, 32), "payload": NotATensor()},
+               src / "pytorch_model.bin")
+    expect_error(cli, src, tmp_path / "dst", match=r"cannot load pytorch_model.bin with torch.load\(weights_only"
+                                                   r"=True\)")
+
+
+def test_no_weights(cli, src, tmp_path):
+    for p in [*shards(src), src / "model.safetensors.index.json"]:
+        p.unlink()
+    expect_error(cli, src, tmp_path / "dst", match="no weights in")
+
+
+# -- paths ----------------------------------------------------------------------------------------------------
+def test_missing_src(cli, tmp_path):
+    rc, _, err = cli(tmp_path / "nope", tmp_path / "dst")
+    assert rc == 1 and "does not exist" in err and not (tmp_path / "dst").exists()
+
+
+def test_dst_inside_src(cli, src):
+    expect_error(cli, src, src / "folded", match="inside SRC")
+
+
+def test_dst_is_src(cli, src):
+    before = tree_hash(src)
+    rc, _, err = cli(src, src, "--force")
+    assert rc == 1 and "DST is SRC" in err and tree_hash(src) == before
+
+
+def test_src_inside_dst_refused_even_with_force(cli, src):
+    before = tree_hash(src.parent)
+    rc, _, err = cli(src, src.parent, "--force")
+    assert rc == 1 and "inside DST" in err and tree_hash(src.parent) == before
+
+
+def test_existing_dst_refused_without_force(cli, src, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    expect_error(cli, src, dst, match="exists .*--force")
+
+
+def test_unwritable_dst_parent_is_a_file(cli, src, tmp_path):
+    (tmp_path / "afile").write_text("x")
+    expect_error(cli, src, tmp_path / "afile" / "dst", match="not a directory")
+
+
+def test_unwritable_dst_parent_missing(cli, src, tmp_path):
+    expect_error(cli, src, tmp_path / "no" / "dst", match="does not exist")
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes to read-only directories")
+def test_unwritable_dst_read_only_dir(cli, src, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        expect_error(cli, src, ro / "dst", match="not writable")
+    finally:
+        ro.chmod(0o755)
+
+
+def test_unwritable_dst_mkdir_fails(cli, src, tmp_path, monkeypatch):
+    """Permission checks can pass and creating the temporary directory still fail (ACLs, read-only mounts)."""
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(api.tempfile, "mkdtemp", refuse)
+    expect_error(cli, src, tmp_path / "dst", match="cannot write DST .*Permission denied")
+
+
+# -- failures while writing -----------------------------------------------------------------------------------
+def _fail_after(monkeypatch, module, name: str, calls: int, exc: BaseException) -> dict:
+    real = getattr(module, name)
+    count = {"n": 0}
+
+    def wrapper(*a, **k):
+        count["n"] += 1
+        if count["n"] > calls:
+            raise exc
+        return real(*a, **k)
+
+    monkeypatch.setattr(module, name, wrapper)
+    return count
+
+
+def test_full_disk_mid_write(cli, src, tmp_path, monkeypatch):
+    count = _fail_after(monkeypatch, sio, "_write_all", 6, OSError(errno.ENOSPC, "No space left on device"))
+    expect_error(cli, src, tmp_path / "dst", match="no space left on device")
+    assert count["n"] > 6  # it did fail in the middle of writing
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_ctrl_c_mid_write_leaves_no_partial_dst(cli, src, tmp_path, monkeypatch, existing):
+    dst = tmp_path / "dst"
+    if existing:
+        dst.mkdir()
+        (dst / "old.txt").write_text("previous result")
+    seen: list[list[str]] = []
+    real = sio._copy_range
+
+    def interrupt(*a, **k):
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(sio, "_copy_range", interrupt)
+    expect_error(cli, src, dst, *(["--force"] if existing else []), match="interrupted", code=130)
+    # while writing, the output was a hidden temporary directory beside DST, never DST itself
+    assert any(".lmbp-tmp-" in n for n in seen[-1])
+    if existing:
+        assert (dst / "old.txt").read_text() == "previous result"
+
+
+def test_commit_failure_restores_existing_dst(cli, src, tmp_path, monkeypatch):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "old.txt").write_text("previous result")
+    real = os.rename
+
+    def rename(a, b):
+        if ".lmbp-tmp-" in str(a):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(a, b)
+
+    monkeypatch.setattr(api.os, "rename", rename)
+    expect_error(cli, src, dst, "--force", match="cannot write .*Input/output error")
+
+
+# -- options and other inputs ---------------------------------------------------------------------------------
+def test_nothing_to_fold(cli, saved, tmp_path):
+    src = saved("llama")
+    expect_error(cli, src, tmp_path / "dst", "--include", "no_such_module", match="nothing to fold")
+    rc, _, err = cli(src, tmp_path / "dst", "--include", "no_such_module", "--allow-empty", "-q")
+    assert rc == 0, err and (tmp_path / "dst" / "config.json").exists()
+
+
+def test_bad_regex(cli, saved, tmp_path):
+    expect_error(cli, saved("llama"), tmp_path / "dst", "--exclude", "(", match="not a valid regular expression")
+
+
+def test_file_src_without_timm_model(cli, src, tmp_path):
+    expect_error(cli, shards(src)[0], tmp_path / "dst", match="pass --timm-model")
+
+
+def test_unknown_timm_model(cli, tmp_path):
+    ckpt = tmp_path / "w.pth"
+    torch.save({"a": torch.zeros(2)}, ckpt)
+    expect_error(cli, ckpt, tmp_path / "dst.safetensors", "--timm-model", "no_such_timm_model_xyz",
+                 match="unknown architecture: timm .* has no model 'no_such_timm_model_xyz'")

@@ -1,0 +1,209 @@
+"""The streaming machinery: safetensors I/O, chunked folds (bit-identical to whole-tensor folds), bounded reads,
+and timm checkpoint files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import build_model, leftovers, save_model, tree_hash
+from safetensors import safe_open
+
+import lmbp_convert.checkpoint.api as api
+from lmbp_convert import convert
+from lmbp_convert.apply.convert import CONFIG_KEY
+from lmbp_convert.checkpoint import CheckpointError, mark_prefolded, read_record
+from lmbp_convert.checkpoint.safetensors_io import SafetensorsFile, SafetensorsWriter, read_entry
+from lmbp_convert.checkpoint.sources import SafetensorsSource
+
+
+def test_writer_reader_roundtrip(tmp_path):
+    tensors = {
+        "bf16": torch.randn(5, 7).to(torch.bfloat16),
+        "f16": torch.randn(3).half(),
+        "f32": torch.randn(2, 3, 4),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+    from lmbp_convert.checkpoint.safetensors_io import TORCH_TO_CODE
+
+    path = tmp_path / "x.safetensors"
+    w = SafetensorsWriter(path, [(k, TORCH_TO_CODE[t.dtype], tuple(t.shape), t.numel() * t.element_size())
+                                 for k, t in tensors.items()], {"format": "pt", "note": "hi"})
+    for t in tensors.values():
+        w.write_tensor(t)
+    w.close()
+    with safe_open(path, "pt") as f:  # the reference reader accepts it
+        assert f.metadata() == {"format": "pt", "note": "hi"}
+        for k, t in tensors.items():
+            assert torch.equal(f.get_tensor(k), t)
+    parsed = SafetensorsFile(path)
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for k, t in tensors.items():
+            assert torch.equal(read_entry(fd, parsed.entries[k], "x"), t)
+        assert torch.equal(read_entry(fd, parsed.entries["bf16"], "x", (1, 4)), tensors["bf16"][1:4])
+    finally:
+        os.close(fd)
+
+
+def test_writer_checks_it_wrote_everything(tmp_path):
+    w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (4,), 16)])
+    with pytest.raises(RuntimeError, match="wrote 0 of 16"):
+        w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
+def test_chunked_folds_are_bit_identical(saved, tmp_path, cli, monkeypatch, arch):
+    """Folding row chunk by row chunk (out_in and Conv1D's in_out layouts, weights and biases) gives exactly the
+    bytes of one whole-tensor fold."""
+    src = saved(arch)
+    args = ["--untie", "-q"] if arch == "bert" else ["-q"]
+    monkeypatch.setattr(api, "CHUNK_ELEMS", 1 << 30)
+    assert cli(src, tmp_path / "whole", *args)[0] == 0
+    monkeypatch.setattr(api, "CHUNK_ELEMS", 40)  # a few rows at a time, and uneven last chunks
+    assert cli(src, tmp_path / "chunked", *args)[0] == 0
+    assert tree_hash(tmp_path / "whole") == tree_hash(tmp_path / "chunked")
+
+
+def test_reads_are_bounded_and_unchanged_tensors_never_loaded(tmp_path, cli, monkeypatch):
+    """Streaming: only folded tensors are read into memory, a few rows at a time, plus the small norm vectors;
+    everything else goes file to file."""
+    model = build_model("llama", hidden_size=64, intermediate_size=128, vocab_size=512)
+    src = save_model(model, tmp_path / "src", max_shard_size="64KB")
+    reads: list[tuple[str, int]] = []
+    real_tensor, real_rows = SafetensorsSource.tensor, SafetensorsSource.rows
+
+    def tensor(self, key):
+        t = real_tensor(self, key)
+        reads.append(("tensor", t.numel() * t.element_size()))
+        return t
+
+    def rows(self, key, r0, r1):
+        t = real_rows(self, key, r0, r1)
+        reads.append(("rows", t.numel() * t.element_size()))
+        return t
+
+    monkeypatch.setattr(SafetensorsSource, "tensor", tensor)
+    monkeypatch.setattr(SafetensorsSource, "rows", rows)
+    monkeypatch.setattr(api, "CHUNK_ELEMS", 2048)
+    rc, _, err = cli(src, tmp_path / "dst", "-q")
+    assert rc == 0, err
+    total = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    assert max(n for kind, n in reads if kind == "rows") <= 2048 * 4
+    assert max(n for kind, n in reads if kind == "tensor") <= 64 * 4  # norm weights only
+    folded = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head"}
+    with open(src / "model.safetensors.index.json") as f:
+        keys = json.load(f)["weight_map"]
+    sd = model.state_dict()
+    folded_bytes = sum(sd[k].numel() * 4 for k in keys if any(p in k for p in folded))
+    assert sum(n for kind, n in reads if kind == "rows") == folded_bytes < total
+
+
+# -- timm ------------------------------------------------------------------------------------------------------
+TIMM_ARGS = dict(img_size=32, patch_size=8, depth=2, num_classes=10)
+
+
+def timm_vit():
+    import timm
+
+    torch.manual_seed(0)
+    m = timm.create_model("vit_tiny_patch16_224", pretrained=False, **TIMM_ARGS)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for mod in m.modules():
+            if isinstance(mod, torch.nn.LayerNorm):
+                mod.weight.copy_(torch.rand(mod.weight.shape, generator=gen) + 0.5)
+                mod.bias.copy_(0.5 * torch.randn(mod.bias.shape, generator=gen))
+    return m.eval()
+
+
+def timm_cli_args() -> list[str]:
+    out = ["--timm-model", "vit_tiny_patch16_224"]
+    for k, v in TIMM_ARGS.items():
+        out += ["--timm-arg", f"{k}={v}"]
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["pth-training", "safetensors"])
+def test_timm_checkpoint_file(tmp_path, cli, fmt):
+    import timm
+    from safetensors.torch import save_file
+
+    model = timm_vit()
+    if fmt == "safetensors":
+        src = tmp_path / "vit.safetensors"
+        save_file(model.state_dict(), src)
+    else:  # a DDP training checkpoint: wrapped state dict, "module." prefixes, other entries
+        src = tmp_path / "vit.pth"
+        torch.save({"epoch": 3, "state_dict": {f"module.{k}": v for k, v in model.state_dict().items()},
+                    "optimizer": {"lr": 0.1}}, src)
+    before = tree_hash(src)
+    dst = tmp_path / "out" / "vit-folded.safetensors"
+    dst.parent.mkdir()
+    rc, out, err = cli(src, dst, *timm_cli_args())
+    assert rc == 0, err
+    assert tree_hash(src) == before and not leftovers(dst.parent)
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["vit-folded.safetensors"]
+    assert "fold blocks.0.norm1 [layer, w, +bias] -> blocks.0.attn.qkv" in out
+    plain = timm.create_model("vit_tiny_patch16_224", pretrained=False, checkpoint_path=str(dst), **TIMM_ARGS).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = model(x), plain(x)
+    assert ((ref - got).norm() / ref.norm()).item() <= 1e-5
+    rec = read_record(dst)
+    assert rec["folded_norms"] and rec["architecture"] == "vit_tiny_patch16_224"
+    # convert() on the loaded model, told what is folded, swaps the norms and changes no weight
+    before_sd = {k: v.clone() for k, v in plain.state_dict().items()}
+    mark_prefolded(plain, rec)
+    plain, report = convert(plain, activations=False, gated_mlp=False, return_report=True)
+    assert sorted(f.name for f in report.plan.norm_folds if f.prefolded) == sorted(rec["folded_norms"])
+    after = plain.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before_sd.items() if k in after)
+    with torch.no_grad():
+        assert ((ref - plain(x)).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_timm_dst_must_be_safetensors_and_model_must_match(tmp_path, cli):
+    model = timm_vit()
+    src = tmp_path / "vit.pth"
+    torch.save(model.state_dict(), src)
+    rc, _, err = cli(src, tmp_path / "out.pth", *timm_cli_args())
+    assert rc == 1 and "must be a .safetensors file" in err and not (tmp_path / "out.pth").exists()
+    rc, _, err = cli(src, tmp_path / "out.safetensors", "--timm-model", "vit_tiny_patch16_224",
+                     "--timm-arg", "img_size=32", "--timm-arg", "patch_size=8")  # depth 12: blocks.2 missing
+    assert rc == 1 and "but the config expects" in err or "not expected" in err, err
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_read_record_of_hf_dst(saved, tmp_path, cli):
+    dst = tmp_path / "dst"
+    assert cli(saved("gpt2"), dst, "-q")[0] == 0
+    rec = read_record(dst)
+    assert rec == json.loads((dst / "config.json").read_text())[CONFIG_KEY]
+    assert read_record(next(dst.glob("*.safetensors"))) == rec
+
+
+def test_reconverting_dst_is_idempotent(saved, tmp_path, cli):
+    """DST of DST: the recorded norms are skipped as already folded, the weights stay byte-identical."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli(saved("llama"), a, "-q")[0] == 0
+    rc, out, err = cli(a, b, "--allow-empty")
+    assert rc == 0, err
+    assert "already folded on disk" in out
+    ha, hb = tree_hash(a), tree_hash(b)
+    assert {k: v for k, v in ha.items() if k != "config.json" and not k.endswith(".safetensors")} == \
+        {k: v for k, v in hb.items() if k != "config.json" and not k.endswith(".safetensors")}
+    for p in a.glob("*.safetensors"):
+        with safe_open(p, "pt") as fa, safe_open(b / p.name, "pt") as fb:
+            assert all(torch.equal(fa.get_tensor(k), fb.get_tensor(k)) for k in fa.keys())
+    assert read_record(b)["folded_norms"] == read_record(a)["folded_norms"]
+
+
+def test_checkpoint_error_is_one_line():
+    assert str(CheckpointError("a\n  b\tc")) == "a b c"
