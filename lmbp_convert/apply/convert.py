@@ -148,7 +148,6 @@ def _isolate_failures(model, probe, reference, units, rtol, report) -> float:
     """Undo everything, then re-apply unit by unit, keeping only those that leave outputs unchanged."""
     for u, _ in reversed(units):
         u.undo()
-    kept = []
     for u, item in units:
         u.apply()
         try:
@@ -159,8 +158,6 @@ def _isolate_failures(model, probe, reference, units, rtol, report) -> float:
             u.undo()
             report.rolled_back.append((u.label, err))
             _drop(report.plan, item)
-        else:
-            kept.append(u)
     return relative_error(run_probe(model, probe), reference)
 
 
