@@ -14,8 +14,10 @@ to byte i // P at bit offset (i % P) * S, with slot width S = k for k in {1, 2, 
 byte. The tensor holds exactly ceil(N / P) bytes: N/4 for the default k = 2 (1/16 of an fp32 input).
 
 Numerics: the activation is computed in fp32 (fp64 for fp64 inputs, PyTorch path only) and rounded once to
-x's dtype; thresholds are compared in that same precision; grad_in is computed in fp32 and rounded to
-grad_out's dtype. Special values: +inf exceeds every threshold (slope sum(a) = 1, the true limit), -inf none
+x's dtype (on the PyTorch path through ATen's fused gelu/silu kernels, which compute in fp32 internally);
+thresholds are the fp32 constants, and the PyTorch path compares in x's own dtype against each threshold
+moved down onto x's grid, which gives exactly the fp32 comparison without an fp32 copy of x; grad_in is
+computed in fp32 and rounded to grad_out's dtype. Special values: +inf exceeds every threshold (slope sum(a) = 1, the true limit), -inf none
 (slope 0). NaN compares false with every threshold, so a NaN input gets code 0 and its gradient is
 ``grad_out * 0`` (0, or NaN only where grad_out is inf/NaN), whereas the exact derivative would be NaN: a
 code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from importlib import resources
 from typing import NamedTuple, Optional
 
@@ -124,8 +127,15 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return -(-numel // per_byte)
 
 
+_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}  # slot bits -> int holding one packed byte's codes
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a flat uint8 tensor of codes (each < 2**bits) into ceil(N / P) bytes, low slot first."""
+    """Pack a flat uint8 tensor of codes (each < 2**bits) into ceil(N / P) bytes, low slot first.
+
+    The P code bytes of one packed byte are read as one little-endian integer, so packing is a handful of
+    shifts and masks over N/P words instead of P strided passes.
+    """
     s = slot_bits(bits)
     per_byte = 8 // s
     n = codes.numel()
@@ -133,11 +143,20 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.reshape(-1)
     if nbytes * per_byte != n:
         codes = F.pad(codes, (0, nbytes * per_byte - n))
-    lanes = codes.view(nbytes, per_byte)
-    packed = lanes[:, 0].clone()
-    for j in range(1, per_byte):
-        packed |= lanes[:, j] << (j * s)
-    return packed
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+        lanes = codes.view(nbytes, per_byte)
+        packed = lanes[:, 0].clone()
+        for j in range(1, per_byte):
+            packed |= lanes[:, j] << (j * s)
+        return packed
+    # One multiply gathers the P code bytes of a word into its top byte: byte j (value < 2**s) times
+    # 2**(8(P-1) - k(8-s)) lands at bit 8(P-1) + j*s when k == j; the cross terms (k ≠ j) land on distinct
+    # fields below the top byte (no carries) or overflow past the word (wrap-around is harmless).
+    words = codes.contiguous().view(_WORD[s])
+    top = 8 * (per_byte - 1)
+    k = sum(1 << (top - j * (8 - s)) for j in range(per_byte))
+    k = k - (1 << 64) if k >= 1 << 63 else k  # as a signed int64 scalar
+    return ((words * k) >> top).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
@@ -146,6 +165,31 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, s, dtype=torch.uint8, device=packed.device)
     lanes = (packed[:, None] >> shifts[None, :]) & ((1 << s) - 1)
     return lanes.reshape(-1)[:numel]
+
+
+_SLOPE_TABLES: dict = {}
+
+
+def _byte_slope_table(const: "ApproxConstants", device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, P] table: the P slopes a packed byte stands for, so unpacking is one gather."""
+    key = (const.kind, const.bits, device, dtype)
+    table = _SLOPE_TABLES.get(key)
+    if table is None:
+        all_bytes = torch.arange(256, dtype=torch.uint8)
+        codes = unpack_codes(all_bytes, 256 * (8 // slot_bits(const.bits)), const.bits).long()
+        slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64)
+        table = slopes[codes].view(256, -1).to(device=device, dtype=dtype)
+        _SLOPE_TABLES[key] = table
+    return table
+
+
+def _threshold_below(c: float, dtype: torch.dtype) -> float:
+    """Largest value of ``dtype`` ≤ c: for x in ``dtype``, x > c ⟺ x > that value (no value lies between),
+    so the code compare runs in the input's own dtype with exactly the fp32 result."""
+    t = torch.tensor(c, dtype=torch.float64).to(dtype)
+    if float(t) > c:
+        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
+    return float(t)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -166,27 +210,43 @@ def _act_torch(x: torch.Tensor, kind: str) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
 
+def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The activation in x's own dtype via ATen's fused kernels (fp32 inside), one rounding, like the
+    Triton path; quick_gelu has no fused kernel and is computed in fp32."""
+    if kind == "gelu":
+        # ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton kernel) give +inf.
+        return F.gelu(x).masked_fill_(torch.isposinf(x), math.inf)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if kind == "silu":
+        return F.silu(x)
+    return _act_torch(x.to(torch.float32), kind).to(x.dtype)
+
+
 def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation in x's dtype, packed codes) on any device."""
     const = _CONSTANTS[(kind, bits)]
-    xc = x.to(_compute_dtype(x.dtype))
-    y = _act_torch(xc, kind).to(x.dtype)
-    flat = xc.reshape(-1)
-    codes = torch.zeros(flat.shape, dtype=torch.uint8, device=x.device)
-    # Python floats exactly representable in the compute dtype: the compare is exact in any precision.
-    for c in const.c if xc.dtype == torch.float64 else const.c_f32:
+    if x.dtype == torch.float64:
+        y = _act_torch(x, kind)
+        thresholds = const.c
+    else:  # no fp32 copy of x: compare against thresholds moved onto x's own grid
+        y = _act_native(x, kind)
+        thresholds = [_threshold_below(c, x.dtype) for c in const.c_f32]
+    flat = x.reshape(-1)
+    codes = (flat > thresholds[0]).to(torch.uint8)
+    for c in thresholds[1:]:
         codes += flat > c
     return y, pack_codes(codes, bits)
 
 
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
-    """grad_out * slope[code], in grad's dtype and shape."""
+    """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
     const = _CONSTANTS[(kind, bits)]
     compute = _compute_dtype(grad.dtype)
-    codes = unpack_codes(packed, grad.numel(), bits)
-    table = torch.tensor(const.slopes, dtype=compute, device=grad.device)
-    slope = table[codes.long()].view(grad.shape)
-    return (grad.to(compute) * slope).to(grad.dtype)
+    n = grad.numel()
+    table = _byte_slope_table(const, grad.device, compute)
+    slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
+    return (grad * slope).to(grad.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -410,5 +470,5 @@ def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2, *, backend: O
     if not (torch.is_grad_enabled() and x.requires_grad):  # nothing to save: skip codes and autograd
         if backend == "triton":
             return _fwd(x, kind, bits, backend)[0]
-        return _act_torch(x.to(_compute_dtype(x.dtype)), kind).to(x.dtype)
+        return _act_torch(x, kind) if x.dtype == torch.float64 else _act_native(x, kind)
     return ApproxActFunction.apply(x, kind, bits, backend)

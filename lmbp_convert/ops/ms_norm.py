@@ -211,6 +211,11 @@ def _fwd_torch(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: tor
                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch forward, same contract as `_fwd_triton` (rstd is fp64 for fp64 inputs). ``chunk`` is ignored."""
     rows = x.numel() // n if n else 0  # n == 0 (an empty normalized_shape dim): nothing to normalise
+    if not is_rms and rows and n and _compute_dtype(x.dtype) == torch.float32:
+        # One fused ATen pass instead of ~8 elementwise ones; fp32 in, so the statistics are fp32 too (on CPU,
+        # ATen keeps bf16 statistics for bf16 input).
+        y, _, rstd = torch.native_layer_norm(x.reshape(rows, n).to(torch.float32), (n,), None, None, eps)
+        return y.to(out_dtype).reshape(x.shape), rstd.reshape(-1)
     xf = x.reshape(rows, n).to(_compute_dtype(x.dtype))
     if is_rms:
         xc = xf
@@ -227,6 +232,17 @@ def _bwd_torch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: boo
     cdt = _compute_dtype(x_dtype)
     rows = rstd.numel()
     n = y.numel() // rows if rows else 0
+    if not is_rms and rows and n and cdt == torch.float32:
+        # ATen's fused LayerNorm backward with mean 0 and rstd 1 *is* g − mean(g) − ŷ·mean(g·ŷ) for x̂ = ŷ;
+        # then one multiply by the real rstd. Inputs stay in their dtype only when all three agree (a pure
+        # bf16 model); otherwise (autocast: bf16 ŷ, fp32 x) the fused pass runs in fp32.
+        wd = y.dtype if (g.dtype == y.dtype == x_dtype) else torch.float32
+        g2, y2 = g.reshape(rows, n).to(wd), y.reshape(rows, n).to(wd)
+        zeros = torch.zeros(rows, 1, dtype=wd, device=y.device)
+        ones = torch.ones(rows, 1, dtype=wd, device=y.device)
+        dxh = torch.ops.aten.native_layer_norm_backward(g2, y2, [n], zeros, ones, None, None,
+                                                         [True, False, False])[0]
+        return (dxh.to(torch.float32) * rstd.reshape(rows, 1)).to(x_dtype).reshape(y.shape)
     gf = g.reshape(rows, n).to(cdt)
     yf = y.reshape(rows, n).to(cdt)
     dx = gf - yf * (gf * yf).mean(dim=1, keepdim=True)
