@@ -96,7 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from .checkpoint import CheckpointError, convert_checkpoint
 
+        planned = []
+
         def show(plan) -> None:
+            planned.append(plan)
             if args.json:
                 print(json.dumps(plan.to_dict(), indent=2), flush=True)
             elif not args.quiet:
@@ -111,12 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CheckpointError as exc:
             _err(str(exc))
             return 1
-        except KeyboardInterrupt:
-            _err("interrupted; SRC untouched, no DST written")
-            return 130
-        except _Terminated:
-            _err("terminated; SRC untouched, no DST written")
-            return 143
+        except (KeyboardInterrupt, _Terminated) as exc:
+            what = "interrupted" if isinstance(exc, KeyboardInterrupt) else "terminated"
+            done = bool(planned) and planned[0].committed  # the signal came as DST was put in place
+            _err(f"{what} after {args.dst} was complete" if done else f"{what}; SRC untouched, no DST written")
+            return 130 if isinstance(exc, KeyboardInterrupt) else 143
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 _err(f"no space left on device while writing {args.dst}; no DST written")
@@ -135,9 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("dry run: nothing written")
             return 0
         if not args.quiet and not args.json:
-            dt = time.perf_counter() - t0
+            from .checkpoint.diskplan import fmt_bytes
+
+            rate = fmt_bytes(plan.total_bytes / max(plan.seconds_write, 1e-9))
             print(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "
-                  f"{plan.total_bytes / 2**30:.2f} GiB in {dt:.1f} s")
+                  f"{fmt_bytes(plan.total_bytes)} in {time.perf_counter() - t0:.1f} s (plan {plan.seconds_plan:.2f} s, "
+                  f"write {plan.seconds_write:.2f} s, {rate}/s)")
         return 0
     finally:
         if old_term is not None:

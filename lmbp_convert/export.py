@@ -14,7 +14,11 @@ b + W·β, which a plain model computes identically. Two kinds of fold are not e
   4C → 2C, and before training otherwise), and the norm's other targets compensate with b − W'·β*.
   When no β* reproduces the function, ``ExportError`` says so rather than writing a different model.
 
-Nothing here changes the model; ``convert()`` needs no extra call: the fold record is ``model.lmbp_report``.
+``model.save_pretrained`` and Trainer checkpoints keep writing the converted parametrisation, which is what
+resuming *into a converted model* needs (``load_state_dict`` of the same keys); a checkpoint meant for plain
+transformers/timm comes from ``save_pretrained`` / ``plain_state_dict`` here. Unfolding runs in float64 and
+rounds once to each tensor's dtype (bf16 weights: bf16 rounding). Nothing here changes the model, and
+``convert()`` needs no extra call: the fold record is ``model.lmbp_report`` (and ``.previous`` reports).
 """
 from __future__ import annotations
 
@@ -39,17 +43,30 @@ class ExportError(ConversionError):
     """The converted model cannot be written as a plain checkpoint with the same function."""
 
 
-def _find_report(model: nn.Module, report: ConversionReport | None) -> tuple[ConversionReport, Callable[[str], str]]:
-    """The report, and a map from its module names to ``model``'s."""
+def _chain(report: ConversionReport) -> list[ConversionReport]:
+    """A report and the reports of earlier ``convert()`` calls on the same model (``report.previous``)."""
+    out: list[ConversionReport] = []
+    while isinstance(report, ConversionReport) and all(report is not r for r in out):
+        out.append(report)
+        report = getattr(report, "previous", None)
+    return out
+
+
+def _find_reports(model: nn.Module, report: ConversionReport | None
+                  ) -> list[tuple[ConversionReport, Callable[[str], str]]]:
+    """Every conversion report that applies to ``model``, each with a map from its module names to ``model``'s:
+    the given one, else those of ``model`` and of any submodule (convert, wrap, convert again)."""
     if report is not None:
-        return report, _name_map(model, report)
+        return [(r, _name_map(model, r)) for r in _chain(report)]
+    found = []
     for name, mod in model.named_modules():
-        rep = getattr(mod, REPORT_ATTR, None)
-        if isinstance(rep, ConversionReport):
-            return rep, (lambda n, p=name: f"{p}.{n}" if p else n)
-    raise ExportError(f"{type(model).__name__} carries no conversion report (model.{REPORT_ATTR}): was it "
-                      "converted with lmbp_convert.convert()? Pass report=... if it was converted under another "
-                      "wrapper")
+        for r in _chain(getattr(mod, REPORT_ATTR, None)):
+            found.append((r, (lambda n, p=name: f"{p}.{n}" if p else n)))
+    if not found:
+        raise ExportError(f"{type(model).__name__} carries no conversion report (model.{REPORT_ATTR}): was it "
+                          "converted with lmbp_convert.convert()? Pass report=... if it was converted under "
+                          "another wrapper")
+    return found
 
 
 def _name_map(model: nn.Module, report: ConversionReport) -> Callable[[str], str]:
@@ -102,35 +119,51 @@ def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None
 
     Keys are the original model's (a converted model adds none and drops none); untouched entries are the
     model's own tensors (detached), changed ones are new tensors in the original dtypes. Works after
-    training. ``report`` defaults to the ``lmbp_report`` of ``model`` or of the submodule that was converted.
+    training. ``report`` defaults to the ``lmbp_report`` of ``model`` and of any submodule that was converted
+    (and the reports they chain to through ``.previous``).
     Raises ``ExportError`` if a fold has no plain equivalent (see the module docstring).
     """
-    rep, rename = _find_report(model, report)
     sd = model.state_dict()
     modules = dict(model.named_modules())
-    for fold in rep.plan.norm_folds:
-        norm_name = rename(fold.name)
-        norm = modules.get(norm_name)
-        if norm is None:
-            raise ExportError(f"norm {norm_name!r} of the report is not in the model")
-        if not type(norm).__module__.startswith("lmbp_convert.nn"):
-            raise ExportError(f"{norm_name} is a {type(norm).__name__}, not a converted norm: the report does not "
-                              "describe this model")
-        targets = []
-        for t in fold.targets:
-            lname = rename(t.name)
-            lin = modules.get(lname)
-            if lin is None:
-                raise ExportError(f"Linear {lname!r} of the report is not in the model")
-            if getattr(t, "base", None) or hasattr(lin, "base_layer"):
-                raise ExportError(f"{lname} is wrapped by a LoRA adapter; merge the adapters first "
-                                  "(merge_and_unload()) and pass report=<the converted model's report>")
-            targets.append((t, lname, lin))
-        if isinstance(norm._parameters.get("weight"), nn.Parameter):
-            _unfold_reapplied(sd, fold, norm, targets, rtol)
-        else:
-            _move_added_bias(sd, fold, norm_name, norm, targets, rtol)
+    done: set[str] = set()
+    for rep, rename in _find_reports(model, report):
+        for fold in rep.plan.norm_folds:
+            norm_name = rename(fold.name)
+            if norm_name not in done:
+                _export_fold(sd, modules, fold, norm_name, rename, rtol)
+                done.add(norm_name)
+    for name, mod in modules.items():  # never write a silently different model
+        if name not in done and _is_ms_norm(mod) and isinstance(mod._parameters.get("weight"), nn.Parameter):
+            raise ExportError(f"{name} is a converted norm whose affine is re-applied, but no conversion report "
+                              "describes its folds (was the report replaced?); cannot unfold its Linears")
     return sd
+
+
+def _is_ms_norm(mod: nn.Module) -> bool:
+    return type(mod).__module__.startswith("lmbp_convert.nn") and hasattr(mod, "normalized_shape")
+
+
+def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable[[str], str], rtol: float) -> None:
+    norm = modules.get(norm_name)
+    if norm is None:
+        raise ExportError(f"norm {norm_name!r} of the report is not in the model")
+    if not _is_ms_norm(norm):
+        raise ExportError(f"{norm_name} is a {type(norm).__name__}, not a converted norm: the report does not "
+                          "describe this model")
+    targets = []
+    for t in fold.targets:
+        lname = rename(t.name)
+        lin = modules.get(lname)
+        if lin is None:
+            raise ExportError(f"Linear {lname!r} of the report is not in the model")
+        if hasattr(lin, "base_layer"):
+            raise ExportError(f"{lname} is wrapped by a LoRA adapter; merge the adapters first "
+                              "(merge_and_unload()) and pass report=<the converted model's report>")
+        targets.append((t, lname, lin))
+    if isinstance(norm._parameters.get("weight"), nn.Parameter):
+        _unfold_reapplied(sd, fold, norm, targets, rtol)
+    else:
+        _move_added_bias(sd, fold, norm_name, norm, targets, rtol)
 
 
 def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: float) -> None:

@@ -23,6 +23,7 @@ class ConversionReport:
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    previous: "ConversionReport | None" = field(default=None, repr=False)  # an earlier convert() of this model
 
     @property
     def swapped(self) -> list[str]:
@@ -35,6 +36,7 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("previous", None)
         d["predicted_saved_bytes"] = self.plan.predicted_saved_bytes
         d["predicted_saved_bytes_per_" + self.plan.probe_unit] = self.predicted_saved_bytes_per_unit
         return d

@@ -10,9 +10,9 @@ The ops exist to cut activation memory; this shows what that costs in time on th
                                                       the op they replace, and without one
     gated_act (act(g)·u), gated_mlp (+ down Linear)   vs eager act(g)·u (and its Linear), when present
 
-Timing: every run is forward (timed), then backward with ``torch.autograd.grad`` (timed) on fixed inputs;
-op and reference runs alternate so drift hits both alike; the median of ``--runs`` runs after ``--warmup``
-discarded ones. Usage::
+Timing: every run is forward (timed), then backward with ``torch.autograd.grad`` (timed) for the inputs and
+any trainable parameter (gated_mlp's down weight); op and reference runs alternate so drift hits both alike;
+the median of ``--runs`` runs after ``--warmup`` discarded ones. Usage::
 
     python scripts/bench_ops.py                 # default sizes, CPU
     python scripts/bench_ops.py --quick         # tiny smoke run
@@ -186,7 +186,8 @@ def _one_run(impl: Impl, xs: list, g: torch.Tensor, device: torch.device) -> tup
     y = impl.fn(*xs)
     _sync(device)
     t1 = time.perf_counter()
-    grads = torch.autograd.grad(y, xs, g)
+    # Trainable parameters too: a training step needs their grads, and autograd would skip them otherwise.
+    grads = torch.autograd.grad(y, list(xs) + [p for p in impl.params if p.requires_grad], g)
     _sync(device)
     t2 = time.perf_counter()
     del y, grads

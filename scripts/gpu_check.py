@@ -215,6 +215,14 @@ def environment_problem() -> Optional[str]:
     return None
 
 
+def describe_device() -> str:
+    dev = torch.device(DEVICE)
+    if dev.type != "cuda":
+        return f"{dev} (Triton interpreter: TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')})"
+    p = torch.cuda.get_device_properties(dev)
+    return f"{p.name}, {p.total_memory / 2 ** 30:.0f} GiB, {p.multi_processor_count} SMs"
+
+
 # ------------------------------------------------------------------------------------------ checking
 class Checker:
     """Runs comparisons; a failure or an exception is recorded and the run continues with the next one."""
@@ -466,16 +474,24 @@ def check_compile(ck: Checker, dtype: torch.dtype = torch.bfloat16) -> None:
 
 
 # -------------------------------------------------------------------------------------------- timing
-def time_cuda(fn: Callable[[], object], runs: int, warmup: int, flush: Optional[torch.Tensor]) -> float:
-    """Median GPU seconds of ``fn()``: L2 flushed, the stream kept busy (``_sleep``) so the timed launch is
-    queued before it starts and host-side launch latency is not measured."""
+def time_device(fn: Callable[[], object], runs: int, warmup: int, flush: Optional[torch.Tensor]) -> float:
+    """Median seconds of ``fn()`` on DEVICE. CUDA: event-timed GPU time, L2 flushed, the stream kept busy
+    (``_sleep``) so the timed launch is queued before it starts and host launch latency is not measured.
+    Elsewhere (tests): wall time."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    cuda = torch.device(DEVICE).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(runs):
         if flush is not None:
             flush.zero_()
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
         torch.cuda._sleep(2_000_000)  # ~1 ms of GPU clock cycles
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -563,18 +579,20 @@ def gated_kernels(numel: int, row: int, dtype: torch.dtype, act: str = "silu") -
 
 def run_bench(args: argparse.Namespace, deadline: float, skipped: list, specs: Sequence[tuple]) -> list:
     """``specs``: (op name, torch name, builder(numel, dtype) -> (op Kernel, ref Kernel))."""
-    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device="cuda")  # > H200's 60 MB L2
+    flush = None
+    if torch.device(DEVICE).type == "cuda":
+        flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=DEVICE)  # > H200's 60 MB L2
     results = []
     for dtype in args.bench_dtype_list:
         for numel in args.size_list:
             for name, ref_name, build in specs:
                 what = f"bench {name} {DTYPE_NAMES[dtype]} {size_label(numel)}"
                 if time.perf_counter() > deadline:
-                    skipped.append(what)
+                    skipped.append(f"{what} (out of time)")
                     continue
                 try:
                     op, ref = build(numel, dtype)
-                    t = [time_cuda(k, args.runs, args.warmup, flush) for k in (op.fwd, op.bwd, ref.fwd, ref.bwd)]
+                    t = [time_device(k, args.runs, args.warmup, flush) for k in (op.fwd, op.bwd, ref.fwd, ref.bwd)]
                     results.append(BenchResult(name, ref_name, DTYPE_NAMES[dtype], numel, t[0], t[1],
                                                op.fwd_bytes, op.bwd_bytes, t[2], t[3], ref.fwd_bytes,
                                                ref.bwd_bytes))
@@ -758,12 +776,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     deadline = START + args.budget_s
     torch.manual_seed(0)
-    dev = torch.cuda.get_device_properties(0)
     head = [
         "# lmbp gpu_check: Triton kernels vs the PyTorch path, and bandwidth",
         "",
-        f"- device: {dev.name}, {dev.total_memory / 2 ** 30:.0f} GiB, {dev.multi_processor_count} SMs; "
-        f"torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}",
+        f"- device: {describe_device()}; torch {torch.__version__} (CUDA {torch.version.cuda}); "
+        f"triton {triton.__version__}",
         f"- HBM peak used for %: {args.peak_gbps:.0f} GB/s",
     ]
     print("\n".join(head), flush=True)

@@ -171,6 +171,11 @@ def _drop(plan: Plan, item) -> None:
 
 
 def _attach(model: nn.Module, report: ConversionReport) -> None:
+    """Keep the report on the model; an earlier conversion's report stays reachable as ``.previous``
+    (its folds are still in the weights, and export needs them)."""
+    prev = getattr(model, REPORT_ATTR, None)
+    if isinstance(prev, ConversionReport) and prev is not report:
+        report.previous = prev
     object.__setattr__(model, REPORT_ATTR, report)
 
 

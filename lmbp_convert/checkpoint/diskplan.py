@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -46,6 +47,9 @@ class OutShard:
 
 @dataclass
 class DiskPlan:
+    """Everything lmbp-convert will write, decided before the first byte is: folds, skips with reasons, and per
+    output shard the tensors with how each is made."""
+
     view: ModelView
     plan: Plan
     folds: list[NormFold]
@@ -61,6 +65,9 @@ class DiskPlan:
     copies: list[str] = field(default_factory=list)
     not_copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    seconds_plan: float = 0.0  # reading headers, building the meta model, tracing, deciding
+    seconds_write: float = 0.0  # streaming the tensors and writing DST
+    committed: bool = False  # DST is complete and in place
 
     @property
     def total_bytes(self) -> int:
@@ -102,9 +109,9 @@ class DiskPlan:
         for u in self.untied:
             lines.append(f"  untie {u}: written as its own tensor (tie_word_embeddings -> false)")
         lines.append(f"predicted activation memory saved once convert() swaps these norms for fine-tuning: "
-                     f"{_fmt_bytes(self.saved_per_unit)} per {self.plan.probe_unit} ({self.dtype} activations)")
+                     f"{fmt_bytes(self.saved_per_unit)} per {self.plan.probe_unit} ({self.dtype} activations)")
         n = sum(len(s.tensors) for s in self.shards)
-        lines.append(f"writes {len(self.shards)} shard(s), {n} tensors, {_fmt_bytes(self.total_bytes)}"
+        lines.append(f"writes {len(self.shards)} shard(s), {n} tensors, {fmt_bytes(self.total_bytes)}"
                      + (f"; copies {', '.join(self.copies)}" if self.copies else ""))
         if self.not_copied:
             lines.append(f"not copied: {', '.join(self.not_copied)}")
@@ -113,7 +120,7 @@ class DiskPlan:
         return "\n".join(lines)
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -136,7 +143,8 @@ class _Planner:
                  options: dict) -> None:
         self.src, self.view, self.plan, self.untie, self.raw = src, view, plan, untie, raw
         self.make_view, self.out_name, self.options = make_view, out_name, options
-        self.skips: list[Skip] = list(plan.skips)
+        # the walker's reasons speak of convert()'s options; here the same switch is the --untie flag
+        self.skips = [Skip(s.name, s.cls, s.reason.replace("untie=True", "--untie")) for s in plan.skips]
         self.km: KeyMap = map_keys(view, list(src.infos), lambda k: src.infos[k].shard)
         self.stored = self.km.stored()
         for k, m in self.km.plain.items():
@@ -186,8 +194,7 @@ class _Planner:
             w = self.view.state.get(f"{t.name}.weight")
             if w is None:
                 return f"{t.name} has no weight tensor", False
-            d = w[0][1] if t.layout == "out_in" else w[0][0]
-            if len(w[0]) != 2 or [d] != list(f.shape):
+            if len(w[0]) != 2 or [w[0][1] if t.layout == "out_in" else w[0][0]] != list(f.shape):
                 return f"{t.name}.weight has shape {list(w[0])}, which does not take {f.shape[0]} inputs", False
             if len(self.view.group(f"{t.name}.weight")) > 1:
                 if not self.untie:
@@ -209,11 +216,13 @@ class _Planner:
                 cands.append((f, needs_untie))
         dst_view, dst_raw = self.view, self.raw
         if any(u for _, u in cands):
-            dst_raw, dst_view = self._untied_view()
+            dst_raw, dst_view, why = self._untied_view()
             keep = []
             for f, u in cands:
                 tied = [f"{t.name}.weight" for t in f.targets if len(dst_view.group(f"{t.name}.weight")) > 1]
-                if u and tied:
+                if u and why:
+                    self.skips.append(Skip(f.name, f.cls, why))
+                elif u and tied:
                     self.skips.append(Skip(f.name, f.cls, f"{tied[0]} stays tied to "
                                            f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
                                            "tie_word_embeddings=false"))
@@ -234,14 +243,15 @@ class _Planner:
             folds.append(f)
         return self._outputs(folds, claims, dst_view, dst_raw)
 
-    def _untied_view(self) -> tuple[dict | None, ModelView]:
+    def _untied_view(self) -> tuple[dict | None, ModelView, str | None]:
+        """(DST config, DST model view, reason why untying is impossible or None)."""
         if self.raw is None or self.make_view is None:
-            raise CheckpointError("--untie needs a config to untie (Hugging Face checkpoints only)")
+            return self.raw, self.view, "the head is tied and only a Hugging Face config can untie it"
         raw = _untie_config(self.raw)
         view = self.make_view(raw)
         if set(view.state) != set(self.view.state):
-            raise CheckpointError("untying the word embeddings changes the model's tensors; cannot --untie this model")
-        return raw, view
+            return self.raw, self.view, "tie_word_embeddings=false changes this model's tensors; cannot untie it"
+        return raw, view, None
 
     def _actions(self, f: NormFold) -> dict[str, Action]:
         gk = self.key_of(f"{f.name}.weight")
@@ -329,6 +339,9 @@ class _Planner:
             index_name = SAFETENSORS_INDEX
             meta = dict(src.index.get("metadata") or {}) if src.fmt == "safetensors" else {}
             meta["total_size"] = sum(nbytes.values())
+            if isinstance(meta.get("total_parameters"), int):  # untied tensors are parameters of their own now
+                meta["total_parameters"] += sum(math.prod(src.infos[t.source].shape)
+                                                for s in out_shards for t in s.tensors if t.key in untied)
             index = {"metadata": meta,
                      "weight_map": {t.key: s.name for s in out_shards for t in s.tensors}}
         dtype = next((str(p.dtype).replace("torch.", "") for p in self.view.model.parameters()

@@ -29,6 +29,7 @@ class ModelView:
     state: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # name → (shape, dtype)
     groups: dict[str, frozenset[str]] = field(default_factory=dict)  # parameter name → names sharing it
     linear_like: set[str] = field(default_factory=set)  # modules that hold both a weight and a bias
+    named_arch: bool = True  # HF: the class came from config.json's architectures (not the AutoModel default)
 
     @classmethod
     def of(cls, model: nn.Module, kind: str, arch: str) -> "ModelView":
@@ -150,7 +151,9 @@ def build_hf(raw: dict, root: Path, dtype: torch.dtype | None) -> ModelView:
     except Exception as exc:
         raise CheckpointError(f"cannot build {arch} from config.json: {_one_line(exc)}") from exc
     model.eval()
-    return ModelView.of(model, "hf", arch)
+    view = ModelView.of(model, "hf", arch)
+    view.named_arch = bool(raw.get("architectures"))
+    return view
 
 
 def build_timm(name: str, kwargs: dict[str, Any], dtype: torch.dtype | None) -> ModelView:
@@ -247,6 +250,9 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
         if ignore is not None and (ignore.search(k) or ignore.search(m)):
             km.ignored.append(k)
             continue
+        hint = ("config.json names no architectures, so the checkpoint was read as the base model; add "
+                "\"architectures\" to it" if view.kind == "hf" and not view.named_arch else
+                "is config.json from another model?")
         raise CheckpointError(f"tensor {k!r} in {where(k)} is not expected by the config ({view.arch} has no "
-                              f"{m!r}); is config.json from another model?")
+                              f"{m!r}); {hint}")
     return km

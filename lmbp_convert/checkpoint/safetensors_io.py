@@ -116,8 +116,10 @@ def _pread_into(fd: int, buf: memoryview, offset: int, label: str) -> None:
         done += k
 
 
-def read_entry(fd: int, entry: Entry, label: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-    """Read one tensor (or rows r0:r1 of its first dimension) into a fresh CPU tensor."""
+def read_entry(fd: int, entry: Entry, label: str, rows: tuple[int, int] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor (or rows r0:r1 of its first dimension) into a fresh CPU tensor, or into the first bytes of
+    ``out`` (a uint8 buffer, reused across reads to avoid fresh allocations)."""
     dtype = entry.torch_dtype
     if dtype is None:
         raise CheckpointError(f"{label}: tensor {entry.key!r} has dtype {entry.dtype}, which this torch cannot read")
@@ -127,7 +129,7 @@ def read_entry(fd: int, entry: Entry, label: str, rows: tuple[int, int] | None =
         r0, r1 = rows
         row_bytes = entry.nbytes // shape[0] if shape and shape[0] else 0
         offset, nbytes, shape = offset + r0 * row_bytes, (r1 - r0) * row_bytes, (r1 - r0, *shape[1:])
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out[:nbytes]
     if nbytes:
         _pread_into(fd, memoryview(buf.numpy()), offset, label)
     return buf.view(dtype).reshape(shape)

@@ -6,7 +6,6 @@ through ``torch.load(weights_only=True)``, memory-mapped when the file allows it
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections import OrderedDict
@@ -53,15 +52,24 @@ class Source:
         self.index: dict | None = None  # the source index JSON, when sharded
         self.index_name: str | None = None
         self.shard_metadata: dict[str, dict[str, str]] = {s: {} for s in shards}
+        self._by_shard: dict[str, list[TensorInfo]] | None = None
 
     def shard_tensors(self, shard: str) -> list[TensorInfo]:
-        return [i for i in self.infos.values() if i.shard == shard]
+        if self._by_shard is None:
+            self._by_shard = {s: [] for s in self.shards}
+            for i in self.infos.values():
+                self._by_shard[i.shard].append(i)
+        return list(self._by_shard[shard])
 
     def tensor(self, key: str) -> torch.Tensor:
         raise NotImplementedError
 
-    def rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
+    def rows(self, key: str, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows r0:r1 of a tensor. With ``out`` (a uint8 buffer) the data may be read into it; the result is
+        then a view of ``out`` (``owns_rows`` tells whether results may be modified in place)."""
         raise NotImplementedError
+
+    owns_rows = False  # rows() results are private copies (True) or views of shared data (False)
 
     def close(self) -> None:
         pass
@@ -71,6 +79,7 @@ class Source:
             raise CheckpointError(f"tensor {info.key!r} is stored twice ({self.infos[info.key].shard} and "
                                   f"{info.shard})")
         self.infos[info.key] = info
+        self._by_shard = None
 
 
 class SafetensorsSource(Source):
@@ -97,9 +106,11 @@ class SafetensorsSource(Source):
         i = self.infos[key]
         return read_entry(self.fd(i.shard), self.files[i.shard].entries[i.raw_key], i.shard)
 
-    def rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
+    owns_rows = True
+
+    def rows(self, key: str, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
         i = self.infos[key]
-        return read_entry(self.fd(i.shard), self.files[i.shard].entries[i.raw_key], i.shard, (r0, r1))
+        return read_entry(self.fd(i.shard), self.files[i.shard].entries[i.raw_key], i.shard, (r0, r1), out)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -156,8 +167,8 @@ class BinSource(Source):
         i = self.infos[key]
         return self._load(i.shard)[i.raw_key]
 
-    def rows(self, key: str, r0: int, r1: int) -> torch.Tensor:
-        return self.tensor(key)[r0:r1]
+    def rows(self, key: str, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.tensor(key)[r0:r1]  # a view of the memory-mapped file: no copy
 
     def close(self) -> None:
         self._cache.clear()
@@ -273,10 +284,3 @@ def open_timm_source(path: Path, use_ema: bool = False) -> Source:
         return SafetensorsSource(path.parent, [path.name], str(path), rename=_clean_timm_key)
     return BinSource(path.parent, [path.name], str(path), _timm_select(use_ema))
 
-
-def total_bytes(infos) -> int:
-    return sum(i.nbytes for i in infos)
-
-
-def numel(shape) -> int:
-    return math.prod(shape)

@@ -236,49 +236,51 @@ def _bwd_torch(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_d
 
 
 # ------------------------------------------------------------------------------------------------------
-# Custom ops: the Triton path as opaque ops, so torch.compile neither traces into the launchers nor breaks.
+# Custom ops: opaque to torch.compile, for both paths. Opaque matters for the PyTorch path too: traced, its
+# ops let the partitioner keep the forward's h for backward (one more T×f tensor) instead of recomputing it.
 # ------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("lmbp_convert::gated_mlp_fwd", mutates_args=())
-def _gated_mlp_fwd_op(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
-    return _fwd_triton(g, u, act, h_dtype)
+def _gated_mlp_fwd_op(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype,
+                      triton: bool) -> torch.Tensor:
+    return _fwd_triton(g, u, act, h_dtype) if triton else _fwd_torch(g, u, act, h_dtype)
 
 
 @_gated_mlp_fwd_op.register_fake
-def _(g, u, act, h_dtype):
+def _(g, u, act, h_dtype, triton):
     return g.new_empty(g.shape, dtype=h_dtype)
 
 
 @torch.library.custom_op("lmbp_convert::gated_mlp_bwd", mutates_args=())
 def _gated_mlp_bwd_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
-                      h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dg, du, h = _bwd_triton(dh, g, u, act, h_dtype)
+                      h_dtype: Optional[torch.dtype], triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dg, du, h = (_bwd_triton if triton else _bwd_torch)(dh, g, u, act, h_dtype)
     if h is None:  # custom ops return tensors only
         h = g.new_empty((0,))
     return dg, du, h
 
 
 @_gated_mlp_bwd_op.register_fake
-def _(dh, g, u, act, h_dtype):
+def _(dh, g, u, act, h_dtype, triton):
     h = g.new_empty(g.shape, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,))
     return g.new_empty(g.shape), u.new_empty(u.shape), h
 
 
 def _elementwise_fwd(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype,
                      triton_path: bool) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.ops.lmbp_convert.gated_mlp_fwd(g, u, act, h_dtype, triton_path)
     if not triton_path:
         return _fwd_torch(g, u, act, h_dtype)
-    if torch.compiler.is_compiling():
-        return torch.ops.lmbp_convert.gated_mlp_fwd(g, u, act, h_dtype)
     return _fwd_triton(g, u, act, h_dtype)
 
 
 def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
                      h_dtype: Optional[torch.dtype], triton_path: bool, dg_into_dh: bool = False):
+    if torch.compiler.is_compiling():
+        dg, du, h = torch.ops.lmbp_convert.gated_mlp_bwd(dh, g, u, act, h_dtype, triton_path)
+        return dg, du, (h if h_dtype is not None else None)
     if not triton_path:
         return _bwd_torch(dh, g, u, act, h_dtype)
-    if torch.compiler.is_compiling():
-        dg, du, h = torch.ops.lmbp_convert.gated_mlp_bwd(dh, g, u, act, h_dtype)
-        return dg, du, (h if h_dtype is not None else None)
     return _bwd_triton(dh, g, u, act, h_dtype, dg_into_dh=dg_into_dh)
 
 

@@ -300,3 +300,35 @@ def test_unknown_timm_model(cli, tmp_path):
     torch.save({"a": torch.zeros(2)}, ckpt)
     expect_error(cli, ckpt, tmp_path / "dst.safetensors", "--timm-model", "no_such_timm_model_xyz",
                  match="unknown architecture: timm .* has no model 'no_such_timm_model_xyz'")
+
+
+def test_head_checkpoint_without_architectures_says_so(cli, src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("architectures")
+    (src / "config.json").write_text(json.dumps(cfg))
+    expect_error(cli, src, tmp_path / "dst", match="'lm_head.weight' .* names no architectures")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_ctrl_c_during_commit_is_held_until_dst_is_in_place(cli, src, tmp_path, monkeypatch, existing):
+    """An interrupt that arrives while DST is renamed into place is delivered after the swap: never a missing
+    or half-swapped DST, and the message says DST is complete."""
+    import signal
+
+    dst = tmp_path / "dst"
+    if existing:
+        dst.mkdir()
+        (dst / "old.txt").write_text("previous result")
+    real = os.rename
+
+    def rename(a, b):
+        if ".lmbp-tmp-" in str(a):
+            os.kill(os.getpid(), signal.SIGINT)  # held: the rename below still runs
+        return real(a, b)
+
+    monkeypatch.setattr(api.os, "rename", rename)
+    before = tree_hash(src)
+    rc, _, err = cli(src, dst, *(["--force"] if existing else []))
+    assert rc == 130 and f"interrupted after {dst} was complete" in err and err.count("\n") == 1
+    assert tree_hash(src) == before and not leftovers(tmp_path)
+    assert (dst / "config.json").exists() and not (dst / "old.txt").exists()

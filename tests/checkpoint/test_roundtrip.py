@@ -53,16 +53,43 @@ def convert_dst(cli, src: Path, dst: Path, *args) -> str:
     before = tree_hash(src)
     rc, out, err = cli(src, dst, *args)
     assert rc == 0, err
+    assert err == ""  # no progress bar when stderr is not a terminal
     assert tree_hash(src) == before, "SRC changed"
     assert not leftovers(dst.parent)
     return out
 
 
+@pytest.fixture(scope="module")
+def converted(saved, tmp_path_factory):
+    """(SRC, DST, printed plan) per (arch, untie), converted once for the tests below."""
+    import contextlib
+    import io
+
+    from lmbp_convert.cli import main
+
+    cache: dict[tuple, tuple[Path, Path, str]] = {}
+
+    def get(arch: str, untie: bool) -> tuple[Path, Path, str]:
+        if (arch, untie) not in cache:
+            src = saved(arch)
+            dst = tmp_path_factory.mktemp(f"{arch}-untie{int(untie)}") / "dst"
+            before = tree_hash(src)
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                rc = main([str(src), str(dst), *(["--untie"] if untie else [])])
+            assert rc == 0, err.getvalue()
+            assert err.getvalue() == ""  # no progress bar when stderr is not a terminal
+            assert tree_hash(src) == before, "SRC changed"
+            assert not leftovers(dst.parent)
+            cache[arch, untie] = (src, dst, out.getvalue())
+        return cache[arch, untie]
+
+    return get
+
+
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
-def test_vanilla_load_of_dst_reproduces_src(saved, tmp_path, cli, arch, untie):
-    src = saved(arch)
-    dst = tmp_path / "dst"
-    out = convert_dst(cli, src, dst, *(["--untie"] if untie else []))
+def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
+    src, dst, out = converted(arch, untie)
     cls = auto_class(arch)
     a, b = cls.from_pretrained(src).eval(), cls.from_pretrained(dst).eval()
     assert rel_err(logits(a), logits(b)) <= 1e-5
@@ -91,10 +118,8 @@ def test_vanilla_load_of_dst_reproduces_src(saved, tmp_path, cli, arch, untie):
 
 
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
-def test_dst_layout_metadata_and_files(saved, tmp_path, cli, arch, untie):
-    src = saved(arch)
-    dst = tmp_path / "dst"
-    convert_dst(cli, src, dst, *(["--untie"] if untie else []))
+def test_dst_layout_metadata_and_files(converted, arch, untie):
+    src, dst, _ = converted(arch, untie)
     src_t, dst_t = shard_tensors(src), shard_tensors(dst)
     assert len({s for s, _ in src_t.values()}) > 2  # really sharded
     assert {p.name for p in src.glob("*.safetensors")} == {p.name for p in dst.glob("*.safetensors")}
@@ -105,6 +130,9 @@ def test_dst_layout_metadata_and_files(saved, tmp_path, cli, arch, untie):
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {k: s for k, (s, _) in dst_t.items()}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in dst_t.values())
+    src_index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_parameters"] == src_index["metadata"]["total_parameters"] + sum(
+        dst_t[k][1].numel() for k in rec["untied"])
     for p in dst.glob("*.safetensors"):
         with safe_open(p, "pt") as f:
             assert json.loads(f.metadata()[CONFIG_KEY]) == rec
@@ -123,10 +151,8 @@ def test_dst_layout_metadata_and_files(saved, tmp_path, cli, arch, untie):
 
 
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
-def test_convert_on_dst_swaps_without_folding_again(saved, tmp_path, cli, arch, untie):
-    src = saved(arch)
-    dst = tmp_path / "dst"
-    convert_dst(cli, src, dst, *(["--untie"] if untie else []))
+def test_convert_on_dst_swaps_without_folding_again(converted, arch, untie):
+    _, dst, _ = converted(arch, untie)
     model = auto_class(arch).from_pretrained(dst).eval()
     folded = set(getattr(model.config, CONFIG_KEY)["folded_norms"])
     ref = logits(model)
@@ -257,3 +283,31 @@ def test_python_dash_m_entry_point(saved, tmp_path):
                           cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_base_model_without_architectures(tmp_path, cli):
+    """No "architectures" in config.json: planned for the AutoModel class, whose final norm feeds no Linear (it is
+    the model output) and is skipped."""
+    from transformers import AutoConfig, AutoModel
+
+    from ckpt_helpers import SPECS
+
+    torch.manual_seed(0)
+    model = AutoModel.from_config(AutoConfig.for_model("llama", **SPECS["llama"][0])).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if "norm" in type(m).__name__.lower():
+                m.weight.uniform_(0.5, 1.5)
+    src = tmp_path / "src"
+    model.save_pretrained(src, max_shard_size="20KB")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("architectures")
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = convert_dst(cli, src, tmp_path / "dst")
+    assert "plan for LlamaModel" in out and "skip norm: no Linear consumer" in out
+    b = AutoModel.from_pretrained(tmp_path / "dst").eval()
+    ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref, got = model(input_ids=ids).last_hidden_state, b(input_ids=ids).last_hidden_state
+    assert rel_err(ref, got) <= 1e-5
+    assert len(getattr(b.config, CONFIG_KEY)["folded_norms"]) == 4

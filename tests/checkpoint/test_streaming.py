@@ -3,7 +3,6 @@ and timm checkpoint files."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +70,16 @@ def test_chunked_folds_are_bit_identical(saved, tmp_path, cli, monkeypatch, arch
     assert tree_hash(tmp_path / "whole") == tree_hash(tmp_path / "chunked")
 
 
+def test_single_core_path_gives_the_same_bytes(saved, tmp_path, cli, monkeypatch):
+    """Without a second core the chunks are folded inline instead of by the worker thread: same result."""
+    src = saved("llama")
+    monkeypatch.setattr(api, "CHUNK_ELEMS", 40)
+    assert cli(src, tmp_path / "pooled", "-q")[0] == 0
+    monkeypatch.setattr(api.os, "cpu_count", lambda: 1)
+    assert cli(src, tmp_path / "inline", "-q")[0] == 0
+    assert tree_hash(tmp_path / "pooled") == tree_hash(tmp_path / "inline")
+
+
 def test_reads_are_bounded_and_unchanged_tensors_never_loaded(tmp_path, cli, monkeypatch):
     """Streaming: only folded tensors are read into memory, a few rows at a time, plus the small norm vectors;
     everything else goes file to file."""
@@ -84,8 +93,8 @@ def test_reads_are_bounded_and_unchanged_tensors_never_loaded(tmp_path, cli, mon
         reads.append(("tensor", t.numel() * t.element_size()))
         return t
 
-    def rows(self, key, r0, r1):
-        t = real_rows(self, key, r0, r1)
+    def rows(self, key, r0, r1, out=None):
+        t = real_rows(self, key, r0, r1, out)
         reads.append(("rows", t.numel() * t.element_size()))
         return t
 
@@ -207,3 +216,75 @@ def test_reconverting_dst_is_idempotent(saved, tmp_path, cli):
 
 def test_checkpoint_error_is_one_line():
     assert str(CheckpointError("a\n  b\tc")) == "a b c"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_fold_rows_matches_fold_affine_bit_for_bit(dtype, layout, in_place):
+    from lmbp_convert.checkpoint.api import _Scratch, fold_rows
+    from lmbp_convert.fold import effective_scale, fold_affine
+
+    w = torch.randn(37, 23, dtype=torch.float64).to(dtype)
+    d = w.shape[1] if layout == "out_in" else w.shape[0]
+    gamma = effective_scale((torch.randn(d) * 0.3).to(dtype), "1+w")
+    want = fold_affine(w, None, gamma, None, layout)[0]
+    scratch = _Scratch()
+    parts = []
+    for r0 in range(0, w.shape[0], 5):
+        x = w[r0:r0 + 5].clone()
+        parts.append(fold_rows(x, gamma, layout, r0, scratch, in_place=in_place).clone())
+    got = torch.cat(parts)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_progress_bar_when_asked(saved, tmp_path, capsys):
+    from lmbp_convert.checkpoint import convert_checkpoint
+
+    convert_checkpoint(saved("llama"), tmp_path / "dst", progress=True)
+    err = capsys.readouterr().err
+    assert "lmbp-convert:" in err and "%|" in err  # a tqdm bar (left off the screen when done)
+
+
+def test_sigterm_mid_write_removes_partial_dst(saved, tmp_path, cli, monkeypatch):
+    import os
+    import signal
+
+    import lmbp_convert.checkpoint.safetensors_io as sio
+
+    src = saved("llama")
+    before = tree_hash(src)
+    real = sio._copy_range
+    calls = {"n": 0}
+
+    def term(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sio, "_copy_range", term)
+    old = signal.getsignal(signal.SIGTERM)
+    rc, _, err = cli(src, tmp_path / "dst")
+    assert rc == 143 and "terminated" in err and err.count("\n") == 1
+    assert not (tmp_path / "dst").exists() and not leftovers(tmp_path) and tree_hash(src) == before
+    assert signal.getsignal(signal.SIGTERM) == old  # the CLI restores the handler
+
+
+def test_timm_use_ema(tmp_path, cli):
+    import timm
+
+    model, ema = timm_vit(), timm_vit()
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9)
+    src = tmp_path / "train.pth"
+    torch.save({"state_dict": model.state_dict(), "state_dict_ema": ema.state_dict()}, src)
+    dst = tmp_path / "ema.safetensors"
+    rc, _, err = cli(src, dst, *timm_cli_args(), "--use-ema", "-q")
+    assert rc == 0, err
+    plain = timm.create_model("vit_tiny_patch16_224", pretrained=False, checkpoint_path=str(dst), **TIMM_ARGS).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, got = ema(x), plain(x)
+    assert ((ref - got).norm() / ref.norm()).item() <= 1e-5

@@ -362,8 +362,9 @@ def test_function_on_triton_path_matches_torch_path(monkeypatch):
 @triton_only
 def test_custom_ops_opcheck():
     g, u, dh = torch.randn(3, 20), torch.randn(3, 20), torch.randn(3, 20)
-    torch.library.opcheck(torch.ops.lmbp_convert.gated_mlp_fwd.default, (g, u, "silu", torch.float32),
-                          test_utils=("test_schema", "test_faketensor"))
-    for h_dtype in (torch.float32, None):
-        torch.library.opcheck(torch.ops.lmbp_convert.gated_mlp_bwd.default, (dh, g, u, "gelu", h_dtype),
+    for triton in (True, False):  # the op wraps both paths (opaque to torch.compile either way)
+        torch.library.opcheck(torch.ops.lmbp_convert.gated_mlp_fwd.default, (g, u, "silu", torch.float32, triton),
                               test_utils=("test_schema", "test_faketensor"))
+        for h_dtype in (torch.float32, None):
+            torch.library.opcheck(torch.ops.lmbp_convert.gated_mlp_bwd.default, (dh, g, u, "gelu", h_dtype, triton),
+                                  test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,400 @@
+"""Shared pieces of the benchmark scripts (bench_memory.py, bench_speed.py, bench_all.py).
+
+Models are built from configs with random weights and no network: on the ``meta`` device first, then
+``to_empty`` and a cheap random init (norm gains drawn from U(0.5, 1.5) so the affine the converter folds is
+not the identity), with the buffers that ``to_empty`` leaves uninitialised rebuilt. Three families, at the
+shapes the issue names and at tiny shapes for the smoke test:
+
+    llama  LLaMA-7B decoder block   hidden 4096, intermediate 11008, 32 heads, seq 512   (transformers)
+    vit    ViT-B/16 block at 224 px hidden 768, MLP 3072, 12 heads, 197 tokens           (timm)
+    bert   BERT-base encoder block  hidden 768, intermediate 3072, 12 heads, seq 512     (transformers)
+
+Per-block bytes are a difference: the saved-for-backward bytes of the model with L layers minus those of the
+same model with its layer list cut to L - 1 (same modules, so a compiled layer is reused, not recompiled).
+Embedding, final norm and head cancel; what is left is exactly what one block keeps for backward.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Iterable, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+MiB = 2 ** 20
+#: The paper's analytic activation-memory reductions (arXiv 2406.16282): ReGELU2 + MS-LN on ViT,
+#: ReSiLU2 + MS-RMSNorm on LLaMA (its LLaMA figure predates this project's memory-sharing gated MLP).
+PAPER_REDUCTION = {"vit": 39.47, "llama": 29.19}
+#: Paper, ViT-B/16 LoRA r4, batch 64, one GPU: peak memory (MiB) and throughput (img/s), original → converted.
+PAPER_VIT_LORA = {"mem_mib": (3827, 2717), "img_s": (288, 290)}
+MODES = ("bf16", "autocast")
+MODE_LABEL = {"bf16": "bf16 weights", "autocast": "bf16 autocast, fp32 weights"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family at one shape. ``seq`` is the token count (ViT: (img/16)^2 + 1)."""
+
+    name: str
+    label: str
+    hidden: int
+    inter: int
+    heads: int
+    seq: int = 0
+    img: int = 0
+    batch: int = 1
+    layers: int = 2
+    vocab: int = 256
+
+    @property
+    def tokens(self) -> int:
+        return (self.img // 16) ** 2 + 1 if self.name == "vit" else self.seq
+
+    @property
+    def hf(self) -> bool:
+        return self.name in ("llama", "bert")
+
+    def describe(self) -> str:
+        where = f"{self.img} px ({self.tokens} tokens)" if self.name == "vit" else f"seq {self.seq}"
+        return (f"hidden {self.hidden}, {'MLP' if self.name == 'vit' else 'intermediate'} {self.inter}, "
+                f"{self.heads} heads, {where}, batch {self.batch}")
+
+    def with_(self, **kw) -> "Family":
+        return replace(self, **kw)
+
+
+FULL = {
+    "llama": Family("llama", "LLaMA-7B", 4096, 11008, 32, seq=512),
+    "vit": Family("vit", "ViT-B/16", 768, 3072, 12, img=224),
+    "bert": Family("bert", "BERT-base", 768, 3072, 12, seq=512),
+}
+TINY = {
+    "llama": Family("llama", "LLaMA (tiny)", 128, 344, 2, seq=32),
+    "vit": Family("vit", "ViT (tiny)", 64, 256, 2, img=48),
+    "bert": Family("bert", "BERT (tiny)", 64, 256, 2, seq=32),
+}
+
+
+def families(tiny: bool, names: Iterable[str] | None = None) -> list[Family]:
+    table = TINY if tiny else FULL
+    return [table[n] for n in (names or table)]
+
+
+# ------------------------------------------------------------------------------------------ machine
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: str = "cpu") -> str:
+    """One line naming the hardware and software a figure was measured on."""
+    import transformers
+
+    sw = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), {sw}"
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+        mem_s = f", {mem:.0f} GiB RAM"
+    except (ValueError, OSError, AttributeError):
+        mem_s = ""
+    return f"CPU {cpu_name()}, {torch.get_num_threads()} threads{mem_s}, {sw}"
+
+
+def quiet() -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("timm").setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*gradient checkpointing.*")
+    warnings.filterwarnings("ignore", message=".*use_cache=True.*")
+
+
+# ------------------------------------------------------------------------------------------- models
+def cheap_init(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random weights, fast: N(0, 0.02) matrices and biases, norm-like gains in U(0.5, 1.5)."""
+    gens: dict = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.device.type == "meta":
+                continue
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+            if p.dim() == 1 and not name.endswith("bias"):
+                p.uniform_(0.5, 1.5, generator=g)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def build(fam: Family, dtype: torch.dtype, device: str = "cpu", layers: Optional[int] = None,
+          attn: str = "sdpa") -> nn.Module:
+    """The family's model with ``layers`` blocks (default fam.layers), weights in ``dtype``, train mode."""
+    quiet()
+    n = fam.layers if layers is None else layers
+    if fam.name == "vit":
+        import timm
+
+        with torch.device("meta"):
+            m = timm.create_model("vit_base_patch16_224", pretrained=False, depth=n, embed_dim=fam.hidden,
+                                  num_heads=fam.heads, mlp_ratio=fam.inter / fam.hidden, img_size=fam.img)
+        m = m.to(dtype).to_empty(device=device)
+    else:
+        from transformers import AutoConfig, AutoModel
+
+        if fam.name == "llama":
+            cfg = AutoConfig.for_model("llama", hidden_size=fam.hidden, intermediate_size=fam.inter,
+                                       num_hidden_layers=n, num_attention_heads=fam.heads,
+                                       num_key_value_heads=fam.heads, vocab_size=fam.vocab,
+                                       max_position_embeddings=max(4096, fam.seq), tie_word_embeddings=False,
+                                       use_cache=False)
+        else:
+            cfg = AutoConfig.for_model("bert", hidden_size=fam.hidden, intermediate_size=fam.inter,
+                                       num_hidden_layers=n, num_attention_heads=fam.heads, vocab_size=fam.vocab,
+                                       max_position_embeddings=max(512, fam.seq), hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+        with torch.device("meta"):
+            m = AutoModel.from_config(cfg, dtype=dtype, attn_implementation=attn)
+        m = m.to_empty(device=device)
+    cheap_init(m)
+    with torch.no_grad():  # buffers to_empty left uninitialised
+        if fam.name == "llama":
+            m.rotary_emb.__init__(config=m.config)
+            m.rotary_emb.to(device)
+        elif fam.name == "bert":
+            m.embeddings.position_ids.copy_(torch.arange(m.embeddings.position_ids.shape[-1]))
+            m.embeddings.token_type_ids.zero_()
+    return m.train()
+
+
+def make_input(fam: Family, dtype: torch.dtype, device: str = "cpu", batch: Optional[int] = None,
+               seed: int = 0) -> torch.Tensor:
+    b = fam.batch if batch is None else batch
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if fam.name == "vit":
+        return torch.randn(b, 3, fam.img, fam.img, generator=g).to(device=device, dtype=dtype)
+    return torch.randint(0, fam.vocab, (b, fam.seq), generator=g).to(device)
+
+
+def forward(fam: Family, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if fam.name == "vit":
+        return model(x)
+    if fam.name == "llama":
+        return model(input_ids=x, use_cache=False).last_hidden_state
+    return model(input_ids=x).last_hidden_state
+
+
+def block_list(model: nn.Module) -> nn.Module:
+    if hasattr(model, "blocks"):  # timm
+        return model.blocks
+    if hasattr(model, "layers"):  # LLaMA-style
+        return model.layers
+    return model.encoder.layer  # BERT
+
+
+def _set_blocks(model: nn.Module, blocks: nn.Module) -> None:
+    if hasattr(model, "blocks"):
+        model.blocks = blocks
+    elif hasattr(model, "layers"):
+        model.layers = blocks
+    else:
+        model.encoder.layer = blocks
+
+
+@contextlib.contextmanager
+def truncated(model: nn.Module, n: int):
+    """The model with only its first ``n`` blocks (the same module objects), restored on exit."""
+    full = block_list(model)
+    short = type(full)(*list(full)[:n]) if isinstance(full, nn.Sequential) else nn.ModuleList(list(full)[:n])
+    _set_blocks(model, short)
+    try:
+        yield model
+    finally:
+        _set_blocks(model, full)
+
+
+def set_checkpointing(model: nn.Module, on: bool) -> None:
+    """Per-block activation checkpointing (non-reentrant), the usual way each library exposes it."""
+    if hasattr(model, "set_grad_checkpointing"):  # timm
+        model.set_grad_checkpointing(on)
+    elif hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        if on:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def compile_blocks(model: nn.Module, **kw) -> None:
+    """torch.compile each block (inductor by default), the usual way to compile a transformer for training."""
+    for blk in block_list(model):
+        blk.compile(**kw)
+
+
+def autocast_ctx(device: str, on: bool):
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=on)
+
+
+def mode_dtype(mode: str) -> torch.dtype:
+    return torch.bfloat16 if mode == "bf16" else torch.float32
+
+
+def loss_of(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+# ------------------------------------------------------------------------------------------- memory
+def Ledger(params=None):
+    """lmbp_convert.SavedTensorLedger whose pack hook hands autograd a detached alias instead of the tensor.
+
+    The ledger's own hook returns the saved tensor itself; for a tensor the op also *outputs* that is a
+    reference cycle through C++ (output -> grad_fn -> saved variable -> output) that no collector sees, so
+    every measured graph, and through the hook the ledger and the model's parameters, would stay alive
+    (22 GB after a few LLaMA-7B blocks here). The count is the same: it is taken before the return.
+    """
+    from lmbp_convert import SavedTensorLedger
+
+    class _Ledger(SavedTensorLedger):
+        def _pack(self, t):
+            out = super()._pack(t)
+            return out.detach() if out is t and t.grad_fn is not None else out
+
+    return _Ledger(params)
+
+
+def saved_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
+    """Exact saved-for-backward bytes of one forward (SavedTensorLedger; parameters and weight casts excluded)."""
+    with Ledger(model) as led:
+        with autocast_ctx(str(x.device), autocast):
+            out = forward(fam, model, x)
+    del out
+    return led.bytes
+
+
+def per_block_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
+    """Bytes one block keeps for backward: bytes(L blocks) - bytes(first L-1 blocks)."""
+    n = len(block_list(model))
+    full = saved_bytes(fam, model, x, autocast)
+    with truncated(model, n - 1):
+        short = saved_bytes(fam, model, x, autocast)
+    return full - short
+
+
+def warm_up(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool, backward: bool = True) -> None:
+    """Run forward (and backward) once on the full and the truncated model: triggers compilation."""
+    for n in (len(block_list(model)), len(block_list(model)) - 1):
+        with truncated(model, n):
+            with autocast_ctx(str(x.device), autocast):
+                out = forward(fam, model, x)
+            if backward:
+                loss_of(out).backward()
+            del out
+    model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------------------- timing
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_fn(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> Callable[[], None]:
+    """One training step without the optimizer: forward, loss, backward, drop the grads."""
+
+    def step() -> None:
+        with autocast_ctx(str(x.device), autocast):
+            out = forward(fam, model, x)
+        loss_of(out).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
+                     device: str = "cpu") -> dict[str, list[float]]:
+    """Seconds per call of each step, runs interleaved (so drift hits all alike), warm-up runs dropped."""
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for i in range(warmup + repeats):
+        for k, fn in steps.items():
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if i >= warmup:
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ------------------------------------------------------------------------------------------- output
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def mib(n: Optional[float]) -> str:
+    return "—" if n is None else f"{n / MiB:.1f}"
+
+
+def pct(new: Optional[float], ref: Optional[float]) -> str:
+    """Signed change of ``new`` against ``ref``, e.g. '−29.2 %'."""
+    if new is None or not ref:
+        return "—"
+    d = 100.0 * (new / ref - 1.0)
+    return f"{'−' if d < 0 else '+'}{abs(d):.1f} %"
+
+
+def write_json(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def as_dict(fam: Family) -> dict:
+    d = asdict(fam)
+    d["tokens"] = fam.tokens
+    d["describe"] = fam.describe()
+    return d
+
+
+def plt():
+    """matplotlib with a file-only backend (pip install matplotlib, or the project's 'bench' extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot

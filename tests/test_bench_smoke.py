@@ -1,0 +1,177 @@
+"""Smoke run of the benchmark scripts at tiny sizes: per-block byte accounting, the variants, the CPU step
+timer, the GPU mode's code (on CPU tensors; it must refuse to start without CUDA), and the rendering of
+docs/benchmarks.md and its charts from the JSON results."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(ROOT, "scripts")
+
+
+def _load(name: str):
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def C():
+    return _load("_bench_common")
+
+
+@pytest.fixture(scope="module")
+def M():
+    return _load("bench_memory")
+
+
+@pytest.fixture(scope="module")
+def S():
+    return _load("bench_speed")
+
+
+@pytest.fixture(scope="module")
+def mem_data(M):
+    args = M.parse_args(["--tiny", "--families", "llama,vit", "--modes", "bf16", "--no-compile", "--no-scaling"])
+    return M.run(args, log=lambda *a: None)
+
+
+def test_per_block_bytes_closed_form(C):
+    """Checkpointing keeps exactly each block's input, so one block is batch x seq x hidden x 2 bytes (bf16);
+    the block difference sees nothing of the embedding or the final norm."""
+    fam = C.TINY["llama"].with_(batch=2)
+    m = C.build(fam, torch.bfloat16)
+    x = C.make_input(fam, torch.bfloat16)
+    C.set_checkpointing(m, True)
+    assert C.per_block_bytes(fam, m, x, False) == 2 * fam.seq * fam.hidden * 2
+    C.set_checkpointing(m, False)
+    one = C.per_block_bytes(fam, m, x, False)
+    assert one > 10 * 2 * fam.seq * fam.hidden * 2  # a real block keeps much more than its input
+    assert C.per_block_bytes(fam, m, C.make_input(fam.with_(batch=4), torch.bfloat16), False) == 2 * one
+    assert len(C.block_list(m)) == 2  # truncation restored the blocks
+
+
+def test_ledger_frees_the_graph(C):
+    """The benchmark ledger must not keep what it measured alive (see _bench_common.Ledger)."""
+    import weakref
+
+    fam = C.TINY["llama"]
+
+    def measure():
+        m = C.build(fam, torch.float32)
+        C.saved_bytes(fam, m, C.make_input(fam, torch.float32), False)
+        return weakref.ref(m.layers[0].mlp.up_proj.weight)
+
+    ref = measure()
+    import gc
+
+    gc.collect()
+    assert ref() is None
+
+
+def test_memory_rows(M, mem_data):
+    k = M.by_key(mem_data["blocks"])
+    for fam in ("llama", "vit"):
+        orig = k[(fam, "bf16", M.V_ORIG)]["bytes"]
+        conv = k[(fam, "bf16", M.V_CONV)]["bytes"]
+        ckpt = k[(fam, "bf16", M.V_CKPT)]["bytes"]
+        assert 0 < ckpt < conv < orig, (fam, orig, conv, ckpt)
+        liger = k[(fam, "bf16", M.V_LIGER)]
+        assert liger["bytes"] is None and "CUDA" in liger["note"]
+    # LLaMA: the paper's two rewrites alone save less than with the memory-sharing gated MLP
+    assert k[("llama", "bf16", M.V_CONV)]["bytes"] < k[("llama", "bf16", M.V_PAPER)]["bytes"] < \
+        k[("llama", "bf16", M.V_ORIG)]["bytes"]
+    assert k[("llama", "bf16", M.V_EAGER)]["bytes"] > k[("llama", "bf16", M.V_ORIG)]["bytes"]  # fp32 softmax kept
+    assert not [r for r in mem_data["blocks"] if r.get("error")]
+    table = M.summary_table(mem_data)
+    assert "LLaMA (tiny)" in table and "−29.19 %" in table and "n/a" in table
+
+
+def test_compiled_block_is_counted(C, M):
+    """torch.compile's saved tensors reach the ledger: the compiled LLaMA block keeps less than eager (it
+    recomputes the norm's fp32 copies) but not nothing."""
+    fam = C.TINY["llama"]
+    m = C.build(fam, torch.bfloat16)
+    x = C.make_input(fam, torch.bfloat16)
+    eager = C.per_block_bytes(fam, m, x, False)
+    compiled, info = M._compiled_bytes(fam, m, x, False)
+    assert info["graphs"] >= 1
+    assert 0.3 * eager < compiled < eager
+
+
+def test_speed_cpu(S, tmp_path):
+    args = S.parse_args(["--tiny", "--families", "vit", "--modes", "bf16", "--repeats", "1", "--warmup", "0",
+                         "--json", str(tmp_path / "speed.json")])
+    S.CONVERT_SIZES_TINY = S.CONVERT_SIZES_TINY[:1]
+    data = S.cpu_run(args, log=lambda *a: None)
+    assert {r["variant"] for r in data["steps"]} == {S.V_ORIG, S.V_CONV, S.V_CKPT}
+    assert all(r["median_s"] > 0 for r in data["steps"])
+    assert data["convert"][0]["verified"] is True and data["convert"][0]["convert_s"] > 0
+    assert json.loads((tmp_path / "speed.json").read_text())["steps"]
+    assert "converted / original" in S.cpu_table(data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_gpu_mode_fails_fast_without_cuda(S, capsys):
+    assert S.main(["--gpu"]) == 2
+    assert S.NO_CUDA in capsys.readouterr().err
+
+
+def test_gpu_mode_code_on_cpu(S):
+    """The GPU sections run their code on CPU tensors (no peak memory there); Liger is CUDA-only."""
+    budget = S.Budget(600)
+    v = S.vit_lora("cpu", True, 1, 0, budget, log=lambda *a: None)
+    assert [r["variant"] for r in v["rows"]] == [S.V_ORIG, S.V_CONV]
+    assert all("error" not in r and r["img_s"] > 0 for r in v["rows"]), v
+    assert v["rows"][1]["saved_bytes"] < v["rows"][0]["saved_bytes"]
+    s = S.llama_slice("cpu", True, ["bf16"], 1, 0, budget, compile_=False, log=lambda *a: None)
+    rows = {r["variant"]: r for r in s["rows"]}
+    assert rows[S.V_CONV]["block_bytes"] < rows[S.V_ORIG]["block_bytes"]
+    assert "error" in rows[S.V_LIGER] or "block_bytes" in rows[S.V_LIGER]
+    md = S.gpu_tables({"machine": "test", "vit_lora": v, "llama_slice": s})
+    assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
+
+
+def test_bench_all_renders(M, S, mem_data, tmp_path):
+    pytest.importorskip("matplotlib")
+    A = _load("bench_all")
+    res, out = tmp_path / "res", tmp_path / "docs"
+    res.mkdir()
+    (res / "memory.json").write_text(json.dumps(mem_data))
+    speed = {"kind": "speed", "machine": "test", "repeats": 1, "warmup": 0, "elapsed_s": 1.0,
+             "steps": [{"family": "vit", "label": "ViT (tiny)", "mode": "bf16", "variant": v, "median_s": t,
+                        "ratio": t / 0.2, "shape": "tiny", "runs_s": [t]}
+                       for v, t in ((S.V_ORIG, 0.2), (S.V_CONV, 0.21), (S.V_CKPT, 0.3))],
+             "convert": [{"hidden": 64, "intermediate": 172, "layers": 2, "vocab": 256, "params": 10 ** 6,
+                          "plan_s": 0.1, "convert_s": 0.2, "verified": True}]}
+    (res / "speed.json").write_text(json.dumps(speed))
+    gpu = {"machine": "NVIDIA test GPU", "vit_lora": {"shape": "s", "rows": [
+        {"variant": S.V_ORIG, "peak": 3 * 2 ** 30, "img_s": 100.0, "saved_bytes": 2 ** 30},
+        {"variant": S.V_CONV, "peak": 2 * 2 ** 30, "img_s": 99.0, "saved_bytes": 2 ** 29}]},
+        "kernels": {"table": "| op | x |\n|---|---|\n| a -- b | 1 |"}}
+    (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    argv = ["--render-only", "--results", str(res), "--out-dir", str(out)]
+    assert A.main(argv + ["--gpu-json", str(tmp_path / "gpu.json")]) == 0
+    md = (out / "benchmarks.md").read_text()
+    for part in ("## Activation memory per block", "## How activation memory grows", "## Step time on CPU",
+                 "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]"):
+        assert part in md, part
+    for png in ("bench_memory.png", "bench_speed.png", "bench_convert_time.png", "bench_gpu.png"):
+        assert (out / png).stat().st_size > 10_000, png
+    # a later CPU-only render keeps the GPU figures (embedded in benchmarks.md), "--" and all
+    (res / "gpu.json").unlink()
+    assert A.main(argv) == 0
+    assert A.embedded_gpu(str(out / "benchmarks.md"))["kernels"]["table"].endswith("| a -- b | 1 |")
+    assert "NVIDIA test GPU" in (out / "benchmarks.md").read_text()

@@ -1,0 +1,198 @@
+"""lmbp_convert.export: the plain state dict of a converted (and trained) model computes what it computes."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lmbp_convert import convert
+from lmbp_convert.export import ExportError, plain_state_dict, save_pretrained
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from tiny_models import hf, timm_swin
+
+
+def _out(model, probe):
+    with torch.no_grad():
+        out = call_model(model, probe)
+    if isinstance(out, tuple):
+        return torch.cat([o.flatten() for o in out])
+    for attr in ("logits", "last_hidden_state"):
+        if hasattr(out, attr):
+            return getattr(out, attr)
+    return out
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _perturb(model, scale=0.05, seed=1):
+    """Stand-in for training: move every parameter (γ, β of re-applied norms, folded weights, added biases)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=gen))
+
+
+def _roundtrip(build, **convert_kw):
+    """(converted+perturbed model, fresh plain model loaded with its plain_state_dict, probe)."""
+    model = build()
+    plain = copy.deepcopy(model)
+    convert(model, **convert_kw)
+    _perturb(model)
+    model.eval()
+    sd = plain_state_dict(model)
+    assert set(sd) == set(plain.state_dict())  # no missing, no extra keys
+    plain.load_state_dict(sd, strict=True)
+    probe, _, _ = make_probe(plain, batch=2, seq=9)
+    return model, plain.eval(), probe
+
+
+def test_post_ln_bert_unfolds_linears_with_current_gamma_beta():
+    model, plain, probe = _roundtrip(lambda: hf("bert", head="cls"))
+    folds = [f for f in model.lmbp_report.plan.norm_folds if f.reapply]
+    assert folds, str(model.lmbp_report)
+    assert _rel(_out(plain, probe), _out(model, probe)) < 1e-5
+    # the naive state dict (folded Linears + γ, β) is a different model: the unfold is what makes it right
+    naive = copy.deepcopy(plain)
+    naive.load_state_dict(model.state_dict())
+    assert _rel(_out(naive, probe), _out(model, probe)) > 1e-2
+
+
+def test_pre_ln_state_dict_is_already_plain():
+    model = hf("llama")
+    convert(model)
+    _perturb(model)
+    sd, own = plain_state_dict(model), model.state_dict()
+    assert set(sd) == set(own)
+    assert all(sd[k] is own[k] or torch.equal(sd[k], own[k]) for k in sd)
+
+
+def test_added_bias_moves_into_the_norm_shift():
+    """timm Swin's patch merging: LayerNorm(4C) → reduction Linear(4C → 2C, no bias). The fold gave the Linear
+    a bias; the export puts an equivalent shift back into the norm (W'·β* = b' has a solution: 2C < 4C)."""
+    model, plain, probe = _roundtrip(timm_swin)
+    added = [t.name for f in model.lmbp_report.plan.norm_folds for t in f.targets if t.adds_bias]
+    assert added, str(model.lmbp_report)
+    assert all(f"{n}.bias" in model.state_dict() for n in added)
+    assert _rel(_out(plain, probe), _out(model, probe)) < 1e-5
+
+
+def test_untied_head_bias_exports_before_training_and_refuses_after():
+    """GPT-2 with untie=True folds ln_f (with β) into an untied, bias-less lm_head (vocab > width): the added
+    bias is W'·β/γ at conversion and exportable; after it trains on its own, no plain checkpoint holds it."""
+    model = hf("gpt2")
+    plain = copy.deepcopy(model)
+    convert(model, untie=True)
+    assert any(t.name == "lm_head" and t.adds_bias for f in model.lmbp_report.plan.norm_folds for t in f.targets)
+    sd = plain_state_dict(model)
+    assert "lm_head.bias" not in sd
+    plain.config.tie_word_embeddings = False
+    plain.lm_head.weight = nn.Parameter(plain.lm_head.weight.detach().clone())
+    plain.load_state_dict(sd, strict=True)
+    probe, _, _ = make_probe(plain, batch=2, seq=9)
+    assert _rel(_out(plain.eval(), probe), _out(model.eval(), probe)) < 1e-5
+    with torch.no_grad():
+        model.lm_head.bias.add_(0.1 * torch.randn_like(model.lm_head.bias))
+    with pytest.raises(ExportError, match="lm_head"):
+        plain_state_dict(model)
+
+
+class _GemmaToy(nn.Module):
+    """A Gemma-style (x̂·(1 + w)) norm feeding a Linear and returned as an output: re-applied at the output."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+        self.norm = GemmaRMSNorm(16)
+        self.lin = nn.Linear(16, 8)
+        with torch.no_grad():
+            self.norm.weight.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return self.lin(y), y
+
+
+def test_one_plus_w_norm_unfolds_with_one_plus_w():
+    model = _GemmaToy()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 5, 16)
+    convert(model, probe=x)
+    fold, = model.lmbp_report.plan.norm_folds
+    assert fold.param == "1+w" and fold.reapply
+    _perturb(model)
+    plain.load_state_dict(plain_state_dict(model))
+    torch.testing.assert_close(_out(plain, x), _out(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_zero_gamma_with_live_channel_is_refused():
+    model = _GemmaToy()
+    x = torch.randn(2, 5, 16)
+    convert(model, probe=x)
+    with torch.no_grad():
+        model.norm.weight[3] = -1.0  # γ = 1 + w = 0, but the folded Linear still reads channel 3
+    with pytest.raises(ExportError, match="γ is exactly 0"):
+        plain_state_dict(model)
+
+
+def test_report_found_on_wrapped_and_unwrapped_models():
+    model = hf("bert", head="cls")
+    convert(model)
+    _perturb(model)
+    wrapper = nn.ModuleDict({"inner": model})  # report on a submodule: keys get its prefix
+    sd = plain_state_dict(wrapper)
+    assert set(sd) == {f"inner.{k}" for k in model.state_dict()}
+    inner_sd = plain_state_dict(model)
+    assert all(torch.equal(sd[f"inner.{k}"], v) for k, v in inner_sd.items())
+    # a report whose names carry a wrapper's prefix (converted as part of a wrapper, exported unwrapped)
+    prefixed = copy.deepcopy(model.lmbp_report)
+    for f in prefixed.plan.norm_folds:
+        f.name = f"inner.{f.name}"
+        for t in f.targets:
+            t.name = f"inner.{t.name}"
+    stripped = plain_state_dict(model, report=prefixed)
+    assert all(torch.equal(stripped[k], v) for k, v in inner_sd.items())
+    with pytest.raises(ExportError, match="no conversion report"):
+        plain_state_dict(hf("bert", head="cls"))
+
+
+def test_save_pretrained_helper_writes_plain_checkpoint(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    model = hf("bert", head="cls")
+    convert(model)
+    _perturb(model)
+    save_pretrained(model, tmp_path)
+    loaded, info = AutoModelForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    probe, _, _ = make_probe(loaded, batch=2, seq=9)
+    assert _rel(_out(loaded.eval(), probe), _out(model.eval(), probe)) < 1e-5
+    assert isinstance(model.bert.encoder.layer[0].output.LayerNorm.weight, nn.Parameter)  # model untouched
+    with pytest.raises(TypeError, match="state_dict"):
+        save_pretrained(model, tmp_path, state_dict={})
+
+
+def test_export_after_a_second_convert_call():
+    """convert(norms only), then convert() again for the rest: the second report must not hide the first one's
+    folds (convert() keeps the earlier report as ``report.previous``); without it the export refuses rather
+    than writing folded Linears next to γ, β."""
+    model = hf("bert", head="cls")
+    plain = copy.deepcopy(model)
+    convert(model, activations=False)
+    convert(model)
+    assert model.lmbp_report.plan.act_swaps and not model.lmbp_report.plan.norm_folds
+    _perturb(model)
+    plain.load_state_dict(plain_state_dict(model))
+    probe, _, _ = make_probe(plain, batch=2, seq=9)
+    assert _rel(_out(plain.eval(), probe), _out(model.eval(), probe)) < 1e-5
+
+
+def test_unreported_reapplied_norm_is_refused():
+    model = hf("bert", head="cls")
+    convert(model)
+    object.__setattr__(model, "lmbp_report", type(model.lmbp_report)(type(model.lmbp_report.plan)()))
+    with pytest.raises(ExportError, match="no conversion report describes"):
+        plain_state_dict(model)
