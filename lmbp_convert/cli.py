@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _err(f"no space left on device while writing {args.dst}; no DST written")
             else:
                 where = f" ({exc.filename})" if exc.filename else ""
-                _err(f"cannot write {args.dst}: {exc.strerror or exc}{where}; no DST written")
+                _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; no DST written")
             return 1
         except Exception as exc:  # a bug, not a bad input: still one line unless asked
             if args.debug:
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("dry run: nothing written")
             return 0
         if not args.quiet and not args.json:
-            from .checkpoint.diskplan import fmt_bytes
+            from .report import fmt_bytes
 
             rate = fmt_bytes(plan.total_bytes / max(plan.seconds_write, 1e-9))
             print(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 from .match.plan import Plan
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -80,7 +81,7 @@ class ConversionReport:
         else:
             lines.append(f"verification: {'passed' if self.verified else 'FAILED'}; relative output error "
                          f"{self.relative_error:.2e} (tolerance {self.rtol:.0e})")
-        lines.append(f"predicted activation memory saved: {_fmt_bytes(self.plan.predicted_saved_bytes)} on the "
-                     f"probe, {_fmt_bytes(self.predicted_saved_bytes_per_unit)} per {p.probe_unit} "
+        lines.append(f"predicted activation memory saved: {fmt_bytes(self.plan.predicted_saved_bytes)} on the "
+                     f"probe, {fmt_bytes(self.predicted_saved_bytes_per_unit)} per {p.probe_unit} "
                      "(analytic; exact counts: lmbp_convert.memory.SavedTensorLedger)")
         return "\n".join(lines)

@@ -267,15 +267,16 @@ def full_table(data: dict) -> str:
     rows = []
     k = by_key(data["blocks"])
     for r in data["blocks"]:
-        ref = k.get((r["family"], r["mode"], V_ORIG), {}).get("bytes")
-        cmp_ = k.get((r["family"], r["mode"], V_COMPILE), {}).get("bytes")
+        eager = r["variant"] == V_EAGER_CONV  # compared with the original that also uses eager attention
+        ref = k.get((r["family"], r["mode"], V_EAGER if eager else V_ORIG), {}).get("bytes")
+        cmp_ = None if r["variant"] in (V_EAGER, V_EAGER_CONV) else k.get((r["family"], r["mode"], V_COMPILE), {}).get("bytes")
         note = r.get("error") or r.get("note") or r.get("converted") or ""
         if "compile_s" in r:
             note = f"compiled in {r['compile_s']} s, {r['graphs']} graph(s), {r['graph_breaks']} break(s)"
         rows.append((r["label"], C.MODE_LABEL[r["mode"]], r["variant"], C.mib(r.get("bytes")),
                      C.pct(r.get("bytes"), ref), C.pct(r.get("bytes"), cmp_), note))
-    return C.markdown_table(("block", "dtype", "variant", "MiB per block", "vs original", "vs torch.compile",
-                             "notes"), rows)
+    return C.markdown_table(("block", "dtype", "variant", "MiB per block", "vs original (eager attn: vs original, "
+                             "eager attn)", "vs torch.compile", "notes"), rows)
 
 
 def scaling_table(data: dict) -> str:

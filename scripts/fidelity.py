@@ -235,6 +235,9 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
 
 class LMTask:
     name = "LM"
+    # LLaMA has no activation module left to convert (the gated MLP takes SiLU, with its exact derivative), so
+    # the only rewrite that can change training is the norm folding: no ablation needed.
+    variants = {"converted": {}}
     labels = {"loss": "held-out loss (per character)", "acc": "fact recall (accuracy)"}
     seq = 64
 
@@ -298,6 +301,9 @@ class LMTask:
 
 class ViTTask:
     name = "ViT"
+    # Ablations separate the two rewrites that change gradients: approx-BP GELU and LayerNorm folding.
+    variants = {"converted": {}, "approx-BP GELU only": {"norms": False},
+                "norm folding only": {"activations": False}}
     labels = {"loss": "test loss", "acc": "test accuracy"}
 
     def __init__(self, pre: Phase, fine: Phase, n_train: int = 4000, n_test: int = 2000):
@@ -358,10 +364,11 @@ def fine_tune(task, pretrained: torch.nn.Module, seed: int) -> Run:
     from lmbp_convert import convert
 
     original = task.start(pretrained, seed)
-    converted = convert(copy.deepcopy(original))  # defaults; before the optimizer (folded γ, β become buffers)
-    models = {"original": original.train(), "converted": converted.train()}
+    models = {"original": original.train()}
+    for variant, options in task.variants.items():  # "converted": defaults. Before the optimizer is built
+        models[variant] = convert(copy.deepcopy(original), **options).train()  # (folded γ, β become buffers)
     opts = {k: adamw(m, task.fine.lr) for k, m in models.items()}
-    run = Run(curves={k: [] for k in models}, report=str(converted.lmbp_report).splitlines()[0])
+    run = Run(curves={k: [] for k in models}, report=str(models["converted"].lmbp_report).splitlines()[0])
     for step, batch in enumerate(task.batches(seed)):
         for k, model in models.items():
             set_lr(opts[k], lr_at(step, task.fine))
@@ -371,7 +378,7 @@ def fine_tune(task, pretrained: torch.nn.Module, seed: int) -> Run:
             opts[k].step()
             run.curves[k].append(loss.item())
         if step == 0:
-            run.first_step_diff = abs(run.curves["original"][0] - run.curves["converted"][0])
+            run.first_step_diff = max(abs(c[0] - run.curves["original"][0]) for c in run.curves.values())
     run.final = {k: task.evaluate(m) for k, m in models.items()}
     return run
 
@@ -398,32 +405,38 @@ def smooth(xs: list[float], k: int) -> list[float]:
 
 
 def table(results: dict[str, list[Run]], labels: dict[str, dict[str, str]], tail: int) -> tuple[str, list[str]]:
-    """Markdown table; a difference is 'within seed noise' when |Δ mean| ≤ 2 standard errors of that difference
-    (Welch: sqrt(s_o²/n + s_c²/n)). The paired t (mean / standard error of the per-seed differences) shows whether
-    a difference, however small against the seed noise, is systematic."""
-    rows = ["| task | metric | original | converted | Δ converted − original (paired) | paired t | "
+    """Markdown table, one row per task, variant and metric, each against the original.
+
+    A difference is 'within seed noise' when |Δ mean| ≤ 2 standard errors of that difference (Welch:
+    sqrt(s_o²/n + s_v²/n)). The paired t (mean / standard error of the per-seed differences) shows whether a
+    difference, however small against the seed noise, is systematic.
+    """
+    rows = ["| task | variant | metric | original | variant | Δ variant − original (paired) | paired t | "
             "within seed noise? |",
-            "|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for name, runs in results.items():
         n = len(runs)
-        metrics = {f"final train loss (mean of last {tail} steps)":
-                   {k: [sum(r.curves[k][-tail:]) / tail for r in runs] for k in ("original", "converted")}}
-        for key in ("loss", "acc"):
-            metrics[labels[name][key]] = {k: [r.final[k][key] for r in runs] for k in ("original", "converted")}
-        for label, vals in metrics.items():
-            pct = "accuracy" in label
-            fmt = (lambda v: f"{100 * v:.1f} %") if pct else (lambda v: f"{v:.4f}")
-            (mo, so), (mc, sc) = mean_std(vals["original"]), mean_std(vals["converted"])
-            md, sd = mean_std([c - o for o, c in zip(vals["original"], vals["converted"])])
-            se = math.sqrt((so ** 2 + sc ** 2) / n)
-            ok = abs(mc - mo) <= 2 * se
-            t = md / (sd / math.sqrt(n)) if sd > 0 else (0.0 if md == 0 else math.inf)
-            verdicts.append(f"{name} {label}: {'within' if ok else 'OUTSIDE'} noise (|Δ| {abs(mc - mo):.4g}, "
-                            f"2·SE {2 * se:.4g}, paired t {t:+.1f})")
-            rows.append(f"| {name} | {label} | {fmt(mo)} ± {fmt(so)} | {fmt(mc)} ± {fmt(sc)} | "
-                        f"{'+' if md >= 0 else '−'}{fmt(abs(md))} ± {fmt(sd)} | {t:+.1f} | ".replace("-", "−")
-                        + f"{'yes' if ok else '**no**'} (2·SE = {fmt(2 * se)}) |")
+        for variant in [k for k in runs[0].curves if k != "original"]:
+            metrics = {f"final train loss (mean of last {tail} steps)":
+                       {k: [sum(r.curves[k][-tail:]) / tail for r in runs] for k in ("original", variant)}}
+            for key in ("loss", "acc"):
+                metrics[labels[name][key]] = {k: [r.final[k][key] for r in runs] for k in ("original", variant)}
+            for label, vals in metrics.items():
+                fmt = (lambda v: f"{100 * v:.1f} %") if "accuracy" in label else (lambda v: f"{v:.4f}")
+                (mo, so), (mv, sv) = mean_std(vals["original"]), mean_std(vals[variant])
+                md, sd = mean_std([v - o for o, v in zip(vals["original"], vals[variant])])
+                se = math.sqrt((so ** 2 + sv ** 2) / n)
+                ok = abs(mv - mo) <= 2 * se
+                t = md / (sd / math.sqrt(n)) if sd > 0 else (0.0 if md == 0 else math.inf)
+                t_txt = f"{t:+.1f}".replace("-", "−")
+                sign = "+" if md >= 0 else "−"
+                verdicts.append(f"{name} {variant} {label}: {'within' if ok else 'OUTSIDE'} noise "
+                                f"(|Δ| {abs(mv - mo):.4g}, 2·SE {2 * se:.4g}, paired t {t_txt})")
+                vname = f"**{variant}**" if variant == "converted" else variant
+                rows.append(f"| {name} | {vname} | {label} | {fmt(mo)} ± {fmt(so)} | {fmt(mv)} ± {fmt(sv)} | "
+                            f"{sign}{fmt(abs(md))} ± {fmt(sd)} | {t_txt} | "
+                            f"{'yes' if ok else '**no**'} (2·SE = {fmt(2 * se)}) |")
     return "\n".join(rows), verdicts
 
 
@@ -435,15 +448,19 @@ def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
 
     fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7), sharex="col",
                              gridspec_kw={"height_ratios": [2, 1]}, squeeze=False)
-    colors = {"original": "tab:blue", "converted": "tab:orange"}
+    colors = {"original": "tab:blue", "converted": "tab:orange", "approx-BP GELU only": "tab:green",
+              "norm folding only": "tab:purple"}
     for col, (name, runs) in enumerate(results.items()):
         top, bottom = axes[0, col], axes[1, col]
-        for k, c in colors.items():
+        for k in runs[0].curves:
             curves = torch.tensor([smooth(r.curves[k], smooth_k) for r in runs])
             mean, std = curves.mean(0), curves.std(0) if len(runs) > 1 else torch.zeros(curves.shape[1])
             steps = torch.arange(curves.shape[1])
-            top.plot(steps, mean, color=c, label=f"{k} (mean of {len(runs)} seeds)")
-            top.fill_between(steps, mean - std, mean + std, color=c, alpha=0.25)
+            main = k in ("original", "converted")
+            top.plot(steps, mean, color=colors.get(k), lw=1.5 if main else 1, ls="-" if main else "--",
+                     label=f"{k} (mean of {len(runs)} seeds)" + ("" if main else ", ablation"))
+            if main:
+                top.fill_between(steps, mean - std, mean + std, color=colors.get(k), alpha=0.25)
         top.set_yscale("log")
         top.set_ylabel(f"training loss (EMA, {smooth_k} steps)")
         top.set_title(f"{name} fine-tuning")
@@ -451,7 +468,8 @@ def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
         for i, r in enumerate(runs):
             d = torch.tensor(smooth(r.curves["converted"], smooth_k)) - torch.tensor(smooth(r.curves["original"],
                                                                                             smooth_k))
-            bottom.plot(d, lw=1, label=f"seed {i}: converted − original")
+            bottom.plot(d, lw=1, color=colors["converted"], alpha=0.5 + 0.5 * i / max(1, len(runs) - 1),
+                        label="converted − original, per seed" if i == 0 else None)
         orig = torch.tensor([smooth(r.curves["original"], smooth_k) for r in runs])
         if len(runs) > 1:
             spread = orig.std(0)
@@ -498,7 +516,7 @@ def main() -> None:
     q = args.quick
     tasks = [
         LMTask(pre=Phase(20 if q else 300, 32, 3e-3), fine=Phase(10 if q else 300, 16, 2e-3)),
-        ViTTask(pre=Phase(10 if q else 250, 64, 1e-3), fine=Phase(10 if q else 250, 48, 5e-4),
+        ViTTask(pre=Phase(10 if q else 250, 64, 1e-3), fine=Phase(10 if q else 200, 48, 5e-4),
                 n_train=256 if q else 4000, n_test=200 if q else 2000),
     ]
     header = machine()
@@ -533,13 +551,14 @@ def main() -> None:
     write_doc(os.path.join(out, "fidelity.md"), header, tasks, notes, md_table, verdicts, total, timing, args)
 
 
-def write_doc(path, header, tasks, notes, md_table, verdicts, total, timing, args) -> None:
+def write_doc(path, header, tasks, task_notes, md_table, verdicts, total, timing, args) -> None:
     lm, vit = tasks
+    notes = kept_notes(path)
     task_lines = []
-    for task, spread, d0, report in notes:
+    for task, spread, d0, report in task_notes:
         task_lines.append(f"- {task.name}: `{report.removeprefix('lmbp-convert: ')}`; pre-trained norms' mean "
                           f"|γ − 1| = {spread:.3f} (so folding them is a real reparameterisation); largest step-0 "
-                          f"loss difference original vs converted {d0:.1e} (same function before training).")
+                          f"loss difference original vs any converted variant {d0:.1e} (same function before training).")
     text = f"""# Training fidelity: original vs converted
 
 Generated by `python scripts/fidelity.py{' --quick' if args.quick else ''}` (seeds: {args.seeds}); this file and
@@ -573,21 +592,28 @@ fine-tuning the unconverted model learns?
   would test nothing). fp32, no dropout, AdamW (β 0.9/0.999, no weight decay), linear warm-up 20 steps then cosine decay to
   10 %. For each seed the original and the converted copy start from the same weights and take the same batches in
   the same order (the seed sets the data order and the ViT head). Convert happens before the optimizer is built.
+- **Variants:** `converted` = `convert(model)` with defaults. The ViT also runs two ablations in the same lock
+  step, to tell the two gradient-changing rewrites apart: `approx-BP GELU only` (`convert(model, norms=False)`)
+  and `norm folding only` (`convert(model, activations=False)`).
 {chr(10).join(task_lines)}
 
 ## Results (mean ± std over {args.seeds} seeds)
 
 {md_table}
 
-"Within seed noise": |mean(converted) − mean(original)| ≤ 2 standard errors of that difference,
-2·sqrt((s_orig² + s_conv²)/n). The paired column is converted − original per seed (same data order), mean ± std;
+"Within seed noise": |mean(variant) − mean(original)| ≤ 2 standard errors of that difference,
+2·sqrt((s_orig² + s_var²)/n). The paired column is variant − original per seed (same data order), mean ± std;
 paired t = its mean / (std/√n): |t| well above ~4 (n = 3) means a systematic shift, even when it is small next to
 the seed-to-seed spread.
 
 ![loss curves](fidelity_loss.png)
 
-Top: training loss (EMA), mean ± std over seeds. Bottom: converted − original per seed, against the seed-to-seed
-spread of the original (grey).
+Top: training loss (EMA), mean ± std over seeds (ablations dashed, mean only). Bottom: converted − original per
+seed, against the seed-to-seed spread of the original (grey).
+
+## Findings
+
+{notes}
 
 ## What can make them differ
 
@@ -604,6 +630,21 @@ spread of the original (grey).
 """
     with open(path, "w") as f:
         f.write(text)
+
+
+NOTES_BEGIN, NOTES_END = "<!-- notes: kept by scripts/fidelity.py across runs -->", "<!-- /notes -->"
+
+
+def kept_notes(path: str) -> str:
+    """The hand-written notes block of an existing report (interpretation of a recorded run), to carry over."""
+    try:
+        with open(path) as f:
+            old = f.read()
+    except OSError:
+        return f"{NOTES_BEGIN}\n{NOTES_END}"
+    if NOTES_BEGIN in old and NOTES_END in old:
+        return old[old.index(NOTES_BEGIN):old.index(NOTES_END) + len(NOTES_END)]
+    return f"{NOTES_BEGIN}\n{NOTES_END}"
 
 
 if __name__ == "__main__":

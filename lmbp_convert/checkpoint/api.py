@@ -35,6 +35,7 @@ from .sources import Source, SafetensorsSource, bin_to_safetensors_name, open_hf
 #: elements per chunk when folding a weight (4 MiB of fp32 scratch): keeps memory flat; measured on a 3 GiB
 #: LLaMA checkpoint, 256Ki-1Mi elements stream fastest, 4Mi about 2x slower
 CHUNK_ELEMS = 1 << 20
+_COPY_PIECE = 256 << 20  # bytes per kernel copy call: how soon the copying thread notices a stop request
 _WEIGHT_FILE = re.compile(
     r".*\.(safetensors|gguf|onnx|h5|msgpack|ckpt|pth|pt|tflite|ot)$|.*\.(safetensors|bin)\.index\.json$"
     r"|^(pytorch_model|consolidated).*\.bin$")
@@ -187,15 +188,15 @@ class _Folder:
             self._gamma[k] = effective_scale(self.source.tensor(a.gamma), a.param)
         return self._gamma[k]
 
-    def write(self, w: SafetensorsWriter, key: str, a: Action, on_bytes: Callable[[int], None]) -> None:
+    def write(self, w: SafetensorsWriter, out_key: str, key: str, a: Action, on_bytes: Callable[[int], None]) -> None:
+        """Write DST tensor ``out_key``, made from source tensor ``key`` by ``a``."""
         info = self.source.infos[key]
         dtype = DTYPES[info.dtype][0]
         if a.kind in ("identity", "zero"):
             value = identity_weight_value(a.param) if a.kind == "identity" else 0.0
-            w.write_tensor(torch.full(info.shape, value, dtype=dtype))
-            on_bytes(info.nbytes)
+            on_bytes(w.append(out_key, torch.full(info.shape, value, dtype=dtype)))
         elif a.kind == "fold_w":
-            self._fold_weight(w, key, a, on_bytes)
+            self._fold_weight(w, out_key, key, a, on_bytes)
         elif a.kind == "fold_b":  # b' = b + W·β, over the whole W: bit-identical to convert()'s fold (a
             # matrix-vector product split into row blocks may round differently), at the cost of one fp32 W
             weight = self.source.tensor(a.weight)
@@ -203,12 +204,12 @@ class _Folder:
             beta = self.source.tensor(a.beta)
             new_b = fold_affine(weight, bias, self.gamma(a), beta, a.layout)[1]
             del weight
-            w.write_tensor(new_b.to(dtype))
-            on_bytes(info.nbytes)
+            on_bytes(w.append(out_key, new_b.to(dtype)))
         else:  # pragma: no cover - plan_disk only makes the kinds above
             raise RuntimeError(f"internal error: unknown action {a.kind!r}")
 
-    def _fold_weight(self, w: SafetensorsWriter, key: str, a: Action, on_bytes: Callable[[int], None]) -> None:
+    def _fold_weight(self, w: SafetensorsWriter, out_key: str, key: str, a: Action,
+                     on_bytes: Callable[[int], None]) -> None:
         info = self.source.infos[key]
         g = self.gamma(a)
         rows = info.shape[0]
@@ -229,21 +230,19 @@ class _Folder:
                 r1 = min(rows, r0 + step)
                 pending.append(self.pool.submit(job, i, r0, r1) if self.pool is not None else _Done(job(i, r0, r1)))
                 if len(pending) == 2:
-                    out = pending.popleft().result()
-                    w.write_tensor(out)
-                    on_bytes(out.numel() * out.element_size())
+                    on_bytes(w.append(out_key, pending.popleft().result()))
             while pending:
-                out = pending.popleft().result()
-                w.write_tensor(out)
-                on_bytes(out.numel() * out.element_size())
+                on_bytes(w.append(out_key, pending.popleft().result()))
         except BaseException:
             for f in pending:
                 f.cancel()
             raise
 
 
-def _write_shard(prep: Prepared, shard: OutShard, path: Path, folder: _Folder,
-                 on_bytes: Callable[[int], None]) -> None:
+def _write_shard(prep: Prepared, shard: OutShard, path: Path, folder: _Folder, on_bytes: Callable[[int], None],
+                 copier: ThreadPoolExecutor | None) -> None:
+    """Write one DST shard. Unchanged tensors go file to file in the kernel — on the ``copier`` thread when
+    there is one, meanwhile this thread writes the folded ones (every tensor has its own region of the file)."""
     src, dp = prep.source, prep.plan
     meta = dict(src.shard_metadata.get(shard.source, {}))
     meta.setdefault("format", "pt")
@@ -253,18 +252,38 @@ def _write_shard(prep: Prepared, shard: OutShard, path: Path, folder: _Folder,
         info = src.infos[t.source]
         entries.append((t.key, info.dtype, info.shape, info.nbytes))
     w = SafetensorsWriter(path, entries, meta)
-    try:
-        for t in shard.tensors:
+    raw_copy = isinstance(src, SafetensorsSource)
+    copies = [t for t in shard.tensors if t.action is None and raw_copy]
+    stop = threading.Event()
+
+    def copy_all() -> None:
+        for t in copies:
             info = src.infos[t.source]
+            for off in range(0, info.nbytes, _COPY_PIECE):  # pieces: a stop request is seen within one
+                if stop.is_set():
+                    return
+                n = min(_COPY_PIECE, info.nbytes - off)
+                w.copy_into(t.key, src.fd(info.shard), info.start + off, n, info.shard)
+                on_bytes(n)
+
+    copying = copier.submit(copy_all) if copier is not None and copies else None
+    try:
+        if copying is None:
+            copy_all()
+        for t in shard.tensors:
             if t.action is not None:
-                folder.write(w, t.source, t.action, on_bytes)
-            elif isinstance(src, SafetensorsSource):
-                w.copy_from(src.fd(info.shard), info.start, info.nbytes, info.shard)
-                on_bytes(info.nbytes)
-            else:
-                w.write_tensor(src.tensor(t.source))
-                on_bytes(info.nbytes)
+                folder.write(w, t.key, t.source, t.action, on_bytes)
+            elif not raw_copy:
+                on_bytes(w.append(t.key, src.tensor(t.source)))
+        if copying is not None:
+            copying.result()
     except BaseException:
+        stop.set()
+        if copying is not None:
+            try:
+                copying.result()
+            except BaseException:
+                pass
         w.abort()
         raise
     w.close()
@@ -279,22 +298,30 @@ def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
 
         bar = tqdm(total=dp.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, dynamic_ncols=True,
                    desc="lmbp-convert", leave=False)
-    on_bytes = bar.update if bar is not None else (lambda n: None)
+    lock = threading.Lock()
+
+    def on_bytes(n: int) -> None:  # called from the writing and the copying thread
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
     # torch ops on one thread: the folds are small memory-bound chunks between I/O calls, where waking an OpenMP
-    # pool for each op costs more than it saves (~10x slower with 2 threads on a 2-core VM). The second core,
-    # if any, folds the next chunk while this thread writes (torch ops and file I/O release the GIL).
+    # pool for each op costs more than it saves (~10x slower with 2 threads on a 2-core VM). Instead, with more
+    # than one core, a worker folds the next chunk while this thread writes the last one, and another copies the
+    # unchanged tensors in the kernel meanwhile (torch ops and file I/O release the GIL).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = None
+    pool = copier = None
     if (os.cpu_count() or 1) > 1:  # (the OpenMP thread count is per thread: set it in the worker too)
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-fold", initializer=torch.set_num_threads,
                                   initargs=(1,))
+        copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-copy")
     folder = _Folder(prep.source, pool)
     try:
         for shard in dp.shards:
             if bar is not None:
                 bar.set_postfix_str(shard.name, refresh=False)
-            _write_shard(prep, shard, out_dir / shard.name, folder, on_bytes)
+            _write_shard(prep, shard, out_dir / shard.name, folder, on_bytes, copier)
         if dp.index is not None:
             (out_dir / dp.index_name).write_text(json.dumps(dp.index, indent=2, sort_keys=True) + "\n")
         if dp.config is not None:
@@ -302,8 +329,9 @@ def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
         for name in dp.copies:
             shutil.copyfile(prep.src_path / name, out_dir / name)
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+        for p in (pool, copier):
+            if p is not None:
+                p.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads)
         if bar is not None:
             bar.close()

@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..apply.convert import CONFIG_KEY
 from ..match.plan import NormFold, Plan, Skip
+from ..report import fmt_bytes
 from .errors import CheckpointError
 from .models import KeyMap, ModelView, map_keys
 from .sources import Source
@@ -118,14 +119,6 @@ class DiskPlan:
         for note in self.notes:
             lines.append(f"note: {note}")
         return "\n".join(lines)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _untie_config(raw: dict) -> dict:

@@ -135,21 +135,22 @@ def read_entry(fd: int, entry: Entry, label: str, rows: tuple[int, int] | None =
     return buf.view(dtype).reshape(shape)
 
 
-def _write_all(fd: int, data) -> None:
+def _write_all(fd: int, data, offset: int) -> None:
     mv = memoryview(data).cast("B")
     while len(mv):
-        k = os.write(fd, mv)
+        k = os.pwrite(fd, mv, offset)
         mv = mv[k:]
+        offset += k
 
 
-def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, label: str) -> None:
-    """Copy n bytes at ``offset`` of src to the current position of dst, in the kernel when it can."""
+def _copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, n: int, label: str) -> None:
+    """Copy n bytes from ``src_offset`` of src to ``dst_offset`` of dst, in the kernel when it can."""
     use_cfr = hasattr(os, "copy_file_range")
     while n > 0:
         k = -1
         if use_cfr:
             try:
-                k = os.copy_file_range(src_fd, dst_fd, min(n, 1 << 30), offset)
+                k = os.copy_file_range(src_fd, dst_fd, n, src_offset, dst_offset)
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF,
                                      errno.EPERM):
@@ -157,52 +158,64 @@ def _copy_range(src_fd: int, dst_fd: int, offset: int, n: int, label: str) -> No
                 use_cfr = False
                 k = -1
         if k < 0:
-            chunk = os.pread(src_fd, min(n, 64 << 20), offset)
+            chunk = os.pread(src_fd, min(n, 64 << 20), src_offset)
             k = len(chunk)
-            _write_all(dst_fd, chunk)
+            _write_all(dst_fd, chunk, dst_offset)
         if k == 0:
             raise CheckpointError(f"{label} is truncated (unexpected end of file)")
-        offset += k
+        src_offset += k
+        dst_offset += k
         n -= k
 
 
 class SafetensorsWriter:
-    """Write a safetensors file whose header is known up front; tensors are appended in header order."""
+    """Write a safetensors file whose header is known up front. Each tensor's bytes are appended to its own
+    region (positional writes), so different tensors may be written in any order and from different threads."""
 
     def __init__(self, path: Path, entries: Iterable[tuple[str, str, tuple[int, ...], int]],
                  metadata: dict[str, str] | None = None) -> None:
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         off = 0
-        self._expect: list[tuple[str, int]] = []
+        spans: dict[str, tuple[int, int]] = {}
         for key, code, shape, nbytes in entries:
             header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [off, off + nbytes]}
-            self._expect.append((key, nbytes))
+            spans[key] = (off, nbytes)
             off += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
         blob += b" " * ((-len(blob)) % 8)
         self.path = Path(path)
         self.total = off
+        start = 8 + len(blob)
+        self._span = {k: (start + o, n) for k, (o, n) in spans.items()}  # key → (absolute offset, bytes)
+        self._done = dict.fromkeys(spans, 0)  # key → bytes written so far (each key has one writer)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        self._written = 0
-        _write_all(self.fd, len(blob).to_bytes(8, "little") + blob)
+        _write_all(self.fd, len(blob).to_bytes(8, "little") + blob, 0)
 
-    def write_tensor(self, t: torch.Tensor) -> None:
+    def _claim(self, key: str, nbytes: int) -> int:
+        at, size = self._span[key]
+        done = self._done[key]
+        if done + nbytes > size:
+            raise RuntimeError(f"internal error: {done + nbytes} bytes for {key!r}, which holds {size}")
+        self._done[key] = done + nbytes
+        return at + done
+
+    def append(self, key: str, t: torch.Tensor) -> int:
+        """Append ``t``'s bytes to tensor ``key``; returns how many."""
         t = t.detach().contiguous().reshape(-1)
-        if t.numel():
-            self._put(t.view(torch.uint8).numpy(), t.numel() * t.element_size())
+        n = t.numel() * t.element_size()
+        if n:
+            _write_all(self.fd, t.view(torch.uint8).numpy(), self._claim(key, n))
+        return n
 
-    def copy_from(self, src_fd: int, offset: int, nbytes: int, label: str) -> None:
-        _copy_range(src_fd, self.fd, offset, nbytes, label)
-        self._written += nbytes
-
-    def _put(self, data, nbytes: int) -> None:
-        _write_all(self.fd, data)
-        self._written += nbytes
+    def copy_into(self, key: str, src_fd: int, offset: int, nbytes: int, label: str) -> None:
+        """Append ``nbytes`` of src (from ``offset``) to tensor ``key``, file to file."""
+        _copy_range(src_fd, self.fd, offset, self._claim(key, nbytes), nbytes, label)
 
     def close(self) -> None:
         try:
-            if self._written != self.total:
-                raise RuntimeError(f"internal error: wrote {self._written} of {self.total} data bytes to {self.path}")
+            short = [k for k, n in self._done.items() if n != self._span[k][1]]
+            if short:
+                raise RuntimeError(f"internal error: {short[0]!r} incomplete in {self.path}")
         finally:
             os.close(self.fd)
 

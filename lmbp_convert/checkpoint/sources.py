@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class SafetensorsSource(Source):
         super().__init__(root, shards, label)
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
         for s in shards:
             f = SafetensorsFile(root / s, label=s)
             self.files[s] = f
@@ -98,9 +100,11 @@ class SafetensorsSource(Source):
                 self._add(TensorInfo(key, s, e.dtype, e.shape, e.nbytes, e.key, e.start))
 
     def fd(self, shard: str) -> int:
-        if shard not in self._fds:
-            self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
-        return self._fds[shard]
+        """A read-only descriptor of ``shard`` (shared: reads are positional, so threads may use it at once)."""
+        with self._lock:
+            if shard not in self._fds:
+                self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
+            return self._fds[shard]
 
     def tensor(self, key: str) -> torch.Tensor:
         i = self.infos[key]

@@ -276,7 +276,7 @@ def test_commit_failure_restores_existing_dst(cli, src, tmp_path, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(api.os, "rename", rename)
-    expect_error(cli, src, dst, "--force", match="cannot write .*Input/output error")
+    expect_error(cli, src, dst, "--force", match="I/O error .*Input/output error")
 
 
 # -- options and other inputs ---------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ def test_writer_reader_roundtrip(tmp_path):
     path = tmp_path / "x.safetensors"
     w = SafetensorsWriter(path, [(k, TORCH_TO_CODE[t.dtype], tuple(t.shape), t.numel() * t.element_size())
                                  for k, t in tensors.items()], {"format": "pt", "note": "hi"})
-    for t in tensors.values():
-        w.write_tensor(t)
+    for k, t in reversed(list(tensors.items())):  # any order: each tensor has its own region
+        w.append(k, t)
     w.close()
     with safe_open(path, "pt") as f:  # the reference reader accepts it
         assert f.metadata() == {"format": "pt", "note": "hi"}
@@ -52,9 +52,14 @@ def test_writer_reader_roundtrip(tmp_path):
 
 
 def test_writer_checks_it_wrote_everything(tmp_path):
-    w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (4,), 16)])
-    with pytest.raises(RuntimeError, match="wrote 0 of 16"):
+    w = SafetensorsWriter(tmp_path / "y.safetensors", [("a", "F32", (4,), 16), ("b", "F32", (2,), 8)])
+    w.append("a", torch.zeros(4))
+    with pytest.raises(RuntimeError, match="'b' incomplete"):
         w.close()
+    w = SafetensorsWriter(tmp_path / "z.safetensors", [("a", "F32", (4,), 16)])
+    with pytest.raises(RuntimeError, match="20 bytes for 'a'"):
+        w.append("a", torch.zeros(5))
+    w.abort()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])

@@ -4,12 +4,13 @@ Each worker builds the same tiny model, converts it *before* wrapping (folded no
 so the wrapper must see the converted module tree), trains a few SGD steps on its half of every global batch and
 saves the full parameters. The test then checks that both ranks hold identical parameters, that they match a
 single-process run on the whole batch (both wrappers average gradients over ranks, and each rank's loss is a mean
-over equally many items, so the averaged gradient is the gradient of the full-batch loss), and that training moved
-them. The workers are this file run as a script with a torchrun-like environment (RANK, WORLD_SIZE, MASTER_ADDR,
+over equally many items, so the averaged gradient is the gradient of the full-batch loss), that training moved
+them, and that the wrapped model saves for backward what the unwrapped converted model saves. The workers are this file run as a script with a torchrun-like environment (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT): pytest imports test files under names that ``torch.multiprocessing.spawn`` could not re-import.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import subprocess
@@ -67,18 +68,36 @@ def loss_of(model: torch.nn.Module, name: str, x: torch.Tensor, y: torch.Tensor)
     return F.cross_entropy(model(x), y)
 
 
+def _ledger(model: torch.nn.Module):
+    """`SavedTensorLedger` that also works under FSDP2.
+
+    FSDP2 parameters are DTensor shards (no storage of their own: excluded here as their local tensors), and the
+    full weights it all-gathers for forward are fresh nn.Parameters whose storages the ledger cannot know in
+    advance. Those are skipped by type, but autograd saves views of them (``weight.t()`` for a Linear's matmul), so
+    a view of a Parameter is skipped too.
+    """
+    from lmbp_convert import SavedTensorLedger
+
+    class Ledger(SavedTensorLedger):
+        def _pack(self, t: torch.Tensor):
+            if isinstance(t._base, torch.nn.Parameter):
+                return t
+            return super()._pack(t)
+
+    ts = list(model.parameters()) + list(model.buffers())
+    return Ledger([t.to_local() if hasattr(t, "to_local") else t for t in ts])
+
+
 def train(model: torch.nn.Module, name: str, rank: int = 0, world: int = 1) -> tuple[list[float], int]:
     """SGD on this rank's share of each global batch; returns the losses and the bytes the first step's forward
     saved for backward (exact, `SavedTensorLedger`)."""
-    from lmbp_convert import SavedTensorLedger
-
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     per_rank = GLOBAL_BATCH // world
     losses, saved = [], 0
     for step in range(STEPS):
         x, y = global_batch(name, step)
         sl = slice(rank * per_rank, (rank + 1) * per_rank)
-        with SavedTensorLedger(model) as ledger:
+        with _ledger(model) as ledger:
             loss = loss_of(model, name, x[sl], y[sl])
         saved = saved or ledger.bytes
         opt.zero_grad(set_to_none=True)
@@ -90,11 +109,9 @@ def train(model: torch.nn.Module, name: str, rank: int = 0, world: int = 1) -> t
 
 def saved_bytes_local(model: torch.nn.Module, name: str) -> int:
     """Saved-for-backward bytes of one unwrapped forward on one rank's share of the first batch."""
-    from lmbp_convert import SavedTensorLedger
-
     x, y = global_batch(name, 0)
     n = GLOBAL_BATCH // WORLD
-    with SavedTensorLedger(model) as ledger:
+    with _ledger(model) as ledger:
         loss_of(model, name, x[:n], y[:n])
     return ledger.bytes
 
@@ -140,7 +157,9 @@ def worker(outdir: str) -> None:
 
     torch.set_num_threads(1)  # two processes share the machine's cores
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    # a short collective timeout: a case that fails on one rank only must not leave the other waiting for 30 min
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=60))
     for name, mode in CASES:
         path = os.path.join(outdir, f"{name}_{mode}_rank{rank}.pt")
         try:
@@ -172,19 +191,21 @@ def runs(tmp_path_factory):
     """Launch the two workers once for all cases; return {(model, mode, rank): result}."""
     outdir = str(tmp_path_factory.mktemp("dist"))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([TESTS, ROOT, os.environ.get("PYTHONPATH", "")]))
+               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [TESTS, ROOT, os.environ.get("PYTHONPATH")])))
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", outdir], cwd=ROOT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(WORLD)]
-    logs = []
+    logs: list[str] = []
     try:
         for p in procs:
             logs.append(p.communicate(timeout=WORKER_TIMEOUT_S)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    except subprocess.TimeoutExpired:
+        for p in procs[len(logs):]:
+            p.kill()
+            logs.append(p.communicate()[0])
+        pytest.fail(f"workers still running after {WORKER_TIMEOUT_S} s:\n" + "\n".join(
+            f"--- rank {r}:\n{log[-3000:]}" for r, log in enumerate(logs)))
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} exited with {p.returncode}:\n{log[-4000:]}"
     return {(m, w, r): torch.load(os.path.join(outdir, f"{m}_{w}_rank{r}.pt"), weights_only=False)
