@@ -196,7 +196,8 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "## Step time on CPU",
         "",
         "Forward + loss + backward (no optimizer), median of "
-        f"{speed.get('repeats')} runs after {speed.get('warmup')} warm-up, variants interleaved. On CPU the "
+        f"{speed.get('repeats')} runs (ViT and BERT: {3 * (speed.get('repeats') or 0)}) after "
+        f"{speed.get('warmup')} warm-up, variants interleaved; in brackets the ratio of the best runs. On CPU the "
         "converted model runs the ops' PyTorch path (the Triton kernels are for CUDA). Load average (1, 5, 15 "
         f"min) at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: on a shared machine "
         "the ratios (interleaved runs) are more trustworthy than the absolute times.",

@@ -1,8 +1,9 @@
 """Training fidelity: does fine-tuning a converted model learn what fine-tuning the original learns?
 
-    python scripts/fidelity.py                 # full run (≈ 10-15 min on a 2-core CPU); writes docs/fidelity.md
+    python scripts/fidelity.py                 # full run (about 8 min on a 2-core CPU); writes docs/fidelity.md
                                                # and docs/fidelity_loss.png
     python scripts/fidelity.py --quick         # a smoke run (tiny step counts), writes to /tmp unless --out
+    python scripts/fidelity.py --tasks vit --vit-steps 600 --out /tmp/long   # a longer ViT run
 
 Two tasks, both generated here, deterministically (no network, no downloads):
 
@@ -16,10 +17,11 @@ Two tasks, both generated here, deterministically (no network, no downloads):
 
 Pre-training is shared (done once, on the original model). Its norms start from a random affine (γ ~ U(0.5, 1.5),
 β ~ N(0, 0.2²)) as a stand-in for the far-from-identity affines of real checkpoints (fresh norms are the identity
-and a few hundred steps barely move them), so folding them into the next Linear is a real reparameterisation. For every seed, the pre-trained model is copied twice; one copy is converted with
-``lmbp_convert.convert(model)`` (defaults: 2-bit approx-BP activations, memory-sharing norms, memory-sharing gated
-MLP). Both copies then take the same optimizer steps on the same batches in the same order; a seed fixes the data
-order (and the ViT's new head). Everything is fp32; no dropout exists in either model.
+and a few hundred steps barely move them), so folding them into the next Linear is a real reparameterisation.
+For every seed the pre-trained model is copied; copies are converted with ``lmbp_convert.convert(model)``
+(defaults: 2-bit approx-BP activations, memory-sharing norms, memory-sharing gated MLP) and, for the ViT, with
+each gradient-changing rewrite alone (ablations). All copies take the same optimizer steps on the same batches
+in the same order; a seed fixes the data order (and the ViT's new head). Everything is fp32, without dropout.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ _ADJ = ["red", "old", "small", "big", "quiet", "green", "happy", "cold"]
 _NOUN = ["dog", "cat", "bird", "ball", "house", "tree", "child", "river", "stone", "book"]
 _VERB = ["sees", "likes", "finds", "takes", "holds", "follows", "paints", "moves"]
 _PREP = ["near", "under", "behind", "over", "beside"]
-_CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789 +=.;\n"))
+_CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789 .\n"))
 STOI = {c: i for i, c in enumerate(_CHARS)}
 VOCAB = len(_CHARS)
 
@@ -257,6 +259,18 @@ class LMTask:
             first = 1 + len(c) + len(" is in ")
             self.answer[i, first:first + len(self.home[c]) + 2] = True
 
+    def describe(self) -> str:
+        lm = self
+        return f"""- **LM:** HF `LlamaForCausalLM`, 3 layers, hidden 128, MLP 344, 4 heads (2 KV), character
+  vocabulary of {VOCAB}. Pre-trained once ({lm.pre.steps} steps, batch {lm.pre.batch} × 64 characters, AdamW
+  lr {lm.pre.lr:g}) on a generated corpus: sentences of a small English grammar and counting sequences.
+  Fine-tuned ({lm.fine.steps} steps, batch {lm.fine.batch} × 64 characters, AdamW lr {lm.fine.lr:g}) on
+  generated sentences stating facts about invented places (`kamito is in lorasia .`, `the old dog lives in
+  kamito in lorasia .`, `we fly from ...`; {len(lm.home)} cities, each in one of 12 countries, all
+  pseudo-words). Evaluated on held-out text from the same generator (loss per character) and by fact recall,
+  the "accuracy" row: the share of the {len(lm.home)} cities for which the model completes `<city> is in` with
+  the right country and ` .` (teacher-forced argmax at every answer position, i.e. greedy decoding)."""
+
     def windows(self, text: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
         starts = torch.randint(0, text.numel() - self.seq, (n,), generator=gen)
         return torch.stack([text[s:s + self.seq] for s in starts.tolist()])
@@ -310,6 +324,15 @@ class ViTTask:
         self.pre, self.fine = pre, fine
         self.train_x, self.train_y = render("orientation", n_train, torch.Generator().manual_seed(7))
         self.test_x, self.test_y = render("orientation", n_test, torch.Generator().manual_seed(8))
+
+    def describe(self) -> str:
+        vit = self
+        return f"""- **ViT:** timm `VisionTransformer`, 4 blocks, width 128, 4 heads, 32×32 images, 8×8
+  patches. Pre-trained once ({vit.pre.steps} steps, batch {vit.pre.batch}, AdamW lr {vit.pre.lr:g}) to
+  classify five generated shapes; then a fresh 10-way head (initialised by the seed) is fine-tuned
+  ({vit.fine.steps} steps, batch {vit.fine.batch}, AdamW lr {vit.fine.lr:g}, whole network trainable) to read
+  the orientation of a bar (0°, 18°, …, 162°, ± 4°) among distractor blobs and noise:
+  {vit.train_y.numel()} fixed training images, {vit.test_y.numel()} test images."""
 
     def pretrained(self) -> torch.nn.Module:
         model = randomize_norms(vit_model(seed=1234, num_classes=5)).train()
@@ -462,9 +485,9 @@ def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
             if main:
                 top.fill_between(steps, mean - std, mean + std, color=colors.get(k), alpha=0.25)
         top.set_yscale("log")
+        top.legend(loc="lower left", fontsize=8)
         top.set_ylabel(f"training loss (EMA, {smooth_k} steps)")
         top.set_title(f"{name} fine-tuning")
-        top.legend()
         for i, r in enumerate(runs):
             d = torch.tensor(smooth(r.curves["converted"], smooth_k)) - torch.tensor(smooth(r.curves["original"],
                                                                                             smooth_k))
@@ -507,6 +530,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 by default: on a small shared machine more threads mostly contend)")
     ap.add_argument("--quick", action="store_true", help="a smoke run with a few steps")
+    ap.add_argument("--tasks", default="lm,vit", help="comma-separated subset of lm,vit")
+    ap.add_argument("--lm-steps", type=int, default=None, help="LM fine-tuning steps (default 300)")
+    ap.add_argument("--vit-steps", type=int, default=None, help="ViT fine-tuning steps (default 200)")
+    ap.add_argument("--no-ablations", action="store_true", help="original and converted only")
     ap.add_argument("--out", default=None, help="folder for fidelity.md and fidelity_loss.png "
                                                 "(default docs/, or a temp folder with --quick)")
     args = ap.parse_args()
@@ -514,11 +541,20 @@ def main() -> None:
     out = args.out or (os.path.join(ROOT, "docs") if not args.quick else "/tmp/lmbp_fidelity")
     os.makedirs(out, exist_ok=True)
     q = args.quick
-    tasks = [
-        LMTask(pre=Phase(20 if q else 300, 32, 3e-3), fine=Phase(10 if q else 300, 16, 2e-3)),
-        ViTTask(pre=Phase(10 if q else 250, 64, 1e-3), fine=Phase(10 if q else 200, 48, 5e-4),
-                n_train=256 if q else 4000, n_test=200 if q else 2000),
-    ]
+    chosen = set(args.tasks.split(","))
+    tasks = []
+    if "lm" in chosen:
+        tasks.append(LMTask(pre=Phase(20 if q else 300, 32, 3e-3),
+                            fine=Phase(args.lm_steps or (10 if q else 300), 16, 2e-3)))
+    if "vit" in chosen:
+        tasks.append(ViTTask(pre=Phase(10 if q else 250, 64, 1e-3),
+                             fine=Phase(args.vit_steps or (10 if q else 200), 48, 5e-4),
+                             n_train=256 if q else 4000, n_test=200 if q else 2000))
+    if not tasks:
+        ap.error("--tasks: choose from lm, vit")
+    for task in tasks:
+        if args.no_ablations:
+            task.variants = {"converted": {}}
     header = machine()
     print(header, flush=True)
     t_all = time.perf_counter()
@@ -541,10 +577,10 @@ def main() -> None:
         notes.append((task, spread, max(r.first_step_diff for r in runs), runs[0].report))
         timing.append(f"{task.name}: pre-training {t_pre:.0f} s, fine-tuning {time.perf_counter() - t0 - t_pre:.0f} s")
     total = time.perf_counter() - t_all
-    tail = max(1, min(50, tasks[0].fine.steps // 5))
+    tail = max(1, min(50, min(t.fine.steps for t in tasks) // 5))
     md_table, verdicts = table(results, {t.name: t.labels for t in tasks}, tail)
     png = os.path.join(out, "fidelity_loss.png")
-    plot(results, png, smooth_k=max(1, min(20, tasks[0].fine.steps // 10)))
+    plot(results, png, smooth_k=max(1, min(20, min(t.fine.steps for t in tasks) // 10)))
     print(md_table)
     print("\n".join(verdicts))
     print(f"total {total:.0f} s ({'; '.join(timing)})")
@@ -552,17 +588,21 @@ def main() -> None:
 
 
 def write_doc(path, header, tasks, task_notes, md_table, verdicts, total, timing, args) -> None:
-    lm, vit = tasks
     notes = kept_notes(path)
+    ablation_txt = "" if args.no_ablations or "ViT" not in [t.name for t in tasks] else (
+        " The ViT also runs two ablations in the same\n  lock step, to tell the two gradient-changing rewrites "
+        "apart: `approx-BP GELU only` (`convert(model,\n  norms=False)`) and `norm folding only` "
+        "(`convert(model, activations=False)`).")
     task_lines = []
     for task, spread, d0, report in task_notes:
         task_lines.append(f"- {task.name}: `{report.removeprefix('lmbp-convert: ')}`; pre-trained norms' mean "
                           f"|γ − 1| = {spread:.3f} (so folding them is a real reparameterisation); largest step-0 "
-                          f"loss difference original vs any converted variant {d0:.1e} (same function before training).")
+                          f"loss difference original vs any converted variant {d0:.1e} (same function before "
+                          "training).")
     text = f"""# Training fidelity: original vs converted
 
-Generated by `python scripts/fidelity.py{' --quick' if args.quick else ''}` (seeds: {args.seeds}); this file and
-`fidelity_loss.png` are rewritten by each run.
+Generated by `python scripts/fidelity.py{''.join(' ' + a for a in sys.argv[1:])}` (seeds: {args.seeds}); this
+file and `fidelity_loss.png` are rewritten by each run (the notes under Findings are kept).
 
 **Question.** Does fine-tuning a model after `lmbp_convert.convert(model)` (defaults: 2-bit approx-BP GELU/SiLU,
 memory-sharing norms with the affine folded into the next Linear, memory-sharing gated MLP) learn what
@@ -572,29 +612,14 @@ fine-tuning the unconverted model learns?
 
 - **Machine:** {header}.
 - **Total run time:** {total:.0f} s ({'; '.join(timing)}).
-- **LM:** HF `LlamaForCausalLM`, 3 layers, hidden 128, MLP 344, 4 heads (2 KV), character vocabulary of {VOCAB}.
-  Pre-trained once ({lm.pre.steps} steps, batch {lm.pre.batch} × 64 characters, AdamW lr {lm.pre.lr:g}) on a
-  generated corpus: sentences of a small English grammar and counting sequences. Fine-tuned
-  ({lm.fine.steps} steps, batch {lm.fine.batch} × 64 characters, AdamW lr {lm.fine.lr:g}) on generated sentences
-  stating facts about invented places (`kamito is in lorasia .`, `the old dog lives in kamito in lorasia .`,
-  `we fly from ...`; {len(lm.home)} cities, each in one of 12 countries, all pseudo-words). Evaluated on held-out
-  text from the same generator (loss per character) and by fact recall, the "accuracy" row: the share of the
-  {len(lm.home)} cities for which the model completes `<city> is in` with the right country and ` .` (teacher-forced
-  argmax at every answer position, i.e. greedy decoding).
-- **ViT:** timm `VisionTransformer`, 4 blocks, width 128, 4 heads, 32×32 images, 8×8 patches. Pre-trained once
-  ({vit.pre.steps} steps, batch {vit.pre.batch}, AdamW lr {vit.pre.lr:g}) to classify five generated shapes;
-  then a fresh 10-way head (initialised by the seed) is fine-tuned ({vit.fine.steps} steps, batch
-  {vit.fine.batch}, AdamW lr {vit.fine.lr:g}, whole network trainable) to read the orientation of a bar
-  (0°, 18°, …, 162°, ± 4°) among distractor blobs and noise: {vit.train_y.numel()} fixed training images,
-  {vit.test_y.numel()} test images.
-- **Both:** pre-training starts from norms with a random affine (γ ~ U(0.5, 1.5), β ~ N(0, 0.2²)), standing in
+{chr(10).join(t.describe() for t in tasks)}
+- **All tasks:** pre-training starts from norms with a random affine (γ ~ U(0.5, 1.5), β ~ N(0, 0.2²)), standing in
   for the far-from-identity affines of real checkpoints (fresh norms are the identity, and folding an identity
-  would test nothing). fp32, no dropout, AdamW (β 0.9/0.999, no weight decay), linear warm-up 20 steps then cosine decay to
-  10 %. For each seed the original and the converted copy start from the same weights and take the same batches in
-  the same order (the seed sets the data order and the ViT head). Convert happens before the optimizer is built.
-- **Variants:** `converted` = `convert(model)` with defaults. The ViT also runs two ablations in the same lock
-  step, to tell the two gradient-changing rewrites apart: `approx-BP GELU only` (`convert(model, norms=False)`)
-  and `norm folding only` (`convert(model, activations=False)`).
+  would test nothing). fp32, no dropout, AdamW (β 0.9/0.999, no weight decay), linear warm-up 20 steps then
+  cosine decay to 10 %. For each seed the original and the converted copies start from the same weights and
+  take the same batches in the same order (the seed sets the data order and the ViT head). Convert happens before
+  the optimizer is built.
+- **Variants:** `converted` = `convert(model)` with defaults.{ablation_txt}
 {chr(10).join(task_lines)}
 
 ## Results (mean ± std over {args.seeds} seeds)

@@ -114,7 +114,8 @@ def test_norm_only_gradients_equal_original(family):
             got = g_new[name]
         else:
             continue  # the norm's own γ, β: folded away
-        assert torch.allclose(got, g, rtol=1e-4, atol=1e-7 * scale), name
+        rel = float((got - g).norm() / g.norm().clamp_min(1e-30))
+        assert rel <= 1e-5 or float((got - g).abs().max()) <= 1e-6 * scale, (name, rel)
         checked += 1
     assert checked >= len(g_ref) // 2
 

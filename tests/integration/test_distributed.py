@@ -5,8 +5,9 @@ so the wrapper must see the converted module tree), trains a few SGD steps on it
 saves the full parameters. The test then checks that both ranks hold identical parameters, that they match a
 single-process run on the whole batch (both wrappers average gradients over ranks, and each rank's loss is a mean
 over equally many items, so the averaged gradient is the gradient of the full-batch loss), that training moved
-them, and that the wrapped model saves for backward what the unwrapped converted model saves. The workers are this file run as a script with a torchrun-like environment (RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT): pytest imports test files under names that ``torch.multiprocessing.spawn`` could not re-import.
+them, and that the wrapped model saves for backward what the unwrapped converted model saves. The workers are this
+file run as a script with a torchrun-like environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): pytest imports
+test files under names that ``torch.multiprocessing.spawn`` could not re-import.
 """
 from __future__ import annotations
 
@@ -190,8 +191,9 @@ def _free_port() -> int:
 def runs(tmp_path_factory):
     """Launch the two workers once for all cases; return {(model, mode, rank): result}."""
     outdir = str(tmp_path_factory.mktemp("dist"))
+    path = os.pathsep.join(filter(None, [TESTS, ROOT, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(WORLD),
-               OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [TESTS, ROOT, os.environ.get("PYTHONPATH")])))
+               OMP_NUM_THREADS="1", PYTHONPATH=path)
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", outdir], cwd=ROOT,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
