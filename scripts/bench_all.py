@@ -4,7 +4,7 @@
     python scripts/bench_all.py                          # CPU: memory + speed (~20 min on 2 cores), then render
     python scripts/bench_all.py --render-only            # re-render docs/ from build/bench/*.json
     python scripts/bench_all.py --gpu-json bench_gpu.json --render-only   # add a GPU run's results
-    python scripts/bench_all.py --tiny --out-dir /tmp/d --results /tmp/r  # smoke run
+    python scripts/bench_all.py --tiny                   # smoke run, into build/bench-tiny/
 
 Runs scripts/bench_memory.py and scripts/bench_speed.py (each in its own process, one after the other so
 the timings do not compete), keeps their JSON in ``--results`` (default build/bench/), draws the PNG charts
@@ -197,10 +197,11 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "",
         "Forward + loss + backward (no optimizer), median of "
         f"{speed.get('repeats')} runs (ViT and BERT: {3 * (speed.get('repeats') or 0)}) after "
-        f"{speed.get('warmup')} warm-up, variants interleaved; in brackets the ratio of the best runs. On CPU the "
+        f"{speed.get('warmup')} warm-up, variants interleaved (every run is in the results JSON). On CPU the "
         "converted model runs the ops' PyTorch path (the Triton kernels are for CUDA). Load average (1, 5, 15 "
-        f"min) at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: on a shared machine "
-        "the ratios (interleaved runs) are more trustworthy than the absolute times.",
+        f"min) at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: this 2-core machine is "
+        "shared with other jobs, which can slow a whole run several-fold; the interleaved ratios are steadier "
+        "than the absolute times, and the GPU section has the speed that matters for training.",
         "",
         S.cpu_table(speed) if speed.get("steps") else "(not run)",
         "",
@@ -248,8 +249,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run)")
-    ap.add_argument("--out-dir", default=os.path.join(C.ROOT, "docs"), help="where benchmarks.md and PNGs go")
-    ap.add_argument("--results", default=os.path.join(C.ROOT, "build", "bench"), help="JSON results folder")
+    ap.add_argument("--out-dir", default=None, help="where benchmarks.md and PNGs go (default docs/; with --tiny "
+                    "build/bench-tiny/, so a smoke run never overwrites the real figures)")
+    ap.add_argument("--results", default=None, help="JSON results folder (default build/bench/, "
+                    "with --tiny build/bench-tiny/)")
     ap.add_argument("--render-only", action="store_true", help="do not measure; render the JSON in --results")
     ap.add_argument("--gpu-json", default=None, help="results of bench_speed.py --gpu to include")
     ap.add_argument("--families", default=None, help="pass-through: a subset of llama,vit,bert")
@@ -259,7 +262,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None, help="pass-through: timed runs per step time")
     ap.add_argument("--warmup", type=int, default=None, help="pass-through: warm-up runs")
     ap.add_argument("--no-convert-scaling", action="store_true", help="pass-through")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    tiny_dir = os.path.join(C.ROOT, "build", "bench-tiny")
+    a.out_dir = a.out_dir or (tiny_dir if a.tiny else os.path.join(C.ROOT, "docs"))
+    a.results = a.results or (tiny_dir if a.tiny else os.path.join(C.ROOT, "build", "bench"))
+    return a
 
 
 def main(argv=None) -> int:

@@ -153,7 +153,7 @@ def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool
         _free()
     if compile_:
         add(V_COMPILE, lambda: _compiled_bytes(fam, base, x, ac))
-    del base
+    base = None  # free it before the eager-attention models are built
     _free()
     if fam.hf:
         eager = {}

@@ -167,20 +167,12 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return lanes.reshape(-1)[:numel]
 
 
-_SLOPE_TABLES: dict = {}
-
-
-def _byte_slope_table(const: "ApproxConstants", device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _byte_slope_table(const: "ApproxConstants", dtype: torch.dtype) -> torch.Tensor:
     """[256, P] table: the P slopes a packed byte stands for, so unpacking is one gather."""
-    key = (const.kind, const.bits, device, dtype)
-    table = _SLOPE_TABLES.get(key)
-    if table is None:
-        all_bytes = torch.arange(256, dtype=torch.uint8)
-        codes = unpack_codes(all_bytes, 256 * (8 // slot_bits(const.bits)), const.bits).long()
-        slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64)
-        table = slopes[codes].view(256, -1).to(device=device, dtype=dtype)
-        _SLOPE_TABLES[key] = table
-    return table
+    all_bytes = torch.arange(256, dtype=torch.uint8)
+    codes = unpack_codes(all_bytes, 256 * (8 // slot_bits(const.bits)), const.bits).long()
+    slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64)
+    return slopes[codes].view(256, -1).to(dtype)
 
 
 def _threshold_below(c: float, dtype: torch.dtype) -> float:
@@ -190,6 +182,17 @@ def _threshold_below(c: float, dtype: torch.dtype) -> float:
     if float(t) > c:
         t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
     return float(t)
+
+
+# Precomputed once at import, so tracing (torch.compile) meets no cache mutation and no tensor-to-float
+# conversion (either would break the graph).
+_SLOPE_TABLES = {(key, dtype): _byte_slope_table(const, dtype)
+                 for key, const in _CONSTANTS.items() for dtype in (torch.float32, torch.float64)}
+_THRESHOLDS = {
+    (key, dtype): tuple(_threshold_below(c, dtype) for c in const.c_f32)
+    for key, const in _CONSTANTS.items()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -231,7 +234,7 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
         thresholds = const.c
     else:  # no fp32 copy of x: compare against thresholds moved onto x's own grid
         y = _act_native(x, kind)
-        thresholds = [_threshold_below(c, x.dtype) for c in const.c_f32]
+        thresholds = _THRESHOLDS[((kind, bits), x.dtype)]
     flat = x.reshape(-1)
     codes = (flat > thresholds[0]).to(torch.uint8)
     for c in thresholds[1:]:
@@ -241,10 +244,9 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
 
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
-    const = _CONSTANTS[(kind, bits)]
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
-    table = _byte_slope_table(const, grad.device, compute)
+    table = _SLOPE_TABLES[((kind, bits), compute)].to(grad.device)
     slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
     return (grad * slope).to(grad.dtype)
 
