@@ -77,20 +77,23 @@ class SavedTensorLedger:
         return False
 
     def _pack(self, t: torch.Tensor):
+        # Hand back a detached alias, never the tensor itself: an op's own output returned from the pack hook
+        # forms a reference cycle with its grad_fn that keeps the whole graph (and model) alive.
+        keep = t.detach() if t.grad_fn is not None else t
         if isinstance(t, nn.Parameter) or t.device.type == "meta":
-            return t
+            return keep
         ptr = t.untyped_storage().data_ptr()
         if ptr in self._param_ptrs or ptr in self._seen:
-            return t
+            return keep
         if self.skip_weight_copies and self._is_weight_copy(t):
             self._seen.add(ptr)
             self.skipped_weight_copies += 1
-            return t
+            return keep
         self._seen.add(ptr)
         self.entries.append(
             SavedEntry(tuple(t.shape), t.dtype, t.untyped_storage().nbytes(), type(t.grad_fn).__name__)
         )
-        return t
+        return keep
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> "SavedTensorLedger":

@@ -28,3 +28,18 @@ def test_autocast_weight_copies_are_not_activations():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             lin(x)
     assert led.skipped_weight_copies == 1 and led.bytes == 0
+
+
+def test_measured_graphs_are_freed():
+    """The ledger must not keep what it measured alive (a pack hook returning an op's own output would)."""
+    import gc
+    import weakref
+
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with SavedTensorLedger(lin) as led:
+        y = torch.tanh(lin(x))  # tanh saves its own output
+    ref = weakref.ref(y)
+    del y  # measured, never backpropagated (as benchmarks do)
+    gc.collect()
+    assert ref() is None and led.bytes > 0
