@@ -40,6 +40,8 @@ class SavedTensorLedger:
             params = list(self.params.parameters()) + list(self.params.buffers())
         else:
             params = list(self.params or [])
+        # FSDP2 parameters are DTensors without a storage of their own: use their local shards
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
         self._param_ptrs = {p.untyped_storage().data_ptr() for p in params if p.device.type != "meta"}
         self._params_by_numel: dict[int, list[torch.Tensor]] = {}
         for p in params:
@@ -80,7 +82,8 @@ class SavedTensorLedger:
         # Hand back a detached alias, never the tensor itself: an op's own output returned from the pack hook
         # forms a reference cycle with its grad_fn that keeps the whole graph (and model) alive.
         keep = t.detach() if t.grad_fn is not None else t
-        if isinstance(t, nn.Parameter) or t.device.type == "meta":
+        # parameters, and views of parameters (weight.t() of weights FSDP2 gathers during forward)
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.device.type == "meta":
             return keep
         ptr = t.untyped_storage().data_ptr()
         if ptr in self._param_ptrs or ptr in self._seen:

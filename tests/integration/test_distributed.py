@@ -70,23 +70,10 @@ def loss_of(model: torch.nn.Module, name: str, x: torch.Tensor, y: torch.Tensor)
 
 
 def _ledger(model: torch.nn.Module):
-    """`SavedTensorLedger` that also works under FSDP2.
-
-    FSDP2 parameters are DTensor shards (no storage of their own: excluded here as their local tensors), and the
-    full weights it all-gathers for forward are fresh nn.Parameters whose storages the ledger cannot know in
-    advance. Those are skipped by type, but autograd saves views of them (``weight.t()`` for a Linear's matmul), so
-    a view of a Parameter is skipped too.
-    """
+    """The exact saved-bytes ledger; it handles FSDP2's DTensor shards and the weights it gathers itself."""
     from lmbp_convert import SavedTensorLedger
 
-    class Ledger(SavedTensorLedger):
-        def _pack(self, t: torch.Tensor):
-            if isinstance(t._base, torch.nn.Parameter):
-                return t
-            return super()._pack(t)
-
-    ts = list(model.parameters()) + list(model.buffers())
-    return Ledger([t.to_local() if hasattr(t, "to_local") else t for t in ts])
+    return SavedTensorLedger(model)
 
 
 def train(model: torch.nn.Module, name: str, rank: int = 0, world: int = 1) -> tuple[list[float], int]:
