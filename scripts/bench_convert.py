@@ -9,29 +9,15 @@ Prints the phases (trace+plan, rewrite+verify) and the report summary. Weights a
 from __future__ import annotations
 
 import argparse
+import os
 import platform
+import sys
 import time
 
 import torch
 
-
-def build(hidden: int, inter: int, layers: int, vocab: int, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                               num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
-                               vocab_size=vocab, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    with torch.no_grad():  # cheap random init: normal weights, norms with non-trivial affine
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.02)
-    model.model.rotary_emb.__init__(config=cfg)  # its inv_freq buffer was left uninitialised by to_empty
-    return model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_speed import build_causal_lm  # noqa: E402  (same LLaMA builder as the scaling benchmark)
 
 
 def main() -> None:
@@ -42,7 +28,7 @@ def main() -> None:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     shape = (256, 688, 2, 1000) if args.small else (2048, 5632, 22, 32000)
     t0 = time.perf_counter()
-    model = build(*shape, dtype)
+    model = build_causal_lm(*shape, dtype=dtype)
     n = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter() - t0
 
