@@ -287,16 +287,29 @@ def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: st
 # ------------------------------------------------------------------------------------------------------
 # dtype policy helpers: mirror what eager F.linear does with and without autocast.
 # ------------------------------------------------------------------------------------------------------
+def _autocast_available(device_type: str) -> bool:
+    try:
+        return bool(torch.amp.is_autocast_available(device_type))
+    except Exception:  # pragma: no cover - unknown device type string
+        return False
+
+
+# Looked up once at import: some torch releases' dynamo cannot trace torch.amp.is_autocast_available (a graph
+# break inside every converted MLP under torch.compile).
+_AUTOCAST_DEVICE_TYPES = frozenset(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla")
+                                   if _autocast_available(d))
+
+
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     """The autocast dtype active for this device type, or None when autocast is off (or unavailable)."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
 
 
 def _no_autocast(device_type: str):
     """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state."""
-    if torch.amp.is_autocast_available(device_type):
+    if device_type in _AUTOCAST_DEVICE_TYPES:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
