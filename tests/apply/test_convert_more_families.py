@@ -1,0 +1,56 @@
+"""Families the issue does not list: the walker is generic, so they convert (or say why not) with no per-model
+code. Each must verify; the expectations record what is foldable in each architecture."""
+import copy
+
+import pytest
+import torch
+
+from lmbp_convert import convert
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from tiny_models import hf
+
+SMALL_LM = dict(num_key_value_heads=2)
+CASES = {
+    # arch: (overrides, head, minimum norm folds, minimum gated MLPs, a skip reason that must appear or None)
+    "phi3": (dict(SMALL_LM, pad_token_id=0), "causal", 5, 2, None),
+    "qwen3": (dict(SMALL_LM, head_dim=16), "causal", 5, 2, "no Linear consumer"),  # q_norm / k_norm
+    "olmo2": (SMALL_LM, "causal", 1, 2, "no Linear consumer"),  # norms on block outputs feed residuals only
+    "gpt_neox": ({}, "causal", 5, 0, None),
+    "falcon": (dict(num_hidden_layers=2), "causal", 2, 0, "tied"),  # FalconLinear: a catalogue entry
+    "stablelm": (SMALL_LM, "causal", 5, 2, None),
+    "deit": (dict(image_size=32, patch_size=8), "base", 5, 0, None),
+    "distilbert": ({}, "base", 0, 0, "no module boundary"),  # post-LN with the residual inside one forward
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CASES))
+def test_unlisted_family(arch):
+    overrides, head, min_norms, min_gated, reason = CASES[arch]
+    if arch == "distilbert":
+        model = _distilbert()
+    else:
+        model = hf(arch, head=head, **overrides)
+    model.eval()
+    ref = copy.deepcopy(model)
+    _, rep = convert(model, return_report=True)
+    assert rep.verified, str(rep)
+    assert len(rep.plan.norm_folds) >= min_norms and len(rep.plan.gated_mlps) >= min_gated, str(rep)
+    if reason:
+        assert any(reason in s.reason for s in rep.plan.skips), str(rep)
+    probe = make_probe(model, batch=2, seq=9)[0]
+    with torch.no_grad():
+        a, b = call_model(model, probe), call_model(ref, probe)
+    a = a.logits if hasattr(a, "logits") else a.last_hidden_state
+    b = b.logits if hasattr(b, "logits") else b.last_hidden_state
+    assert float((a - b).norm() / b.norm()) <= 1e-5
+
+
+def _distilbert():
+    from transformers import AutoConfig, AutoModel
+
+    from tiny_models import randomize_norms
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("distilbert", dim=64, hidden_dim=256, n_layers=2, n_heads=4, vocab_size=128)
+    return randomize_norms(AutoModel.from_config(cfg))
