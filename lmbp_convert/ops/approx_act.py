@@ -305,6 +305,16 @@ if HAS_TRITON:
         return y
 
     @triton.jit
+    def _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS: tl.constexpr):
+        """Memory offsets of logical row-major element indices in a (rows, n_cols) strided view."""
+        if CONTIGUOUS:
+            src = idx
+        else:
+            row = idx // n_cols
+            src = row * stride_row + (idx - row * n_cols) * stride_col
+        return src
+
+    @triton.jit
     def _approx_act_fwd_kernel(x_ptr, y_ptr, packed_ptr, thr_ptr, n_elements, n_bytes, n_cols, stride_row,
                                stride_col, KIND: tl.constexpr, N_THR: tl.constexpr, SLOT: tl.constexpr,
                                PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
@@ -313,11 +323,7 @@ if HAS_TRITON:
         lane = tl.arange(0, PER_BYTE)
         idx = byte[:, None] * PER_BYTE + lane[None, :]  # [BLOCK, PER_BYTE] logical element index
         mask = idx < n_elements
-        if CONTIGUOUS:
-            src = idx
-        else:
-            row = idx // n_cols
-            src = row * stride_row + (idx - row * n_cols) * stride_col
+        src = _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS)
         x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
         y = _act_f32(x, KIND)
         tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -339,11 +345,7 @@ if HAS_TRITON:
         code = (packed[:, None] >> (lane[None, :] * SLOT)) & ((1 << SLOT) - 1)
         idx = byte[:, None] * PER_BYTE + lane[None, :]
         mask = idx < n_elements
-        if CONTIGUOUS:
-            src = idx
-        else:
-            row = idx // n_cols
-            src = row * stride_row + (idx - row * n_cols) * stride_col
+        src = _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS)
         g = tl.load(g_ptr + src, mask=mask, other=0.0).to(tl.float32)
         slope = tl.load(slope_ptr + code, mask=mask, other=0.0)
         tl.store(dx_ptr + idx, (g * slope).to(dx_ptr.dtype.element_ty), mask=mask)
