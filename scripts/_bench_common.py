@@ -266,27 +266,11 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- memory
-def Ledger(params=None):
-    """lmbp_convert.SavedTensorLedger whose pack hook hands autograd a detached alias instead of the tensor.
-
-    The ledger's own hook returns the saved tensor itself; for a tensor the op also *outputs* that is a
-    reference cycle through C++ (output -> grad_fn -> saved variable -> output) that no collector sees, so
-    every measured graph, and through the hook the ledger and the model's parameters, would stay alive
-    (22 GB after a few LLaMA-7B blocks here). The count is the same: it is taken before the return.
-    """
-    from lmbp_convert import SavedTensorLedger
-
-    class _Ledger(SavedTensorLedger):
-        def _pack(self, t):
-            out = super()._pack(t)
-            return out.detach() if out is t and t.grad_fn is not None else out
-
-    return _Ledger(params)
-
-
 def saved_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
     """Exact saved-for-backward bytes of one forward (SavedTensorLedger; parameters and weight casts excluded)."""
-    with Ledger(model) as led:
+    from lmbp_convert import SavedTensorLedger
+
+    with SavedTensorLedger(model) as led:
         with autocast_ctx(str(x.device), autocast):
             out = forward(fam, model, x)
     del out

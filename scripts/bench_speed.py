@@ -224,6 +224,8 @@ def _vit_lora_model(fam: C.Family, device: str, tiny: bool, convert_: bool) -> n
 
 def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, steps: int, warmup: int) -> dict:
     """One variant, start to end inside this frame, so nothing of it outlives the measurement."""
+    from lmbp_convert import SavedTensorLedger
+
     base = _mem(device).get("allocated", 0)
     m = _vit_lora_model(fam, device, tiny, variant == V_CONV)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
@@ -239,7 +241,7 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
 
     for _ in range(warmup):
         step()
-    with C.Ledger(m) as led:
+    with SavedTensorLedger(m) as led:
         with C.autocast_ctx(device, True):
             logits = m(x)
     row = {"variant": variant, "saved_bytes": led.bytes}
@@ -287,7 +289,7 @@ def _linear_weight_bytes_bf16(m: nn.Module) -> int:
 
 def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: int, warmup: int) -> dict:
     """One variant of the LLaMA slice, start to end inside this frame (no model outlives it)."""
-    from lmbp_convert import convert
+    from lmbp_convert import SavedTensorLedger, convert
 
     dtype, ac = C.mode_dtype(mode), mode == "autocast"
     row: dict = {"mode": mode, "variant": variant}
@@ -320,7 +322,7 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        with C.Ledger(m) as led:
+        with SavedTensorLedger(m) as led:
             with C.autocast_ctx(device, ac):
                 y = C.forward(fam, m, x)
         torch.cuda.synchronize()

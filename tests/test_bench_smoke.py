@@ -64,7 +64,7 @@ def test_per_block_bytes_closed_form(C):
 
 
 def test_ledger_frees_the_graph(C):
-    """The benchmark ledger must not keep what it measured alive (see _bench_common.Ledger)."""
+    """The benchmark ledger must not keep what it measured alive (lmbp_convert.SavedTensorLedger hands autograd detached aliases)."""
     import weakref
 
     fam = C.TINY["llama"]

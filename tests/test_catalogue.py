@@ -2,7 +2,6 @@ import json
 import re
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from lmbp_convert.catalogue import Catalogue, class_key, load_catalogue

@@ -166,7 +166,7 @@ class _PtrLedger(SavedTensorLedger):
 def _saved_bytes_and_sharing(pm, ids):
     """Ledger with adapters, saved bytes with adapters disabled (input grads on in both, so the rest of the
     graph is the same), norm output and lora_A input storage pointers."""
-    pairs, norm_out, handles = [], {}, []
+    norm_out, handles = {}, []
     for name, mod in pm.named_modules():
         if isinstance(mod, (MSRMSNorm, MSLayerNorm)):
             handles.append(mod.register_forward_hook(
