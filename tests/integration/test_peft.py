@@ -148,6 +148,16 @@ def test_convert_before_get_peft_model_trains_and_keeps_function():
     assert len(changed) == len(trainable)
 
 
+def _converted_peft(base, targets, order):
+    """LoRA-wrap and convert ``base`` in the given order ("convert_then_peft" or "peft_then_convert")."""
+    if order == "convert_then_peft":
+        convert(base)
+        return get_peft_model(base, _lora(targets))
+    pm = get_peft_model(base, _lora(targets))
+    convert(pm)
+    return pm
+
+
 # -- sharing ----------------------------------------------------------------------------------------------
 
 class _PtrLedger(SavedTensorLedger):
@@ -192,12 +202,7 @@ def _saved_bytes_and_sharing(pm, ids):
 @pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
 def test_adapter_input_is_the_norm_output_storage(order):
     base = hf("llama")
-    if order == "convert_then_peft":
-        convert(base)
-        pm = get_peft_model(base, _lora(LLAMA_TARGETS))
-    else:
-        pm = get_peft_model(base, _lora(LLAMA_TARGETS))
-        convert(pm)
+    pm = _converted_peft(base, LLAMA_TARGETS, order)
     ids = _ids()
     led, off_bytes, norm_out, lora_in = _saved_bytes_and_sharing(pm, ids)
     # every adapter reads a norm's output, and that very storage is what autograd keeps
@@ -233,12 +238,7 @@ def test_adapters_save_and_load_onto_a_converted_base(order, tmp_path):
     """Adapters trained on a converted model belong to a converted base (they read x̂): reload = build the base,
     convert() it, PeftModel.from_pretrained."""
     base = hf("llama")
-    if order == "convert_then_peft":
-        convert(base)
-        pm = get_peft_model(base, _lora(LLAMA_TARGETS))
-    else:
-        pm = get_peft_model(base, _lora(LLAMA_TARGETS))
-        convert(pm)
+    pm = _converted_peft(base, LLAMA_TARGETS, order)
     ids = _ids()
     _train(pm, ids)
     want = _logits(pm, ids)
@@ -260,12 +260,7 @@ def test_merged_adapters_export_to_a_plain_checkpoint(order):
     """merge_and_unload() + plain_state_dict: a plain model (no lmbp_convert, no PEFT) computes the same."""
     base = hf("bert", head="cls", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     plain = copy.deepcopy(base)
-    if order == "convert_then_peft":
-        convert(base)
-        pm = get_peft_model(base, _lora(BERT_TARGETS))
-    else:
-        pm = get_peft_model(base, _lora(BERT_TARGETS))
-        convert(pm)
+    pm = _converted_peft(base, BERT_TARGETS, order)
     ids = _ids()
     _train(pm, ids)
     want = _logits(pm, ids)
