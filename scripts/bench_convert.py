@@ -17,7 +17,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_speed import build_causal_lm  # noqa: E402  (same LLaMA builder as the scaling benchmark)
+from bench_speed import build_causal_lm, time_convert  # noqa: E402  (shared with the scaling benchmark)
 
 
 def main() -> None:
@@ -32,14 +32,7 @@ def main() -> None:
     n = sum(p.numel() for p in model.parameters())
     t_build = time.perf_counter() - t0
 
-    from lmbp_convert import convert, plan_conversion
-
-    t0 = time.perf_counter()
-    plan_conversion(model)
-    t_plan = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _, report = convert(model, return_report=True)
-    t_convert = time.perf_counter() - t0
+    t_plan, t_convert, report = time_convert(model)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")
     print(f"model: LLaMA-shaped hidden={shape[0]} intermediate={shape[1]} layers={shape[2]} vocab={shape[3]}, "

@@ -109,19 +109,24 @@ def build_causal_lm(hidden: int, inter: int, layers: int, vocab: int, dtype=torc
     return m
 
 
-def convert_scaling(sizes, log=print) -> list[dict]:
+def time_convert(model: nn.Module):
+    """(seconds for trace + plan alone, seconds for the whole convert(), its report); converts in place."""
     from lmbp_convert import convert, plan_conversion
 
+    t0 = time.perf_counter()
+    plan_conversion(model)
+    t_plan = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _, rep = convert(model, return_report=True)
+    return t_plan, time.perf_counter() - t0, rep
+
+
+def convert_scaling(sizes, log=print) -> list[dict]:
     rows = []
     for h, i, n, v in sizes:
         m = build_causal_lm(h, i, n, v)
         params = sum(p.numel() for p in m.parameters())
-        t0 = time.perf_counter()
-        plan_conversion(m)
-        t_plan = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        _, rep = convert(m, return_report=True)
-        t_conv = time.perf_counter() - t0
+        t_plan, t_conv, rep = time_convert(m)
         rows.append({"hidden": h, "intermediate": i, "layers": n, "vocab": v, "params": params,
                      "plan_s": round(t_plan, 2), "convert_s": round(t_conv, 2), "verified": rep.verified})
         log(f"  convert() LLaMA h{h} i{i} L{n}: {params / 1e6:7.0f} M params  trace+plan {t_plan:5.2f} s  "
