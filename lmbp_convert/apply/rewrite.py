@@ -22,9 +22,9 @@ def module_aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
     for pname, parent in model.named_modules(remove_duplicate=False):
         for cname, child in parent.named_children():
-            refs.setdefault(id(child), [])
-            if (parent, cname) not in [(p, c) for p, c in refs[id(child)]]:
-                refs[id(child)].append((parent, cname))
+            slots = refs.setdefault(id(child), [])
+            if (parent, cname) not in slots:
+                slots.append((parent, cname))
     return refs
 
 

@@ -110,7 +110,8 @@ class Planner:
     @staticmethod
     def _lora_problem(name: str, mod: nn.Module, lora: dict, has_beta: bool) -> str | None:
         """Folding γ into lora_A is exact for any adapter; β is only exact while no adapter can see it."""
-        if any(getattr(mod, "use_dora", {}).values()) if isinstance(getattr(mod, "use_dora", None), dict) else False:
+        use_dora = getattr(mod, "use_dora", None)
+        if isinstance(use_dora, dict) and any(use_dora.values()):
             return f"{name} uses DoRA (magnitude vector depends on the weight norm; not folded)"
         if getattr(mod, "merged", False):
             return f"{name} has merged adapters; unmerge them first"

@@ -57,19 +57,20 @@ class Graph:
     scopes: list[ScopeCall] = field(default_factory=list)
     module_calls: dict[str, int] = field(default_factory=dict)  # module name -> number of calls
     root_outputs: dict[int, list[tuple]] = field(default_factory=dict)  # tensor id -> paths in the output
-    input_tokens: int = 0
+    _consumers: dict[int, list[Node]] | None = field(default=None, repr=False)
 
     def consumers(self, tid: int) -> list[Node]:
-        return [n for n in self.nodes if tid in n.inputs]
+        if self._consumers is None:
+            self.build_index()
+        return self._consumers.get(tid, [])
 
     def module_nodes(self, name: str) -> list[Node]:
         return [n for n in self.nodes if n.kind == "module" and n.target == name]
 
     def build_index(self) -> None:
-        """Precompute the consumer lists (graphs of large models have tens of thousands of nodes)."""
+        """Consumer lists by tensor id (graphs of large models have tens of thousands of nodes)."""
         idx: dict[int, list[Node]] = {}
         for n in self.nodes:
             for t in dict.fromkeys(n.inputs):
                 idx.setdefault(t, []).append(n)
         self._consumers = idx
-        self.consumers = lambda tid: idx.get(tid, [])  # type: ignore[method-assign]
