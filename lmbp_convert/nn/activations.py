@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.approx_act import ACT_BITS, ACT_KINDS, approx_act
+from ..ops.approx_act import ACT_BITS, ACT_KINDS, approx_act_unchecked
 
 __all__ = ["ACT_KINDS", "ApproxActivation"]
 
@@ -26,7 +26,7 @@ class ApproxActivation(nn.Module):
         self.bits = bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return approx_act(x, self.kind, self.bits)
+        return approx_act_unchecked(x, self.kind, self.bits)  # kind and bits validated above
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, bits={self.bits}"

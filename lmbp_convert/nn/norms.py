@@ -7,16 +7,23 @@ reads them.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from ..ops.ms_norm import ms_layer_norm, ms_rms_norm, normalize_shape
+from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 
 __all__ = ["MSLayerNorm", "MSRMSNorm"]
 
 _IDENTITY_FILL = {"one": 1.0, "zero": 0.0}
+
+
+def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
+    if x.shape[-len(shape):] != shape or x.dim() < len(shape):
+        raise ValueError(f"{op}: normalized_shape {shape} does not match the trailing dims of the input of "
+                         f"shape {tuple(x.shape)}")
 
 
 class _MSNorm(nn.Module):
@@ -28,6 +35,7 @@ class _MSNorm(nn.Module):
         super().__init__()
         self.normalized_shape = normalize_shape(normalized_shape)
         self.eps = float(eps)
+        self._n = math.prod(self.normalized_shape)  # row length, computed once
         if identity_affine is not None and identity_affine not in _IDENTITY_FILL:
             raise ValueError(f"identity_affine must be None, 'one' or 'zero', got {identity_affine!r}")
         self.identity_affine = identity_affine
@@ -55,7 +63,8 @@ class MSLayerNorm(_MSNorm):
         super().__init__(normalized_shape, eps, identity_affine, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_layer_norm(x, self.normalized_shape, self.eps)
+        _check_trailing(x, self.normalized_shape, "MSLayerNorm")
+        return ms_norm_unchecked(x, self._n, self.eps, False)
 
 
 class MSRMSNorm(_MSNorm):
@@ -68,4 +77,5 @@ class MSRMSNorm(_MSNorm):
         super().__init__(normalized_shape, eps, identity_affine, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ms_rms_norm(x, self.normalized_shape, self.eps)
+        _check_trailing(x, self.normalized_shape, "MSRMSNorm")
+        return ms_norm_unchecked(x, self._n, self.eps, True)

@@ -23,9 +23,10 @@ computed in fp32 and rounded to grad_out's dtype. Special values: +inf exceeds e
 code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway.
 
 Dispatch: Triton kernels for CUDA tensors, the PyTorch path everywhere else (same codes, same layout, so
-either backward can consume either forward's codes). Under ``torch.compile`` the PyTorch path is traced
-normally; the Triton path is wrapped in ``torch.library.custom_op`` so dynamo sees an opaque op with a fake
-(meta) implementation instead of a graph break.
+either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
+tuples (no device tables). Eager calls launch through `LeanKernel` (cached compiled kernels); under
+``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
+inductor emits the launches itself; the PyTorch path is traced normally.
 """
 from __future__ import annotations
 
@@ -39,7 +40,12 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, TRITON_DTYPES, check_dtype, use_triton
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
+from ._launch import LeanKernel, kernel_op
+from .activations import ACT_NAMES, ACTIVATIONS
+
+if HAS_TRITON:
+    from .activations import act_f32
 
 if HAS_TRITON:
     import triton
@@ -58,11 +64,9 @@ __all__ = [
     "slot_bits",
 ]
 
-ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
+ACT_KINDS = ACT_NAMES  # every kind of the shared activation table has fitted constants
 ACT_BITS = (1, 2, 3, 4)
-_KIND_ID = {k: i for i, k in enumerate(ACT_KINDS)}
-_SQRT1_2 = 0.7071067811865476
-_ELEMS_PER_PROGRAM = 2048  # elements one Triton program handles (BLOCK bytes * codes per byte)
+_DTYPE_SET = frozenset(SUPPORTED_DTYPES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,7 +105,7 @@ _CONSTANTS = _load_constants()
 
 
 def _validate(kind: str, bits: int) -> None:
-    if kind not in _KIND_ID:
+    if kind not in ACTIVATIONS:
         raise ValueError(f"unknown activation kind {kind!r}; expected one of {', '.join(ACT_KINDS)}")
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ACT_BITS:
         raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
@@ -202,39 +206,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _act_torch(x: torch.Tensor, kind: str) -> torch.Tensor:
-    if kind == "gelu":
-        # Written out rather than F.gelu: ATen's vectorised CPU fp32 gelu returns nan at +inf.
-        return x * 0.5 * (1.0 + torch.erf(x * _SQRT1_2))
-    if kind == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if kind == "silu":
-        return F.silu(x)
-    return x * torch.sigmoid(1.702 * x)
-
-
 def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The activation in x's own dtype via ATen's fused kernels (fp32 inside), one rounding, like the
-    Triton path; quick_gelu has no fused kernel and is computed in fp32."""
+    """The activation in x's own dtype via the table's ATen kernels (fp32 inside, fp64 for fp64), one rounding
+    like the Triton path. gelu: ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton
+    kernel) give +inf."""
+    y = ACTIVATIONS[kind].torch_fwd(x)
     if kind == "gelu":
-        # ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton kernel) give +inf.
-        return F.gelu(x).masked_fill_(torch.isposinf(x), math.inf)
-    if kind == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    if kind == "silu":
-        return F.silu(x)
-    return _act_torch(x.to(torch.float32), kind).to(x.dtype)
+        y = y.masked_fill_(torch.isposinf(x), math.inf)
+    return y
 
 
 def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation in x's dtype, packed codes) on any device."""
     const = _CONSTANTS[(kind, bits)]
-    if x.dtype == torch.float64:
-        y = _act_torch(x, kind)
-        thresholds = const.c
-    else:  # no fp32 copy of x: compare against thresholds moved onto x's own grid
-        y = _act_native(x, kind)
-        thresholds = _THRESHOLDS[((kind, bits), x.dtype)]
+    y = _act_native(x, kind)
+    # no fp32 copy of x: compare against thresholds moved onto x's own grid
+    thresholds = const.c if x.dtype == torch.float64 else _THRESHOLDS[((kind, bits), x.dtype)]
     flat = x.reshape(-1)
     codes = (flat > thresholds[0]).to(torch.uint8)
     for c in thresholds[1:]:
@@ -242,11 +229,45 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
     return y, pack_codes(codes, bits)
 
 
+#: Per-device [256, P] slope tables for the PyTorch backward off the CPU (double backward, fp64,
+#: backend="torch" on CUDA): built on the device from Python scalars (no host->device copy) and kept.
+_DEVICE_SLOPE_TABLES: dict = {}
+
+
+def _slope_table_on(const: ApproxConstants, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`_byte_slope_table` computed on ``device`` with scalar arithmetic (no upload, capture-safe)."""
+    s = slot_bits(const.bits)
+    byte = torch.arange(256, dtype=torch.int32, device=device)
+    shifts = torch.arange(0, 8, s, dtype=torch.int32, device=device)
+    codes = (byte[:, None] >> shifts[None, :]) & ((1 << s) - 1)
+    table = torch.zeros(codes.shape, dtype=dtype, device=device)
+    for j in range(1, len(const.slopes)):  # slope[code] = sum of a_j over j <= code: one step per threshold
+        table += (codes >= j).to(dtype) * const.a[j - 1]
+    return table
+
+
+def _slope_table(key: tuple[str, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return _SLOPE_TABLES[(key, dtype)]
+    if torch.compiler.is_compiling():  # traced into the graph (a constant), never a cache mutation
+        return _slope_table_on(_CONSTANTS[key], dtype, device)
+    hit = _DEVICE_SLOPE_TABLES.get((key, dtype, device))
+    if hit is None:
+        hit = _slope_table_on(_CONSTANTS[key], dtype, device)
+        if not _capturing(device):  # a table made inside a CUDA-graph capture lives in the graph's pool
+            _DEVICE_SLOPE_TABLES[(key, dtype, device)] = hit
+    return hit
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
-    table = _SLOPE_TABLES[((kind, bits), compute)].to(grad.device)
+    table = _slope_table((kind, bits), compute, grad.device)
     slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
     return (grad * slope).to(grad.dtype)
 
@@ -254,21 +275,6 @@ def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -
 # ---------------------------------------------------------------------------------------------------------
 # Triton path
 # ---------------------------------------------------------------------------------------------------------
-_DEVICE_TABLES: dict = {}
-
-
-def _device_tables(kind: str, bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 thresholds and slopes on ``device`` (cached: one small upload per kind/bits/device)."""
-    key = (kind, bits, device)
-    hit = _DEVICE_TABLES.get(key)
-    if hit is None:
-        const = _CONSTANTS[(kind, bits)]
-        hit = (torch.tensor(const.c, dtype=torch.float32, device=device),
-               torch.tensor(const.slopes, dtype=torch.float32, device=device))
-        _DEVICE_TABLES[key] = hit
-    return hit
-
-
 def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool, int, int, int]:
     """(tensor, contiguous, row stride, col stride, cols): a 2-D strided view when one exists, so a slice
     such as ``gate_up[..., :d]`` is read in place; otherwise a contiguous copy."""
@@ -289,20 +295,18 @@ def _check_triton(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"approx_act: the Triton path supports float32, float16, bfloat16; got {t.dtype} ({what})")
 
 
-if HAS_TRITON:
+#: Kernel variants: name -> (VARIANT constexpr, elements per program, num_warps). All write the same layout;
+#: scripts/gpu_check.py times each and prints the fastest. "sum" packs with tl.sum over a [BLOCK, P] tile (the
+#: original kernel); "split" loads a flat tile (vector loads) and packs with reshape + tl.split; "lanes" loads
+#: the P lanes of a byte as P strided vectors, so one thread owns a whole byte (no cross-thread reduction).
+FWD_VARIANTS = {"sum": (0, 2048, 4), "split": (1, 4096, 8), "lanes": (2, 4096, 8)}
+#: backward: "tile" (original: [BLOCK, P] tile, codes by broadcast shift), "gather" (flat tile; each element
+#: reads its own code byte, L1-resident), "join" (unpacks the P lanes in registers and interleaves with tl.join).
+BWD_VARIANTS = {"tile": (0, 2048, 4), "gather": (1, 4096, 8), "join": (2, 4096, 8)}
+FWD_VARIANT = "split"  # the default; change after scripts/gpu_check.py's "approx_act variants" table
+BWD_VARIANT = "join"
 
-    @triton.jit
-    def _act_f32(x, KIND: tl.constexpr):
-        if KIND == 0:  # gelu (erf)
-            y = x * 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
-        elif KIND == 1:  # gelu (tanh): 0.5 x (1 + tanh(u)) == x * sigmoid(2u); saturates cleanly at +-inf
-            u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            y = x / (1.0 + tl.exp(-2.0 * u))
-        elif KIND == 2:  # silu, as ATen: x / (1 + exp(-x))
-            y = x / (1.0 + tl.exp(-x))
-        else:  # quick_gelu: x * sigmoid(1.702 x)
-            y = x / (1.0 + tl.exp(-1.702 * x))
-        return y
+if HAS_TRITON:
 
     @triton.jit
     def _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS: tl.constexpr):
@@ -315,121 +319,222 @@ if HAS_TRITON:
         return src
 
     @triton.jit
-    def _approx_act_fwd_kernel(x_ptr, y_ptr, packed_ptr, thr_ptr, n_elements, n_bytes, n_cols, stride_row,
-                               stride_col, KIND: tl.constexpr, N_THR: tl.constexpr, SLOT: tl.constexpr,
-                               PER_BYTE: tl.constexpr, BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
+    def _codes(x, THR: tl.constexpr):
+        """Number of thresholds x exceeds (int32)."""
+        code = (x > THR[0]).to(tl.int32)
+        for j in tl.static_range(1, len(THR)):
+            code += (x > THR[j]).to(tl.int32)
+        return code
+
+    @triton.jit
+    def _slopes(code, SLOPES: tl.constexpr):
+        """slope[code] from a constexpr table (selects, no memory)."""
+        s = tl.where(code == 1, SLOPES[1], SLOPES[0])
+        for j in tl.static_range(2, len(SLOPES)):
+            s = tl.where(code == j, SLOPES[j], s)
+        return s
+
+    @triton.jit
+    def _pack_pairs(code, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
+        """[BLOCK * PER_BYTE] codes (element order) -> [BLOCK] bytes, lane j at bit j*SLOT, in registers."""
+        if PER_BYTE == 2:
+            a, b = tl.split(tl.reshape(code, [BLOCK, 2]))
+            out = a | (b << SLOT)
+        elif PER_BYTE == 4:
+            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2]))  # lanes (0, 2) and (1, 3)
+            a, b = tl.split(a | (b << SLOT))  # lanes 0|1 and 2|3
+            out = a | (b << (2 * SLOT))
+        else:
+            tl.static_assert(PER_BYTE == 8)
+            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2, 2]))
+            a, b = tl.split(a | (b << SLOT))
+            a, b = tl.split(a | (b << (2 * SLOT)))
+            out = a | (b << (4 * SLOT))
+        return out
+
+    @triton.jit
+    def _unpack_pairs(packed, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
+        """Inverse of `_pack_pairs`: [BLOCK] bytes -> [BLOCK * PER_BYTE] codes in element order."""
+        mask = (1 << SLOT) - 1
+        if PER_BYTE == 2:
+            out = tl.reshape(tl.join(packed & mask, (packed >> SLOT) & mask), [BLOCK * 2])
+        elif PER_BYTE == 4:
+            lo = tl.join(packed & mask, (packed >> (2 * SLOT)) & mask)  # lanes 0, 2
+            hi = tl.join((packed >> SLOT) & mask, (packed >> (3 * SLOT)) & mask)  # lanes 1, 3
+            out = tl.reshape(tl.join(lo, hi), [BLOCK * 4])
+        else:
+            tl.static_assert(PER_BYTE == 8)
+            l0 = tl.join(tl.join(packed & mask, (packed >> (4 * SLOT)) & mask),
+                         tl.join((packed >> (2 * SLOT)) & mask, (packed >> (6 * SLOT)) & mask))
+            l1 = tl.join(tl.join((packed >> SLOT) & mask, (packed >> (5 * SLOT)) & mask),
+                         tl.join((packed >> (3 * SLOT)) & mask, (packed >> (7 * SLOT)) & mask))
+            out = tl.reshape(tl.join(l0, l1), [BLOCK * 8])
+        return out
+
+    @triton.jit
+    def _approx_act_fwd_kernel(x_ptr, y_ptr, packed_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
+                               ACT: tl.constexpr, THR: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         byte = pid * BLOCK + tl.arange(0, BLOCK)
-        lane = tl.arange(0, PER_BYTE)
-        idx = byte[:, None] * PER_BYTE + lane[None, :]  # [BLOCK, PER_BYTE] logical element index
-        mask = idx < n_elements
-        src = _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS)
-        x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
-        y = _act_f32(x, KIND)
-        tl.store(y_ptr + idx, y.to(y_ptr.dtype.element_ty), mask=mask)
-        code = tl.zeros([BLOCK, PER_BYTE], dtype=tl.int32)
-        for j in tl.static_range(N_THR):
-            code += (x > tl.load(thr_ptr + j)).to(tl.int32)
-        code = tl.where(mask, code, 0)
-        packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == bitwise or
+        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, tl.sum across the lanes
+            lane = tl.arange(0, PER_BYTE)
+            idx = byte[:, None] * PER_BYTE + lane[None, :]
+            mask = idx < n_elements
+            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                        other=0.0).to(tl.float32)
+            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+            code = tl.where(mask, _codes(x, THR), 0)
+            packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == or
+        elif VARIANT == 1:  # flat tile, packed in registers with reshape + split
+            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
+            mask = idx < n_elements
+            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                        other=0.0).to(tl.float32)
+            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+            packed = _pack_pairs(tl.where(mask, _codes(x, THR), 0), BLOCK, PER_BYTE, SLOT)
+        else:  # one strided vector per lane: a thread holds every lane of its bytes
+            tl.static_assert(VARIANT == 2)
+            packed = tl.zeros([BLOCK], dtype=tl.int32)
+            for j in tl.static_range(PER_BYTE):
+                idx = byte * PER_BYTE + j
+                mask = idx < n_elements
+                x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                            other=0.0).to(tl.float32)
+                tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+                packed |= tl.where(mask, _codes(x, THR), 0) << (j * SLOT)
         tl.store(packed_ptr + byte, packed.to(tl.uint8), mask=byte < n_bytes)
 
     @triton.jit
-    def _approx_act_bwd_kernel(g_ptr, packed_ptr, slope_ptr, dx_ptr, n_elements, n_bytes, n_cols, stride_row,
-                               stride_col, SLOT: tl.constexpr, PER_BYTE: tl.constexpr, BLOCK: tl.constexpr,
-                               CONTIGUOUS: tl.constexpr):
+    def _approx_act_bwd_kernel(g_ptr, packed_ptr, dx_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
+                               SLOPES: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        byte = pid * BLOCK + tl.arange(0, BLOCK)
-        lane = tl.arange(0, PER_BYTE)
-        packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-        code = (packed[:, None] >> (lane[None, :] * SLOT)) & ((1 << SLOT) - 1)
-        idx = byte[:, None] * PER_BYTE + lane[None, :]
+        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, codes by broadcast shift
+            byte = pid * BLOCK + tl.arange(0, BLOCK)
+            lane = tl.arange(0, PER_BYTE)
+            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+            code = (packed[:, None] >> (lane[None, :] * SLOT)) & ((1 << SLOT) - 1)
+            idx = byte[:, None] * PER_BYTE + lane[None, :]
+        elif VARIANT == 1:  # flat tile, each element loads its own code byte (cache hits)
+            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
+            packed = tl.load(packed_ptr + idx // PER_BYTE, mask=idx < n_elements, other=0).to(tl.int32)
+            code = (packed >> ((idx % PER_BYTE) * SLOT)) & ((1 << SLOT) - 1)
+        else:  # one load per byte, lanes interleaved in registers
+            tl.static_assert(VARIANT == 2)
+            byte = pid * BLOCK + tl.arange(0, BLOCK)
+            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+            code = _unpack_pairs(packed, BLOCK, PER_BYTE, SLOT)
+            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
         mask = idx < n_elements
-        src = _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS)
-        g = tl.load(g_ptr + src, mask=mask, other=0.0).to(tl.float32)
-        slope = tl.load(slope_ptr + code, mask=mask, other=0.0)
-        tl.store(dx_ptr + idx, (g * slope).to(dx_ptr.dtype.element_ty), mask=mask)
+        g = tl.load(g_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                    other=0.0).to(tl.float32)
+        tl.store(dx_ptr + idx, (g * _slopes(code, SLOPES)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    _FWD = LeanKernel(_approx_act_fwd_kernel)
+    _BWD = LeanKernel(_approx_act_bwd_kernel)
 
 
-def _fwd_triton(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward launcher: (activation in x's dtype, contiguous, x's shape; packed codes)."""
-    _check_triton(x, "forward")
+class _KernelConsts(NamedTuple):
+    act: int
+    thresholds: tuple[float, ...]  # fp32 thresholds
+    slopes: tuple[float, ...]  # fp32-rounded slopes
+    slot: int
+    per_byte: int
+
+
+#: Everything a launch needs per (kind, bits), computed once.
+_KCONSTS = {key: _KernelConsts(ACTIVATIONS[key[0]].code, c.c_f32,
+                               tuple(struct.unpack("f", struct.pack("f", v))[0] for v in c.slopes),
+                               slot_bits(key[1]), 8 // slot_bits(key[1]))
+            for key, c in _CONSTANTS.items()}
+
+
+def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = None,
+                traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward launcher: (activation in x's dtype, contiguous, x's shape; packed codes).
+
+    ``variant``: a `FWD_VARIANTS` name (default `FWD_VARIANT`). ``traced``: launch through ``wrap_triton``
+    (inside the ``triton_op``, so inductor emits the launch itself).
+    """
+    k = _KCONSTS[(kind, bits)]
     n = x.numel()
-    nbytes = packed_nbytes(n, bits)
+    nbytes = -(-n // k.per_byte)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n == 0:
         return y, packed
-    thr, _ = _device_tables(kind, bits, x.device)
     src, contiguous, rs, cs, cols = _as_rows(x)
-    s = slot_bits(bits)
-    per_byte = 8 // s
-    block = _ELEMS_PER_PROGRAM // per_byte
-    grid = (triton.cdiv(nbytes, block),)
-    _approx_act_fwd_kernel[grid](src, y, packed, thr, n, nbytes, cols, rs, cs, KIND=_KIND_ID[kind],
-                                 N_THR=2**bits - 1, SLOT=s, PER_BYTE=per_byte, BLOCK=block, CONTIGUOUS=contiguous)
+    vcode, elems, warps = FWD_VARIANTS[variant or FWD_VARIANT]
+    block = elems // k.per_byte
+    args = (src, y, packed, n, nbytes, cols, rs, cs)
+    consts = (k.act, k.thresholds, k.slot, k.per_byte, block, contiguous, vcode)
+    (_FWD.launch_traced if traced else _FWD.launch)((-(-nbytes // block), 1, 1), x.device.index, args, consts,
+                                                    warps)
     return y, packed
 
 
-def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
+def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, variant: Optional[str] = None,
+                traced: bool = False) -> torch.Tensor:
     """Triton backward launcher: grad_out * slope[code], contiguous, in grad's dtype and shape."""
-    _check_triton(grad, "backward")
+    k = _KCONSTS[(kind, bits)]
     n = grad.numel()
     dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     if n == 0:
         return dx
-    nbytes = packed_nbytes(n, bits)
+    nbytes = -(-n // k.per_byte)
     if packed.numel() != nbytes:
         raise ValueError(f"approx_act: {packed.numel()} code bytes for {n} elements at {bits} bits")
-    _, slopes = _device_tables(kind, bits, grad.device)
     src, contiguous, rs, cs, cols = _as_rows(grad)
-    s = slot_bits(bits)
-    per_byte = 8 // s
-    block = _ELEMS_PER_PROGRAM // per_byte
-    grid = (triton.cdiv(nbytes, block),)
-    _approx_act_bwd_kernel[grid](src, packed, slopes, dx, n, nbytes, cols, rs, cs, SLOT=s, PER_BYTE=per_byte,
-                                 BLOCK=block, CONTIGUOUS=contiguous)
+    vcode, elems, warps = BWD_VARIANTS[variant or BWD_VARIANT]
+    block = elems // k.per_byte
+    args = (src, packed, dx, n, nbytes, cols, rs, cs)
+    consts = (k.slopes, k.slot, k.per_byte, block, contiguous, vcode)
+    (_BWD.launch_traced if traced else _BWD.launch)((-(-nbytes // block), 1, 1), grad.device.index, args, consts,
+                                                    warps)
     return dx
 
 
 if HAS_TRITON:
-    # Opaque ops for torch.compile: dynamo records one node per launch (shapes from the fake impls) instead
-    # of tracing into the launcher. Eager calls go to the launchers directly.
-    @torch.library.custom_op("lmbp_convert::approx_act_fwd", mutates_args=())
-    def _approx_act_fwd_op(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _fwd_triton(x, kind, bits)
-
-    @_approx_act_fwd_op.register_fake
-    def _(x, kind, bits):
+    # Under torch.compile the Triton path is one triton_op with its autograd: inductor sees the kernels
+    # (wrap_triton) and emits their launches itself; no Python launcher runs per call.
+    def _fwd_fake(x, kind, bits):
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 x.new_empty((packed_nbytes(x.numel(), bits),), dtype=torch.uint8))
 
-    @torch.library.custom_op("lmbp_convert::approx_act_bwd", mutates_args=())
-    def _approx_act_bwd_op(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
-        return _bwd_triton(grad, packed, bits, kind)
-
-    @_approx_act_bwd_op.register_fake
-    def _(grad, packed, bits, kind):
+    def _bwd_fake(grad, packed, bits, kind):
         return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+
+    @kernel_op("lmbp_convert::approx_act_fwd", _fwd_fake)
+    def _approx_act_fwd_op(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _fwd_triton(x, kind, bits, traced=True)
+
+    @kernel_op("lmbp_convert::approx_act_bwd", _bwd_fake)
+    def _approx_act_bwd_op(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
+        return _bwd_triton(grad, packed, bits, kind, traced=True)
+
+    def _fwd_op_setup_context(ctx, inputs, output):
+        _, kind, bits = inputs
+        ctx.save_for_backward(output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.kind, ctx.bits = kind, bits
+
+    def _fwd_op_backward(ctx, grad, _grad_packed):
+        (packed,) = ctx.saved_tensors
+        return torch.ops.lmbp_convert.approx_act_bwd(grad, packed, ctx.bits, ctx.kind), None, None
+
+    _approx_act_fwd_op.register_autograd(_fwd_op_backward, setup_context=_fwd_op_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # autograd
 # ---------------------------------------------------------------------------------------------------------
-def _fwd(x: torch.Tensor, kind: str, bits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend == "triton":
-        if torch.compiler.is_compiling():
-            return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)
-        return _fwd_triton(x, kind, bits)
-    return _fwd_torch(x, kind, bits)
-
-
 class ApproxActFunction(torch.autograd.Function):
     """Exact activation forward; saves only the packed codes; backward = grad * slope[code]."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str, bits: int, backend: str) -> torch.Tensor:
-        y, packed = _fwd(x, kind, bits, backend)
+        y, packed = _fwd_triton(x, kind, bits) if backend == "triton" else _fwd_torch(x, kind, bits)
         ctx.save_for_backward(packed)
         ctx.kind, ctx.bits, ctx.backend = kind, bits, backend
         return y
@@ -439,11 +544,8 @@ class ApproxActFunction(torch.autograd.Function):
         (packed,) = ctx.saved_tensors
         # The Triton result is not differentiable: double backward (create_graph) takes the PyTorch path.
         if (ctx.backend == "triton" and grad.dtype in TRITON_DTYPES
-                and not (torch.is_grad_enabled() and grad.requires_grad)):
-            if torch.compiler.is_compiling():
-                dx = torch.ops.lmbp_convert.approx_act_bwd(grad, packed, ctx.bits, ctx.kind)
-            else:
-                dx = _bwd_triton(grad, packed, ctx.bits, ctx.kind)
+                and not (grad.requires_grad and torch.is_grad_enabled())):
+            dx = _bwd_triton(grad, packed, ctx.bits, ctx.kind)
         else:
             dx = _bwd_torch(grad, packed, ctx.bits, ctx.kind)
         return dx, None, None, None
@@ -460,6 +562,18 @@ def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
     raise ValueError(f"approx_act: backend must be None, 'auto', 'torch' or 'triton', got {backend!r}")
 
 
+def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optional[str] = None) -> torch.Tensor:
+    """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
+    if x.dtype not in _DTYPE_SET:
+        check_dtype(x, "approx_act")
+    backend = _resolve_backend(x, backend)
+    if backend == "triton" and torch.compiler.is_compiling():
+        return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
+    if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to save: skip codes and autograd
+        return _fwd_triton(x, kind, bits)[0] if backend == "triton" else _act_native(x, kind)
+    return ApproxActFunction.apply(x, kind, bits, backend)
+
+
 def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2, *, backend: Optional[str] = None) -> torch.Tensor:
     """Exact ``kind`` activation of ``x`` whose backward keeps only a ``bits``-bit code per element.
 
@@ -469,10 +583,4 @@ def approx_act(x: torch.Tensor, kind: str = "gelu", bits: int = 2, *, backend: O
     kernels under TRITON_INTERPRET=1 on CPU tensors).
     """
     _validate(kind, bits)
-    check_dtype(x, "approx_act")
-    backend = _resolve_backend(x, backend)
-    if not (torch.is_grad_enabled() and x.requires_grad):  # nothing to save: skip codes and autograd
-        if backend == "triton":
-            return _fwd(x, kind, bits, backend)[0]
-        return _act_torch(x, kind) if x.dtype == torch.float64 else _act_native(x, kind)
-    return ApproxActFunction.apply(x, kind, bits, backend)
+    return approx_act_unchecked(x, kind, bits, backend)

@@ -32,27 +32,27 @@ torch.compile. The matmuls are ordinary PyTorch calls.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ._common import HAS_TRITON, check_dtype, use_triton
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
+from ._launch import LeanKernel, kernel_op, next_pow2
+from .activations import ACTIVATIONS, act_code
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .activations import act_and_grad_f32, act_f32
+
+_DTYPE_SET = frozenset(SUPPORTED_DTYPES)
+
 __all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
 
-#: Activation kinds with an exact derivative here; the index is the kernels' ACT code.
+#: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths).
 ACT_KINDS = ("silu", "gelu", "gelu_tanh")
-
-_SQRT1_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_TANH_C = 0.044715
 
 
 class LoraAdapter(NamedTuple):
@@ -71,40 +71,9 @@ class LoraAdapter(NamedTuple):
 
 # ------------------------------------------------------------------------------------------------------
 # Triton kernels: 2-D grid (row, column block); fp32 math; masked loads/stores; unit column stride.
+# The activation and its derivative come from the shared table (`activations.act_f32` / `act_and_grad_f32`).
 # ------------------------------------------------------------------------------------------------------
 if HAS_TRITON:
-
-    @triton.jit
-    def _act_fwd(g, ACT: tl.constexpr):
-        if ACT == 0:  # silu
-            a = g * tl.sigmoid(g)
-        elif ACT == 1:  # gelu (erf)
-            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-        else:  # gelu (tanh approximation); tanh(z) = 2·sigmoid(2z) − 1 saturates cleanly at ±1
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            inner = tl.clamp(inner, -15.0, 15.0, propagate_nan=tl.PropagateNan.ALL)  # tanh is ±1 in fp32 there; no exp overflow
-            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-            a = 0.5 * g * (1.0 + t)
-        return a
-
-    @triton.jit
-    def _act_fwd_bwd(g, ACT: tl.constexpr):
-        """(act(g), act'(g)); act(g) is computed with the very expressions of `_act_fwd`."""
-        if ACT == 0:
-            s = tl.sigmoid(g)
-            a = g * s
-            da = s * (1.0 + g * (1.0 - s))
-        elif ACT == 1:
-            cdf = 0.5 * (1.0 + tl.erf(g * 0.7071067811865476))
-            a = 0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476))
-            da = cdf + g * tl.exp(-0.5 * g * g) * 0.3989422804014327
-        else:
-            inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-            inner = tl.clamp(inner, -15.0, 15.0, propagate_nan=tl.PropagateNan.ALL)  # tanh is ±1 in fp32 there; no exp overflow
-            t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
-            a = 0.5 * g * (1.0 + t)
-            da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
-        return a, da
 
     @triton.jit
     def _gated_fwd_kernel(G, U, H, stride_g, stride_u, stride_h, N,
@@ -114,7 +83,7 @@ if HAS_TRITON:
         mask = cols < N
         g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        a = _act_fwd(g, ACT)
+        a = act_f32(g, ACT)
         tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -127,18 +96,18 @@ if HAS_TRITON:
         dh = tl.load(DH + row * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-        a, da = _act_fwd_bwd(g, ACT)
+        a, da = act_and_grad_f32(g, ACT)
         if STORE_H:
             tl.store(H + row * stride_h + cols, (a * u).to(H.dtype.element_ty), mask=mask)
         tl.store(DG + row * stride_dg + cols, (dh * u * da).to(DG.dtype.element_ty), mask=mask)
         tl.store(DU + row * stride_du + cols, (dh * a).to(DU.dtype.element_ty), mask=mask)
 
+    _FWD = LeanKernel(_gated_fwd_kernel)
+    _BWD = LeanKernel(_gated_bwd_kernel)
+
 
 def _act_code(act: str) -> int:
-    try:
-        return ACT_KINDS.index(act)
-    except ValueError:
-        raise ValueError(f"gated_mlp: unknown activation {act!r}; expected one of {ACT_KINDS}") from None
+    return act_code(act, ACT_KINDS, "gated_mlp")
 
 
 def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -150,10 +119,10 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _block(n: int) -> int:
-    return min(1024, triton.next_power_of_2(max(n, 1)))
+    return min(1024, next_pow2(n))
 
 
-def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
+def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
     """Triton forward: h = act(g)·u with g's shape in ``h_dtype``, contiguous; g, u may be strided views."""
     code = _act_code(act)
     if g.numel() == 0:
@@ -163,13 +132,14 @@ def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype
     m = g2.shape[0]
     h = torch.empty((m, n), dtype=h_dtype, device=g.device)
     block = _block(n)
-    _gated_fwd_kernel[(m, triton.cdiv(n, block))](g2, u2, h, g2.stride(0), u2.stride(0), h.stride(0), n,
-                                                   ACT=code, BLOCK=block, num_warps=4)
+    (_FWD.launch_traced if traced else _FWD.launch)(
+        (m, -(-n // block), 1), g.device.index, (g2, u2, h, g2.stride(0), u2.stride(0), n, n), (code, block), 4)
     return h.view(g.shape)
 
 
 def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: Optional[torch.dtype],
-                dg_into_dh: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                dg_into_dh: bool = False, traced: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Triton backward: (dg in g's dtype, du in u's dtype, h in ``h_dtype`` or None when ``h_dtype`` is None).
 
     ``dg_into_dh`` writes dg over dh (which must then be contiguous, of g's dtype and not needed afterwards),
@@ -189,9 +159,10 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     h = torch.empty((m, n), dtype=h_dtype, device=g.device) if h_dtype is not None else None
     block = _block(n)
     h_arg = h if h is not None else du  # never written when STORE_H is False
-    _gated_bwd_kernel[(m, triton.cdiv(n, block))](
-        dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), du.stride(0),
-        h_arg.stride(0), n, ACT=code, STORE_H=h is not None, BLOCK=block, num_warps=4)
+    (_BWD.launch_traced if traced else _BWD.launch)(
+        (m, -(-n // block), 1), g.device.index,
+        (dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), n, n, n, n),
+        (code, h is not None, block), 4)
     return dg.view(g.shape), du.view(u.shape), (h.view(g.shape) if h is not None else None)
 
 
@@ -199,18 +170,12 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
 # PyTorch path: identical semantics, every device; the reference in tests.
 # ------------------------------------------------------------------------------------------------------
 def _act_torch(g: torch.Tensor, act: str) -> torch.Tensor:
-    if act == "silu":
-        return F.silu(g)
-    if act == "gelu":
-        return F.gelu(g)
-    return F.gelu(g, approximate="tanh")
+    return ACTIVATIONS[act].torch_fwd(g)
 
 
 def _act_backward_torch(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor:
     """grad · act'(g) with ATen's fused exact backward kernels (one pass instead of a chain of ops)."""
-    if act == "silu":
-        return torch.ops.aten.silu_backward(grad, g)
-    return torch.ops.aten.gelu_backward(grad, g, approximate="none" if act == "gelu" else "tanh")
+    return ACTIVATIONS[act].torch_grad(grad, g)
 
 
 def _fwd_torch(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
@@ -236,8 +201,9 @@ def _bwd_torch(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_d
 
 
 # ------------------------------------------------------------------------------------------------------
-# Custom ops: opaque to torch.compile, for both paths. Opaque matters for the PyTorch path too: traced, its
-# ops let the partitioner keep the forward's h for backward (one more T×f tensor) instead of recomputing it.
+# Custom ops: the PyTorch path opaque to torch.compile (traced, its ops would let the partitioner keep the
+# forward's h for backward, one more T×f tensor, instead of recomputing it). ``triton=True`` runs the eager
+# Triton launchers (kept for callers of the op; compile uses the triton_ops below).
 # ------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("lmbp_convert::gated_mlp_fwd", mutates_args=())
 def _gated_mlp_fwd_op(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype,
@@ -265,10 +231,54 @@ def _(dh, g, u, act, h_dtype, triton):
     return g.new_empty(g.shape), u.new_empty(u.shape), h
 
 
+# The Triton path under torch.compile: triton_ops, so inductor emits the kernel launches itself (no Python
+# launcher per call, CUDA-graph capturable). Their kernels only read g and u, so the partitioner has no h to keep.
+def _act_fwd_fake(g, u, act, h_dtype):
+    return g.new_empty(g.shape, dtype=h_dtype)
+
+
+def _act_bwd_fake(dh, g, u, act, h_dtype):
+    h = g.new_empty(g.shape, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,))
+    return g.new_empty(g.shape), u.new_empty(u.shape), h
+
+
+@kernel_op("lmbp_convert::gated_act_fwd", _act_fwd_fake)
+def _gated_act_fwd_op(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype) -> torch.Tensor:
+    if g.numel() == 0:
+        return _act_fwd_fake(g, u, act, h_dtype)
+    return _fwd_triton(g, u, act, h_dtype, traced=True)
+
+
+@kernel_op("lmbp_convert::gated_act_bwd", _act_bwd_fake)
+def _gated_act_bwd_op(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
+                      h_dtype: Optional[torch.dtype]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if g.numel() == 0:
+        return _act_bwd_fake(dh, g, u, act, h_dtype)
+    dg, du, h = _bwd_triton(dh, g, u, act, h_dtype, traced=True)
+    return dg, du, (h if h is not None else g.new_empty((0,)))
+
+
+def _act_op_setup_context(ctx, inputs, output):
+    g, u, act, _ = inputs
+    ctx.save_for_backward(g, u)
+    ctx.act = act
+
+
+def _act_op_backward(ctx, dh):
+    g, u = ctx.saved_tensors
+    dg, du, _ = torch.ops.lmbp_convert.gated_act_bwd(dh, g, u, ctx.act, None)
+    return dg, du, None, None
+
+
+_gated_act_fwd_op.register_autograd(_act_op_backward, setup_context=_act_op_setup_context)
+
+
 def _elementwise_fwd(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype,
                      triton_path: bool) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return torch.ops.lmbp_convert.gated_mlp_fwd(g, u, act, h_dtype, triton_path)
+        if triton_path:
+            return torch.ops.lmbp_convert.gated_act_fwd(g, u, act, h_dtype)
+        return torch.ops.lmbp_convert.gated_mlp_fwd(g, u, act, h_dtype, False)
     if not triton_path:
         return _fwd_torch(g, u, act, h_dtype)
     return _fwd_triton(g, u, act, h_dtype)
@@ -277,7 +287,10 @@ def _elementwise_fwd(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.
 def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str,
                      h_dtype: Optional[torch.dtype], triton_path: bool, dg_into_dh: bool = False):
     if torch.compiler.is_compiling():
-        dg, du, h = torch.ops.lmbp_convert.gated_mlp_bwd(dh, g, u, act, h_dtype, triton_path)
+        if triton_path:
+            dg, du, h = torch.ops.lmbp_convert.gated_act_bwd(dh, g, u, act, h_dtype)
+        else:
+            dg, du, h = torch.ops.lmbp_convert.gated_mlp_bwd(dh, g, u, act, h_dtype, False)
         return dg, du, (h if h_dtype is not None else None)
     if not triton_path:
         return _bwd_torch(dh, g, u, act, h_dtype)
@@ -448,19 +461,27 @@ class GatedActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u, act):
         h_dtype = torch.promote_types(g.dtype, u.dtype)
-        triton_path = use_triton(g) and use_triton(u) and g.device == u.device
-        h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+        triton_path = use_triton(g) and use_triton(u)  # same device: checked by the caller
+        h = _fwd_triton(g, u, act, h_dtype) if triton_path else _fwd_torch(g, u, act, h_dtype)
         ctx.save_for_backward(g, u)
         ctx.act = act
         ctx.triton_path = triton_path
         return h
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dh):
-        g, u = ctx.saved_tensors
-        dg, du, _ = _elementwise_bwd(dh, g, u, ctx.act, None, ctx.triton_path)
-        return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
+        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
+            return _gated_act_backward_once(ctx, dh)
+        return _gated_act_backward(ctx, dh)
+
+
+def _gated_act_backward(ctx, dh):
+    g, u = ctx.saved_tensors
+    dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)
+    return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
+
+
+_gated_act_backward_once = torch.autograd.function.once_differentiable(_gated_act_backward)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -468,8 +489,9 @@ class GatedActFunction(torch.autograd.Function):
 # ------------------------------------------------------------------------------------------------------
 def _check_gu(g: torch.Tensor, u: torch.Tensor, act: str, op: str) -> None:
     _act_code(act)
-    check_dtype(g, op)
-    check_dtype(u, op)
+    if g.dtype not in _DTYPE_SET or u.dtype not in _DTYPE_SET:
+        check_dtype(g, op)
+        check_dtype(u, op)
     if g.shape != u.shape:
         raise ValueError(f"{op}: gate and up outputs differ in shape: {tuple(g.shape)} vs {tuple(u.shape)}")
     if g.dim() == 0:
@@ -481,6 +503,8 @@ def _check_gu(g: torch.Tensor, u: torch.Tensor, act: str, op: str) -> None:
 def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """``act(g)·u`` (dtype: promoted dtype of g and u) saving only g and u for backward."""
     _check_gu(g, u, act, "gated_act")
+    if torch.compiler.is_compiling() and use_triton(g) and use_triton(u):
+        return torch.ops.lmbp_convert.gated_act_fwd(g, u, act, torch.promote_types(g.dtype, u.dtype))
     return GatedActFunction.apply(g, u, act)
 
 

@@ -16,9 +16,9 @@ computed in fp32 from the saved output; note that for a low-precision output ŷ 
 the approximation the method accepts.
 
 Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
-everywhere else; both share one signature so tests compare them directly. The Triton launchers
-(`_fwd_triton` / `_bwd_triton`) are also exposed as the custom ops ``lmbp_convert::ms_norm_fwd`` /
-``lmbp_convert::ms_norm_bwd``, which is what runs under torch.compile (opaque to Dynamo, with fake kernels).
+everywhere else; both share one signature so tests compare them directly. Eager launches go through
+`LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
+``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
 Rows up to ``MAX_FUSED_BLOCK`` (16384) elements are held in registers by one program; longer rows use a
 looped kernel that streams the row in ``LOOP_CHUNK``-element chunks (two/three passes over global memory).
 """
@@ -28,13 +28,16 @@ from typing import Sequence
 
 import torch
 
-from ._common import HAS_TRITON, autocast_dtype_for, check_dtype, use_triton
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
+from ._launch import LeanKernel, kernel_op, next_pow2
+
+_DTYPE_SET = frozenset(SUPPORTED_DTYPES)
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["ms_layer_norm", "ms_rms_norm", "MSNormFunction", "normalize_shape"]
+__all__ = ["ms_layer_norm", "ms_rms_norm", "ms_norm_unchecked", "MSNormFunction", "normalize_shape"]
 
 #: Rows whose next power of two is at most this are normalised by the single-block ("fused") kernels.
 MAX_FUSED_BLOCK = 16384
@@ -158,18 +161,26 @@ def _num_warps(block: int) -> int:
 def _plan(n: int, chunk: int | None) -> tuple[bool, int]:
     """(looped?, BLOCK): the single-block kernel when the row fits, else the looped one."""
     if chunk is not None:
-        return True, triton.next_power_of_2(chunk)
-    block = triton.next_power_of_2(n)
+        return True, next_pow2(chunk)
+    block = next_pow2(n)
     if block <= MAX_FUSED_BLOCK:
         return False, block
     return True, LOOP_CHUNK
 
 
+if HAS_TRITON:
+    _FWD = LeanKernel(_ms_norm_fwd_kernel)
+    _FWD_LOOP = LeanKernel(_ms_norm_fwd_loop_kernel)
+    _BWD = LeanKernel(_ms_norm_bwd_kernel)
+    _BWD_LOOP = LeanKernel(_ms_norm_bwd_loop_kernel)
+
+
 def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype,
-                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int | None = None, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward: (y with x's shape in out_dtype, contiguous; rstd (rows,) fp32).
 
-    ``chunk`` forces the looped kernel with that chunk size (tests use it on short rows).
+    ``chunk`` forces the looped kernel with that chunk size (tests use it on short rows). ``traced``: launch
+    through ``wrap_triton`` (inside the triton_op).
     """
     if x.numel() == 0:
         return _fwd_torch(x, n, eps, is_rms, out_dtype)
@@ -178,14 +189,14 @@ def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: to
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
     looped, block = _plan(n, chunk)
-    kernel = _ms_norm_fwd_loop_kernel if looped else _ms_norm_fwd_kernel
-    kernel[(m,)](x2, y, rstd, x2.stride(0), y.stride(0), n, float(eps),
-                 IS_RMS=is_rms, BLOCK=block, num_warps=_num_warps(block))
+    kernel = _FWD_LOOP if looped else _FWD
+    (kernel.launch_traced if traced else kernel.launch)(
+        (m, 1, 1), x.device.index, (x2, y, rstd, x2.stride(0), n, n, float(eps)), (is_rms, block), _num_warps(block))
     return y.view(x.shape), rstd
 
 
 def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype,
-                chunk: int | None = None) -> torch.Tensor:
+                chunk: int | None = None, traced: bool = False) -> torch.Tensor:
     """Triton backward: dx with y's shape in x_dtype, from the upstream grad g, the saved output and rstd."""
     if y.numel() == 0:
         return _bwd_torch(g, y, rstd, is_rms, x_dtype)
@@ -194,9 +205,10 @@ def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bo
     m = y2.shape[0]
     dx = torch.empty((m, n), dtype=x_dtype, device=y.device)
     looped, block = _plan(n, chunk)
-    kernel = _ms_norm_bwd_loop_kernel if looped else _ms_norm_bwd_kernel
-    kernel[(m,)](g2, y2, rstd, dx, g2.stride(0), y2.stride(0), dx.stride(0), n,
-                 IS_RMS=is_rms, BLOCK=block, num_warps=_num_warps(block))
+    kernel = _BWD_LOOP if looped else _BWD
+    (kernel.launch_traced if traced else kernel.launch)(
+        (m, 1, 1), y.device.index, (g2, y2, rstd, dx, g2.stride(0), y2.stride(0), n, n), (is_rms, block),
+        _num_warps(block))
     return dx.view(y.shape)
 
 
@@ -253,34 +265,51 @@ def _bwd_torch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: boo
 
 
 # ------------------------------------------------------------------------------------------------------
-# Custom ops: the Triton path as opaque ops, so torch.compile neither traces into the launchers nor breaks.
+# Library ops: what runs under torch.compile on the Triton path (a triton_op: inductor emits the launches).
 # ------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("lmbp_convert::ms_norm_fwd", mutates_args=())
-def _ms_norm_fwd_op(x: torch.Tensor, n: int, eps: float, is_rms: bool,
-                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = _fwd_triton(x, n, eps, is_rms, out_dtype)
-    return y, rstd
-
-
-@_ms_norm_fwd_op.register_fake
-def _(x, n, eps, is_rms, out_dtype):
+def _fwd_fake(x, n, eps, is_rms, out_dtype):
     rows = x.numel() // n if n else 0
     return x.new_empty(x.shape, dtype=out_dtype), x.new_empty((rows,), dtype=torch.float32)
 
 
-@torch.library.custom_op("lmbp_convert::ms_norm_bwd", mutates_args=())
-def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool,
-                    x_dtype: torch.dtype) -> torch.Tensor:
-    return _bwd_triton(g, y, rstd, is_rms, x_dtype)
-
-
-@_ms_norm_bwd_op.register_fake
-def _(g, y, rstd, is_rms, x_dtype):
+def _bwd_fake(g, y, rstd, is_rms, x_dtype):
     return y.new_empty(y.shape, dtype=x_dtype)
 
 
+@kernel_op("lmbp_convert::ms_norm_fwd", _fwd_fake)
+def _ms_norm_fwd_op(x: torch.Tensor, n: int, eps: float, is_rms: bool,
+                    out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.numel() == 0:  # a library op may not return its input's views
+        return _fwd_fake(x, n, eps, is_rms, out_dtype)
+    return _fwd_triton(x, n, eps, is_rms, out_dtype, traced=True)
+
+
+@kernel_op("lmbp_convert::ms_norm_bwd", _bwd_fake)
+def _ms_norm_bwd_op(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool,
+                    x_dtype: torch.dtype) -> torch.Tensor:
+    if y.numel() == 0:
+        return _bwd_fake(g, y, rstd, is_rms, x_dtype)
+    return _bwd_triton(g, y, rstd, is_rms, x_dtype, traced=True)
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, _, _, is_rms, _ = inputs
+    y, rstd = output
+    ctx.save_for_backward(y, rstd)
+    ctx.mark_non_differentiable(rstd)
+    ctx.is_rms, ctx.x_dtype = is_rms, x.dtype
+
+
+def _op_backward(ctx, g, _g_rstd):
+    y, rstd = ctx.saved_tensors
+    return torch.ops.lmbp_convert.ms_norm_bwd(g, y, rstd, ctx.is_rms, ctx.x_dtype), None, None, None, None
+
+
+_ms_norm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
 # ------------------------------------------------------------------------------------------------------
-# autograd.Function and public API
+# autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
 class MSNormFunction(torch.autograd.Function):
     """Normalise rows of length ``n``; save only the returned output and rstd for backward."""
@@ -288,13 +317,7 @@ class MSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype) -> torch.Tensor:
         triton_path = use_triton(x)
-        if triton_path:
-            if torch.compiler.is_compiling():
-                y, rstd = torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, out_dtype)
-            else:
-                y, rstd = _fwd_triton(x, n, eps, is_rms, out_dtype)
-        else:
-            y, rstd = _fwd_torch(x, n, eps, is_rms, out_dtype)
+        y, rstd = (_fwd_triton if triton_path else _fwd_torch)(x, n, eps, is_rms, out_dtype)
         ctx.save_for_backward(y, rstd)
         ctx.is_rms = is_rms
         ctx.x_dtype = x.dtype
@@ -302,17 +325,19 @@ class MSNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g: torch.Tensor):
-        y, rstd = ctx.saved_tensors
-        if ctx.triton_path:
-            if torch.compiler.is_compiling():
-                dx = torch.ops.lmbp_convert.ms_norm_bwd(g, y, rstd, ctx.is_rms, ctx.x_dtype)
-            else:
-                dx = _bwd_triton(g, y, rstd, ctx.is_rms, ctx.x_dtype)
-        else:
-            dx = _bwd_torch(g, y, rstd, ctx.is_rms, ctx.x_dtype)
-        return dx, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
+            return _backward_once(ctx, g)
+        return _backward(ctx, g)
+
+
+def _backward(ctx, g: torch.Tensor):
+    y, rstd = ctx.saved_tensors
+    dx = (_bwd_triton if ctx.triton_path else _bwd_torch)(g, y, rstd, ctx.is_rms, ctx.x_dtype)
+    return dx, None, None, None, None
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -346,7 +371,18 @@ def _ms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float,
     n = 1
     for s in shape:
         n *= s
-    return MSNormFunction.apply(x, n, float(eps), is_rms, autocast_dtype_for(x))
+    return ms_norm_unchecked(x, n, float(eps), is_rms)
+
+
+def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
+    """The norm over rows of ``n`` trailing elements, for callers that validated the shape once (modules);
+    only the dtype is checked here."""
+    if x.dtype not in _DTYPE_SET:
+        check_dtype(x, "ms_norm")
+    out_dtype = autocast_dtype_for(x)
+    if torch.compiler.is_compiling() and use_triton(x):
+        return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, out_dtype)[0]
+    return MSNormFunction.apply(x, n, eps, is_rms, out_dtype)
 
 
 def ms_layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""Lean Triton launches, written once for every op.
+
+``kernel[grid](...)`` costs ~5-8 µs of host time per call in Triton 3.8 (argument binding, specialisation,
+cache-key hashing, launch-metadata hooks) before the driver is reached; for a training step made of small
+launches that is the whole slowdown. `LeanKernel` keeps the `CompiledKernel` that the first ordinary launch
+returns, keyed by exactly what Triton specialises on (tensor dtype and 16-byte alignment, integer width and
+divisibility by 16 / equality to 1, the constexprs, num_warps, the device), and afterwards calls its launcher
+directly. Anything unusual (Triton's interpreter, launch hooks set by a profiler, a tensor on a device that is
+not the current one) takes the ordinary ``kernel[grid](...)`` call.
+
+Host-time benchmarks stub the two points that touch the GPU (see `stub_triton_driver`): the first launch's
+compile and the driver launch; everything else runs as in production.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ._common import HAS_TRITON, triton_interpreting
+
+if HAS_TRITON:
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime import driver as _triton_driver
+
+__all__ = ["LeanKernel", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints (plain integer maths: triton.cdiv is a ConstexprFunction in 3.8)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _spec(a: Any) -> Any:
+    """What Triton's launcher specialises a runtime argument on (tensors: dtype and 16-byte alignment)."""
+    return native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+class _Entry:
+    __slots__ = ("compiled", "run", "function", "metadata", "tail", "stream")
+
+    def __init__(self, compiled: Any, tail: tuple, stream: Any) -> None:
+        self.compiled = compiled
+        self.run = compiled.run  # the driver launcher (CudaLauncher), bound once
+        self.function = compiled.function
+        self.metadata = compiled.packed_metadata
+        self.tail = tail  # constexpr values: the launcher takes every kernel parameter, in order
+        self.stream = stream  # the driver's current-stream getter
+
+
+_ALL_KERNELS: "weakref.WeakSet[LeanKernel]" = weakref.WeakSet()
+
+
+class LeanKernel:
+    """A ``@triton.jit`` kernel launched through a cache of its compiled variants.
+
+    ``launch(grid, device_index, args, consts, num_warps)``: ``args`` are the runtime parameters in order,
+    ``consts`` the trailing constexpr parameters in order (the kernels put them last).
+    """
+
+    __slots__ = ("fn", "name", "const_names", "cache", "__weakref__")
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.name = getattr(fn, "__name__", repr(fn))
+        params = getattr(fn, "params", None)
+        if params is None:  # the interpreter's wrapper: names from the Python signature
+            import inspect
+            params = list(inspect.signature(fn.fn).parameters.values())
+            consts = [p.name for p in params if "constexpr" in str(p.annotation)]
+        else:
+            consts = [p.name for p in params if p.is_constexpr]
+        n = len(params)
+        if [getattr(p, "name", None) for p in params][n - len(consts):] != consts:
+            raise TypeError(f"{self.name}: constexpr parameters must come last")
+        self.const_names = tuple(consts)
+        self.cache: dict = {}
+        _ALL_KERNELS.add(self)
+
+    def launch(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,
+               num_warps: int = 4) -> None:
+        key = (device_index, num_warps, consts, *map(_spec, args))
+        e = self.cache.get(key)
+        if e is not None and knobs.runtime.launch_enter_hook is None:
+            e.run(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.metadata, None, None, None,
+                  *args, *e.tail)
+            return
+        self._first_launch(key, grid, device_index, args, consts, num_warps)
+
+    def launch_traced(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,
+                      num_warps: int = 4) -> None:
+        """The launch inside a ``torch.library.triton_op``: through ``wrap_triton``, which records the kernel
+        for inductor when tracing and launches it normally otherwise."""
+        torch.library.wrap_triton(self.fn)[grid](*args, num_warps=num_warps, **dict(zip(self.const_names, consts)))
+
+    def _first_launch(self, key: tuple, grid: tuple, device_index: Optional[int], args: tuple, consts: tuple,
+                      num_warps: int) -> None:
+        meta = dict(zip(self.const_names, consts))
+        ctx = (torch.cuda.device(device_index) if device_index is not None and torch.cuda.is_available()
+               else contextlib.nullcontext())
+        with ctx:
+            compiled = self.fn[grid](*args, num_warps=num_warps, **meta)
+        # Cache only real compiled kernels on the current device: the interpreter returns none, and a launch
+        # on a non-current device must go through Triton's own device switch every time.
+        if (compiled is None or not hasattr(compiled, "packed_metadata") or not _is_current(device_index)):
+            return
+        self.cache[key] = _Entry(compiled, consts, _triton_driver.active.get_current_stream)
+
+
+def kernel_op(name: str, fake: Callable) -> Callable:
+    """Register a Triton launcher as the op ``name``: a ``torch.library.triton_op`` (inductor traces the
+    ``wrap_triton`` launches inside it and emits them itself), or, under Triton's interpreter, where kernels
+    cannot be traced, an opaque ``custom_op`` with ``fake`` as its shape function."""
+    def register(fn: Callable) -> Any:
+        if triton_interpreting():
+            op = torch.library.custom_op(name, mutates_args=())(fn)
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(name, mutates_args=())(fn)
+    return register
+
+
+def _is_current(device_index: Optional[int]) -> bool:
+    try:
+        return (device_index or 0) == _triton_driver.active.get_current_device()
+    except Exception:  # pragma: no cover - no driver
+        return False
+
+
+# -----------------------------------------------------------------------------------------------------------
+# Host-time benchmarking without a GPU
+# -----------------------------------------------------------------------------------------------------------
+class _StubCompiled:
+    """Stands in for a CompiledKernel: launching it does nothing (counts launches)."""
+
+    function = 0
+    packed_metadata = None
+    launches = 0
+
+    def launch_metadata(self, *args: Any) -> None:
+        return None
+
+    def run(self, *args: Any) -> None:
+        _StubCompiled.launches += 1
+
+
+class _StubDriver:
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: Any = None) -> int:
+        return 0
+
+    def get_current_target(self) -> Any:
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def stub_triton_driver() -> Iterator[type]:
+    """Run Triton's real launch path on CPU tensors with the GPU parts stubbed: a fake active driver (device 0,
+    stream 0, an sm_90 target) and a compile step that returns a do-nothing kernel. Everything a launch costs on
+    the host (Triton's binder and cache key, or `LeanKernel`'s cache) still runs. Yields the stub kernel class,
+    whose ``launches`` counts driver launches. Clears the `LeanKernel` caches it filled on exit.
+
+    For host-time benchmarks and tests only (not thread-safe; not under TRITON_INTERPRET=1).
+    """
+    from triton.runtime.jit import JITFunction
+
+    touched = []
+
+    def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = _StubCompiled()
+        self.device_caches[device][0][key] = kernel
+        touched.append((self, device, key))
+        return kernel
+
+    old_compile, old_driver = JITFunction._do_compile, _triton_driver._active
+    _triton_driver.set_active(_StubDriver())
+    JITFunction._do_compile = _do_compile
+    _StubCompiled.launches = 0
+    try:
+        yield _StubCompiled
+    finally:
+        JITFunction._do_compile = old_compile
+        _triton_driver._active = old_driver
+        for fn, device, key in touched:
+            fn.device_caches[device][0].pop(key, None)
+        for lk in list(_ALL_KERNELS):
+            for k in [k for k, e in lk.cache.items() if isinstance(e.compiled, _StubCompiled)]:
+                del lk.cache[k]
+
+
