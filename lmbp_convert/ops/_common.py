@@ -36,9 +36,26 @@ def check_dtype(x: torch.Tensor, op: str) -> None:
         )
 
 
+_TRITON_DTYPE_SET = frozenset(TRITON_DTYPES)
+#: Device types whose tensors take the Triton kernels; every other device runs the PyTorch path (`_fwd_torch` /
+#: `_bwd_torch` in each op, where a native CPU implementation plugs in).
+_TRITON_DEVICE_TYPES = {"cuda"} if HAS_TRITON else set()
+
+
+def set_triton_device_types(*device_types: str) -> None:
+    """Route tensors of these device types to the Triton launchers (default: "cuda"). Host-time benchmarks add
+    "cpu" together with `_launch.stub_triton_driver` to time the CUDA launch path without a GPU."""
+    if device_types and not HAS_TRITON:
+        raise RuntimeError("Triton is not available")
+    _TRITON_DEVICE_TYPES.clear()
+    _TRITON_DEVICE_TYPES.update(device_types)
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Triton kernels run on CUDA tensors of the dtypes they are built for; everything else uses PyTorch."""
-    return HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES
+    if x.is_cuda:
+        return "cuda" in _TRITON_DEVICE_TYPES and x.dtype in _TRITON_DTYPE_SET
+    return bool(_TRITON_DEVICE_TYPES) and x.device.type in _TRITON_DEVICE_TYPES and x.dtype in _TRITON_DTYPE_SET
 
 
 def autocast_dtype_for(x: torch.Tensor) -> torch.dtype:

@@ -23,8 +23,8 @@ from ._common import HAS_TRITON, triton_interpreting
 
 if HAS_TRITON:
     from triton import knobs
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
+    _RUNTIME = knobs.runtime
+    _HookChain = getattr(knobs, "HookChain", type(None))
     from triton.runtime import driver as _triton_driver
 
 __all__ = ["LeanKernel", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2"]
@@ -40,9 +40,23 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _spec(a: Any) -> Any:
-    """What Triton's launcher specialises a runtime argument on (tensors: dtype and 16-byte alignment)."""
-    return native_specialize_impl(BaseBackend, a, False, True, True)
+def _no_hooks(h: Any) -> bool:
+    """No launch hook registered (Triton 3.8 keeps an empty HookChain; older releases None)."""
+    return h is None or (h.__class__ is _HookChain and not h.calls)
+
+
+_Tensor = torch.Tensor
+_MAX_ENTRIES = 4096
+
+
+def _tensor_spec(t: torch.Tensor) -> tuple:
+    """What Triton specialises a pointer argument on: pointee dtype, 16-byte alignment."""
+    return t.dtype, t.data_ptr() & 15 == 0
+
+
+def _int_spec(v: int) -> tuple:
+    """What Triton specialises an int argument on: width (i32 / i64 / u64), == 1 (a constant), % 16 == 0."""
+    return -0x80000000 <= v < 0x80000000, v < 0x8000000000000000, v == 1, v & 15 == 0
 
 
 class _Entry:
@@ -87,10 +101,17 @@ class LeanKernel:
         _ALL_KERNELS.add(self)
 
     def launch(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,
-               num_warps: int = 4) -> None:
-        key = (device_index, num_warps, consts, *map(_spec, args))
+               num_warps: int = 4, key: Optional[tuple] = None) -> None:
+        """Launch; ``key``, when given, must determine everything Triton specialises the runtime ``args`` on:
+        the value class of every int (launchers pass the ints themselves) and the dtype and 16-byte alignment of
+        every tensor except fresh allocations (whose dtype the key or ``consts`` must still fix). Without it the
+        key is computed from ``args`` (slower)."""
+        if key is None:
+            key = tuple([_tensor_spec(a) if a.__class__ is _Tensor else _int_spec(a) if a.__class__ is int
+                         else a.__class__ for a in args])
+        key = (key, device_index, num_warps, consts)
         e = self.cache.get(key)
-        if e is not None and knobs.runtime.launch_enter_hook is None:
+        if e is not None and _no_hooks(_RUNTIME.launch_enter_hook) and _no_hooks(_RUNTIME.launch_exit_hook):
             e.run(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.metadata, None, None, None,
                   *args, *e.tail)
             return
@@ -113,6 +134,8 @@ class LeanKernel:
         # on a non-current device must go through Triton's own device switch every time.
         if (compiled is None or not hasattr(compiled, "packed_metadata") or not _is_current(device_index)):
             return
+        if len(self.cache) >= _MAX_ENTRIES:  # one entry per shape class: bounded even for ever-changing shapes
+            self.cache.clear()
         self.cache[key] = _Entry(compiled, consts, _triton_driver.active.get_current_stream)
 
 

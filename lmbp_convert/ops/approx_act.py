@@ -67,6 +67,7 @@ __all__ = [
 ACT_KINDS = ACT_NAMES  # every kind of the shared activation table has fitted constants
 ACT_BITS = (1, 2, 3, 4)
 _DTYPE_SET = frozenset(SUPPORTED_DTYPES)
+_TRITON_DTYPE_SET = frozenset(TRITON_DTYPES)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -435,6 +436,10 @@ if HAS_TRITON:
     _BWD = LeanKernel(_approx_act_bwd_kernel)
 
 
+_CONTIGUOUS = torch.contiguous_format
+_U8 = torch.uint8
+
+
 class _KernelConsts(NamedTuple):
     act: int
     thresholds: tuple[float, ...]  # fp32 thresholds
@@ -460,8 +465,8 @@ def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = 
     k = _KCONSTS[(kind, bits)]
     n = x.numel()
     nbytes = -(-n // k.per_byte)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    packed = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    y = torch.empty_like(x, memory_format=_CONTIGUOUS)  # empty_like: a third of torch.empty's host time
+    packed = torch.empty(nbytes, dtype=_U8, device=x.device)
     if n == 0:
         return y, packed
     src, contiguous, rs, cs, cols = _as_rows(x)
@@ -469,8 +474,11 @@ def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = 
     block = elems // k.per_byte
     args = (src, y, packed, n, nbytes, cols, rs, cs)
     consts = (k.act, k.thresholds, k.slot, k.per_byte, block, contiguous, vcode)
-    (_FWD.launch_traced if traced else _FWD.launch)((-(-nbytes // block), 1, 1), x.device.index, args, consts,
-                                                    warps)
+    grid = (-(-nbytes // block), 1, 1)
+    if traced:
+        _FWD.launch_traced(grid, x.device.index, args, consts, warps)
+    else:  # y and packed are fresh (aligned); their dtypes follow from x's and the kernel
+        _FWD.launch(grid, x.device.index, args, consts, warps, (x.dtype, src.data_ptr() & 15, n, cols, rs, cs))
     return y, packed
 
 
@@ -479,7 +487,7 @@ def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, 
     """Triton backward launcher: grad_out * slope[code], contiguous, in grad's dtype and shape."""
     k = _KCONSTS[(kind, bits)]
     n = grad.numel()
-    dx = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    dx = torch.empty_like(grad, memory_format=_CONTIGUOUS)
     if n == 0:
         return dx
     nbytes = -(-n // k.per_byte)
@@ -490,8 +498,12 @@ def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, 
     block = elems // k.per_byte
     args = (src, packed, dx, n, nbytes, cols, rs, cs)
     consts = (k.slopes, k.slot, k.per_byte, block, contiguous, vcode)
-    (_BWD.launch_traced if traced else _BWD.launch)((-(-nbytes // block), 1, 1), grad.device.index, args, consts,
-                                                    warps)
+    grid = (-(-nbytes // block), 1, 1)
+    if traced:
+        _BWD.launch_traced(grid, grad.device.index, args, consts, warps)
+    else:
+        _BWD.launch(grid, grad.device.index, args, consts, warps,
+                    (grad.dtype, src.data_ptr() & 15, packed.data_ptr() & 15, n, cols, rs, cs))
     return dx
 
 
@@ -536,19 +548,17 @@ class ApproxActFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, kind: str, bits: int, backend: str) -> torch.Tensor:
         y, packed = _fwd_triton(x, kind, bits) if backend == "triton" else _fwd_torch(x, kind, bits)
         ctx.save_for_backward(packed)
-        ctx.kind, ctx.bits, ctx.backend = kind, bits, backend
+        ctx.spec = (kind, bits, backend == "triton")
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
+        kind, bits, triton_path = ctx.spec
         # The Triton result is not differentiable: double backward (create_graph) takes the PyTorch path.
-        if (ctx.backend == "triton" and grad.dtype in TRITON_DTYPES
-                and not (grad.requires_grad and torch.is_grad_enabled())):
-            dx = _bwd_triton(grad, packed, ctx.bits, ctx.kind)
-        else:
-            dx = _bwd_torch(grad, packed, ctx.bits, ctx.kind)
-        return dx, None, None, None
+        if triton_path and grad.dtype in _TRITON_DTYPE_SET and not (grad.requires_grad and torch.is_grad_enabled()):
+            return _bwd_triton(grad, packed, bits, kind), None, None, None
+        return _bwd_torch(grad, packed, bits, kind), None, None, None
 
 
 def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
@@ -566,7 +576,7 @@ def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optiona
     """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
     if x.dtype not in _DTYPE_SET:
         check_dtype(x, "approx_act")
-    backend = _resolve_backend(x, backend)
+    backend = ("triton" if use_triton(x) else "torch") if backend is None else _resolve_backend(x, backend)
     if backend == "triton" and torch.compiler.is_compiling():
         return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
     if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to save: skip codes and autograd

@@ -48,6 +48,7 @@ if HAS_TRITON:
     from .activations import act_and_grad_f32, act_f32
 
 _DTYPE_SET = frozenset(SUPPORTED_DTYPES)
+_CONTIGUOUS = torch.contiguous_format
 
 __all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
 
@@ -130,11 +131,16 @@ def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype
     n = g.shape[-1]
     g2, u2 = _rows(g, n), _rows(u, n)
     m = g2.shape[0]
-    h = torch.empty((m, n), dtype=h_dtype, device=g.device)
+    h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
     block = _block(n)
-    (_FWD.launch_traced if traced else _FWD.launch)(
-        (m, -(-n // block), 1), g.device.index, (g2, u2, h, g2.stride(0), u2.stride(0), n, n), (code, block), 4)
-    return h.view(g.shape)
+    args = (g2, u2, h, g2.stride(0), u2.stride(0), n, n)
+    grid = (m, -(-n // block), 1)
+    if traced:
+        _FWD.launch_traced(grid, g.device.index, args, (code, block), 4)
+    else:  # h is fresh (aligned); the key fixes every dtype and int
+        _FWD.launch(grid, g.device.index, args, (code, block), 4,
+                    (g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, args[3], args[4], n))
+    return h
 
 
 def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: Optional[torch.dtype],
@@ -152,18 +158,22 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     dh2, g2, u2 = _rows(dh, n), _rows(g, n), _rows(u, n)
     m = g2.shape[0]
     if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
-        dg = dh2
+        dg = dh2.view(g.shape)
     else:
-        dg = torch.empty((m, n), dtype=g.dtype, device=g.device)
-    du = torch.empty((m, n), dtype=u.dtype, device=u.device)
-    h = torch.empty((m, n), dtype=h_dtype, device=g.device) if h_dtype is not None else None
+        dg = torch.empty_like(g, memory_format=_CONTIGUOUS)
+    du = torch.empty_like(u, memory_format=_CONTIGUOUS)
+    h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS) if h_dtype is not None else None
     block = _block(n)
     h_arg = h if h is not None else du  # never written when STORE_H is False
-    (_BWD.launch_traced if traced else _BWD.launch)(
-        (m, -(-n // block), 1), g.device.index,
-        (dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), n, n, n, n),
-        (code, h is not None, block), 4)
-    return dg.view(g.shape), du.view(u.shape), (h.view(g.shape) if h is not None else None)
+    args = (dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), n, n, n, n)
+    grid = (m, -(-n // block), 1)
+    if traced:
+        _BWD.launch_traced(grid, g.device.index, args, (code, h is not None, block), 4)
+    else:  # du and h are fresh (aligned); dg is fresh or dh itself
+        _BWD.launch(grid, g.device.index, args, (code, h is not None, block), 4,
+                    (dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15,
+                     h_dtype, args[6], args[7], args[8], n))
+    return dg, du, h
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -186,13 +186,17 @@ def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: to
         return _fwd_torch(x, n, eps, is_rms, out_dtype)
     x2 = _rows(x, n)
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)  # rows of n: stride n
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     looped, block = _plan(n, chunk)
     kernel = _FWD_LOOP if looped else _FWD
-    (kernel.launch_traced if traced else kernel.launch)(
-        (m, 1, 1), x.device.index, (x2, y, rstd, x2.stride(0), n, n, float(eps)), (is_rms, block), _num_warps(block))
-    return y.view(x.shape), rstd
+    args = (x2, y, rstd, x2.stride(0), n, n, float(eps))
+    if traced:
+        kernel.launch_traced((m, 1, 1), x.device.index, args, (is_rms, block), _num_warps(block))
+    else:  # y and rstd are fresh (aligned); the key fixes every dtype and int
+        kernel.launch((m, 1, 1), x.device.index, args, (is_rms, block), _num_warps(block),
+                      (x2.dtype, x2.data_ptr() & 15, out_dtype, args[3], n))
+    return y, rstd
 
 
 def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype,
@@ -203,13 +207,17 @@ def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bo
     n = y.numel() // rstd.numel()
     g2, y2 = _rows(g, n), _rows(y, n)
     m = y2.shape[0]
-    dx = torch.empty((m, n), dtype=x_dtype, device=y.device)
+    dx = torch.empty_like(y, dtype=x_dtype, memory_format=torch.contiguous_format)
     looped, block = _plan(n, chunk)
     kernel = _BWD_LOOP if looped else _BWD
-    (kernel.launch_traced if traced else kernel.launch)(
-        (m, 1, 1), y.device.index, (g2, y2, rstd, dx, g2.stride(0), y2.stride(0), n, n), (is_rms, block),
-        _num_warps(block))
-    return dx.view(y.shape)
+    args = (g2, y2, rstd, dx, g2.stride(0), y2.stride(0), n, n)
+    if traced:
+        kernel.launch_traced((m, 1, 1), y.device.index, args, (is_rms, block), _num_warps(block))
+    else:
+        kernel.launch((m, 1, 1), y.device.index, args, (is_rms, block), _num_warps(block),
+                      (g2.dtype, g2.data_ptr() & 15, y2.dtype, y2.data_ptr() & 15, rstd.dtype, rstd.data_ptr() & 15,
+                       x_dtype, args[4], args[5], n))
+    return dx
 
 
 # ------------------------------------------------------------------------------------------------------
