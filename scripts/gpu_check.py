@@ -20,14 +20,24 @@ the memory roofline reaches the peak. A time budget (``--budget-s``, default 420
 check run passed, 1 a check failed, 2 no CUDA (or Triton's interpreter is on), 3 checks skipped for time.
 Writes ``$OUT/gpu_check.md`` when OUT is set (or ``--out FILE``). Usage::
 
-    python scripts/gpu_check.py                  # everything, defaults
+    python scripts/gpu_check.py --fast           # about 3 min on an H200: pytest tests/ops/test_cuda.py, the
+                                                 # bandwidth table and the approx_act kernel-variant timings
+    python scripts/gpu_check.py                  # everything, defaults (the in-script checks too)
     python scripts/gpu_check.py --quick          # small sizes, fewer runs
     python scripts/gpu_check.py --skip-bench --dtypes bf16
+
+Before the in-script checks it runs ``pytest tests/ops/test_cuda.py`` (the CUDA-only tests: every kernel and
+approx_act variant against the PyTorch path, the cached launch, CUDA-graph capture, torch.compile default and
+reduce-overhead on converted LLaMA / ViT / BERT) and reports it as one check. Bandwidth is printed as % of the
+datasheet peak and as % of a measured device-to-device copy (the practical ceiling). The approx_act variant
+table times every forward / backward kernel variant (``FWD_VARIANTS`` / ``BWD_VARIANTS`` in
+lmbp_convert/ops/approx_act.py) and names the fastest; the defaults are ``FWD_VARIANT`` / ``BWD_VARIANT`` there.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 import os
 import statistics
 import sys
@@ -129,18 +139,25 @@ def _g(x: float) -> str:
     return "nan" if math.isnan(x) else f"{x:.0f}"
 
 
-def bench_table(results: Sequence[BenchResult], peak: float = HBM_PEAK_GBPS) -> str:
+def bench_table(results: Sequence[BenchResult], peak: float = HBM_PEAK_GBPS,
+                copy_gbps: Optional[float] = None) -> str:
     header = ("op (Triton)", "torch op", "dtype", "elements", "fwd GB/s op / torch", "fwd % peak op / torch",
               "bwd GB/s op / torch", "bwd % peak op / torch", "fwd µs op / torch", "bwd µs op / torch")
+    if copy_gbps:
+        header += ("fwd % copy op / torch", "bwd % copy op / torch")
     rows = []
     for r in results:
         f, rf = gbps(r.fwd_bytes, r.fwd_s), gbps(r.ref_fwd_bytes, r.ref_fwd_s)
         b, rb = gbps(r.bwd_bytes, r.bwd_s), gbps(r.ref_bwd_bytes, r.ref_bwd_s)
-        rows.append((r.op, r.ref, r.dtype, size_label(r.numel), f"{_g(f)} / {_g(rf)}",
-                     f"{pct_peak(f, peak):.0f}% / {pct_peak(rf, peak):.0f}%", f"{_g(b)} / {_g(rb)}",
-                     f"{pct_peak(b, peak):.0f}% / {pct_peak(rb, peak):.0f}%",
-                     f"{r.fwd_s * 1e6:.1f} / {r.ref_fwd_s * 1e6:.1f}",
-                     f"{r.bwd_s * 1e6:.1f} / {r.ref_bwd_s * 1e6:.1f}"))
+        row = (r.op, r.ref, r.dtype, size_label(r.numel), f"{_g(f)} / {_g(rf)}",
+               f"{pct_peak(f, peak):.0f}% / {pct_peak(rf, peak):.0f}%", f"{_g(b)} / {_g(rb)}",
+               f"{pct_peak(b, peak):.0f}% / {pct_peak(rb, peak):.0f}%",
+               f"{r.fwd_s * 1e6:.1f} / {r.ref_fwd_s * 1e6:.1f}",
+               f"{r.bwd_s * 1e6:.1f} / {r.ref_bwd_s * 1e6:.1f}")
+        if copy_gbps:
+            row += (f"{pct_peak(f, copy_gbps):.0f}% / {pct_peak(rf, copy_gbps):.0f}%",
+                    f"{pct_peak(b, copy_gbps):.0f}% / {pct_peak(rb, copy_gbps):.0f}%")
+        rows.append(row)
     return markdown_table(header, rows)
 
 
@@ -166,12 +183,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--skip-compile", action="store_true", help="skip the torch.compile checks")
     p.add_argument("--quick", action="store_true", help="bench 1M/4M only, 5 runs")
+    p.add_argument("--fast", action="store_true",
+                   help="about 3 min: pytest tests/ops/test_cuda.py instead of the in-script checks; bench bf16, "
+                        "fp32 at 16M/64M/256M, 10 runs; variant timings")
+    p.add_argument("--skip-pytest", action="store_true", help="do not run tests/ops/test_cuda.py")
+    p.add_argument("--pytest-timeout-s", type=float, default=150.0)
+    p.add_argument("--skip-variants", action="store_true", help="skip the approx_act kernel-variant timings")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip remaining work past this many seconds")
     p.add_argument("--bench-reserve-s", type=float, default=120.0,
                    help="seconds of the budget the checks leave to the bench")
     p.add_argument("--peak-gbps", type=float, default=HBM_PEAK_GBPS, help="HBM peak for the %% column")
     p.add_argument("--out", default=None, help="markdown file (default $OUT/gpu_check.md when OUT is set)")
     a = p.parse_args(argv)
+    if a.fast:
+        a.skip_check, a.bench_dtypes, a.runs, a.budget_s, a.pytest_timeout_s = True, "bf16,fp32", 10, 180.0, 120.0
     if a.quick:
         a.sizes, a.runs, a.warmup = "1M,4M", 5, 1
 
@@ -730,8 +755,112 @@ def act_kernels(numel: int, row: int, dtype: torch.dtype, kind: str, bits: int) 
     return op, ref
 
 
+# ------------------------------------------------------------------------------ pytest, copy, variants
+def run_cuda_tests(timeout_s: float) -> CheckResult:
+    """``pytest tests/ops/test_cuda.py`` in a fresh process with compiled kernels, as one check row."""
+    res = CheckResult("pytest tests/ops/test_cuda.py", "-", "-")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--tb=short",
+           os.path.join(_ROOT, "tests", "ops", "test_cuda.py")]
+    try:
+        proc = subprocess.run(cmd, cwd=_ROOT, env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        res.detail = f"timed out after {timeout_s:.0f} s"
+        return res
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else proc.stderr.strip()[-200:]
+    res.ok = proc.returncode == 0 and "passed" in summary and "failed" not in summary
+    res.detail = summary[:200]
+    if not res.ok:
+        print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n", flush=True)
+    else:
+        print(f"  pytest tests/ops/test_cuda.py: {summary}", flush=True)
+    return res
+
+
+def measure_copy_gbps(runs: int = 10) -> float:
+    """Device-to-device copy bandwidth (read + write bytes / time) of a 1 GiB buffer: the practical ceiling."""
+    src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    t = time_device(lambda: dst.copy_(src), runs, 2, None)
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps(2 * 2 ** 30, t)
+
+
+@dataclass
+class VariantResult:
+    direction: str
+    variant: str
+    dtype: str
+    numel: int
+    seconds: float
+    nbytes: int
+
+
+def bench_variants(args: argparse.Namespace, deadline: float, skipped: list) -> list:
+    """Every approx_act forward / backward kernel variant (gelu, ``--bench-bits``), same data, same timing."""
+    A = _approx_act_module()
+    if A is None or not hasattr(A, "FWD_VARIANTS"):
+        return []
+    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=DEVICE) if torch.device(DEVICE).type == "cuda" \
+        else None
+    out = []
+    bits = args.bench_bits
+    for dtype in args.bench_dtype_list:
+        for numel in args.size_list:
+            if time.perf_counter() > deadline:
+                skipped.append(f"approx_act variants {DTYPE_NAMES[dtype]} {size_label(numel)} (out of time)")
+                continue
+            x = _randn((numel // args.row, args.row), dtype, 3.0)
+            g = _randn((numel // args.row, args.row), dtype)
+            y, packed = A._fwd_triton(x, "gelu", bits)
+            fwd_bytes, bwd_bytes = io_bytes([x], [y, packed]), io_bytes([g, packed], [y])
+            del y
+            for v in A.FWD_VARIANTS:
+                t = time_device(lambda v=v: A._fwd_triton(x, "gelu", bits, variant=v), args.runs, args.warmup, flush)
+                out.append(VariantResult("fwd", v, DTYPE_NAMES[dtype], numel, t, fwd_bytes))
+            for v in A.BWD_VARIANTS:
+                t = time_device(lambda v=v: A._bwd_triton(g, packed, bits, "gelu", variant=v), args.runs,
+                                args.warmup, flush)
+                out.append(VariantResult("bwd", v, DTYPE_NAMES[dtype], numel, t, bwd_bytes))
+            del x, g, packed
+            torch.cuda.empty_cache() if torch.device(DEVICE).type == "cuda" else None
+            print(f"  approx_act variants {DTYPE_NAMES[dtype]} {size_label(numel)} done "
+                  f"({time.perf_counter() - START:.0f} s)", flush=True)
+    return out
+
+
+def variant_report(results: Sequence[VariantResult], peak: float, copy_gbps: Optional[float],
+                   defaults: tuple[str, str]) -> str:
+    """Table of every variant and, per direction, the variant fastest in most (dtype, size) cells."""
+    rows, lines = [], []
+    for r in results:
+        bw = gbps(r.nbytes, r.seconds)
+        rows.append((r.direction, r.variant, r.dtype, size_label(r.numel), f"{r.seconds * 1e6:.1f}", _g(bw),
+                     f"{pct_peak(bw, peak):.0f}%", f"{pct_peak(bw, copy_gbps):.0f}%" if copy_gbps else "-"))
+    for direction, default in zip(("fwd", "bwd"), defaults):
+        cells: dict = {}
+        for r in results:
+            if r.direction == direction:
+                cells.setdefault((r.dtype, r.numel), []).append(r)
+        wins: dict = {}
+        for cell in cells.values():
+            best = min(cell, key=lambda r: r.seconds)
+            wins[best.variant] = wins.get(best.variant, 0) + 1
+        if wins:
+            best = max(wins, key=wins.get)
+            var = "FWD_VARIANT" if direction == "fwd" else "BWD_VARIANT"
+            advice = ("the default" if best == default else
+                      f"differs from the default {default!r}: set {var} = {best!r} in lmbp_convert/ops/approx_act.py")
+            lines.append(f"- fastest {direction} variant: **{best}** in {wins[best]} of {len(cells)} cells; {advice}")
+    table = markdown_table(("dir", "variant", "dtype", "elements", "µs", "GB/s", "% peak", "% copy"), rows)
+    return table + "\n\n" + "\n".join(lines)
+
+
 def render(checks: Sequence[CheckResult], bench: Sequence[BenchResult], skipped: Sequence[str],
-           args: argparse.Namespace, elapsed: float, full: bool) -> str:
+           args: argparse.Namespace, elapsed: float, full: bool, copy_gbps: Optional[float] = None,
+           variants: Sequence[VariantResult] = (), defaults: tuple[str, str] = ("", "")) -> str:
     """The markdown report: every check (``full``) or only the failed ones, the bandwidth table, what was
     skipped, and a last line that says whether everything passed."""
     failed = [r for r in checks if not r.ok]
@@ -743,9 +872,13 @@ def render(checks: Sequence[CheckResult], bench: Sequence[BenchResult], skipped:
         if shown:
             body += ["", check_table(shown)]
     if bench:
+        copy_note = f"; measured device-to-device copy {copy_gbps:.0f} GB/s" if copy_gbps else ""
         body += ["", f"## Bandwidth (bytes moved / time; CUDA events, median of {args.runs}; norms row "
-                 f"{args.row}; torch norms with a frozen affine; peak {args.peak_gbps:.0f} GB/s)", "",
-                 bench_table(bench, args.peak_gbps)]
+                 f"{args.row}; torch norms with a frozen affine; peak {args.peak_gbps:.0f} GB/s{copy_note})", "",
+                 bench_table(bench, args.peak_gbps, copy_gbps)]
+    if variants:
+        body += ["", f"## approx_act kernel variants (gelu, {args.bench_bits}-bit; same timing as above)", "",
+                 variant_report(variants, args.peak_gbps, copy_gbps, defaults)]
     if skipped:
         body += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]
     verdict = ("ALL CHECKS PASS" if not failed else f"{len(failed)} CHECKS FAILED") if checks else "NO CHECKS RUN"
@@ -786,6 +919,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\n".join(head), flush=True)
 
     ck = Checker(deadline - (0.0 if args.skip_bench else args.bench_reserve_s))
+    if not args.skip_pytest and torch.device(DEVICE).type == "cuda":
+        t0 = time.perf_counter()
+        ck.results.append(run_cuda_tests(args.pytest_timeout_s))
+        print(f"  pytest: {time.perf_counter() - t0:.0f} s", flush=True)
+    copy_gbps = None
+    if torch.device(DEVICE).type == "cuda" and not args.skip_bench:
+        copy_gbps = measure_copy_gbps()
+        print(f"  device-to-device copy: {copy_gbps:.0f} GB/s ({pct_peak(copy_gbps, args.peak_gbps):.0f}% of "
+              f"the {args.peak_gbps:.0f} GB/s peak)", flush=True)
     if not args.skip_check:
         for section, run in (("approx_act", lambda: check_approx_act(ck, args.dtype_list, args.bits_list)),
                              ("ms_norm", lambda: check_norms(ck, args.dtype_list)),
@@ -801,18 +943,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"  checks {section}: {time.perf_counter() - t0:.0f} s; {len(ck.results)} so far, "
                   f"{n_fail} failed", flush=True)
 
-    bench = []
+    bench, variants, defaults = [], [], ("", "")
     if not args.skip_bench:
         bench = run_bench(args, deadline, ck.skipped, bench_specs(args))
+        if not args.skip_variants:
+            variants = bench_variants(args, deadline, ck.skipped)
+            A = _approx_act_module()
+            defaults = (getattr(A, "FWD_VARIANT", ""), getattr(A, "BWD_VARIANT", ""))
 
     elapsed = time.perf_counter() - START
     failed = [r for r in ck.results if not r.ok]
     # stdout (whose tail is what a remote run shows) gets failures only; the file gets every check.
-    print(render(ck.results, bench, ck.skipped, args, elapsed, full=False), flush=True)
+    extra = dict(copy_gbps=copy_gbps, variants=variants, defaults=defaults)
+    print(render(ck.results, bench, ck.skipped, args, elapsed, full=False, **extra), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:
-            fh.write("\n".join(head) + "\n" + render(ck.results, bench, ck.skipped, args, elapsed, full=True))
+            fh.write("\n".join(head) + "\n" + render(ck.results, bench, ck.skipped, args, elapsed, full=True,
+                                                      **extra))
         print(f"wrote {args.out}")
     if failed:
         return 1
