@@ -95,6 +95,12 @@ def cases(d: int = 64, rows: int = 8):
         "ms_rms_norm": (step(lambda: N.ms_rms_norm(x, (d,), 1e-6)), step(lambda: F.rms_norm(x, (d,), w, 1e-6))),
         "gated_act silu": (step(lambda: G.gated_act(x, u, "silu")), step(lambda: F.silu(x) * u)),
     }
+    try:
+        from lmbp_convert.nn.norms import MSLayerNorm
+        ms_ln, ln = MSLayerNorm(d), torch.nn.LayerNorm(d)
+        out["MSLayerNorm module"] = (step(lambda: ms_ln(x)), step(lambda: ln(x)))
+    except Exception:
+        pass
     if act_mod is not None:
         torch_mod = torch.nn.SiLU()
         if hasattr(A, "approx_act_unchecked"):  # the module's own entry point, routed to the Triton path

@@ -25,9 +25,10 @@ Dispatch: the elementwise parts (forward h; backward dg, du and the h recompute 
 Triton kernels on CUDA tensors (`use_triton`; fp32 math in registers, one rounding per output), as the PyTorch
 path (ATen's act and act-backward kernels in the inputs' dtype: bitwise the roundings of eager autograd, and
 no fp32 copies of T×f tensors, which on CPU would cost more than the maths) (`_fwd_torch` / `_bwd_torch`, the reference
-in tests) everywhere else. The launchers `_fwd_triton` / `_bwd_triton` are callable directly and are exposed
-as the custom ops ``lmbp_convert::gated_mlp_fwd`` / ``lmbp_convert::gated_mlp_bwd``, which is what runs under
-torch.compile. The matmuls are ordinary PyTorch calls.
+in tests) everywhere else. Activation codes and maths come from the shared table (`ops.activations`). Eager
+launches go through `LeanKernel`; under torch.compile the Triton path is the triton_ops
+``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` (inductor emits the launches) and the PyTorch path the opaque
+custom ops ``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. The matmuls are ordinary PyTorch calls.
 """
 from __future__ import annotations
 
@@ -111,12 +112,15 @@ def _act_code(act: str) -> int:
     return act_code(act, ACT_KINDS, "gated_mlp")
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(rows, n) view of t with unit column stride (copies only when no such view exists)."""
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(t or a (rows, n) view of it with unit column stride, row stride); copies only when no such view
+    exists. A contiguous t is passed as is (its row stride is n): no reshape on the common path."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
     if n > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
-    return t2
+    return t2, t2.stride(0)
 
 
 def _block(n: int) -> int:
@@ -129,11 +133,11 @@ def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype
     if g.numel() == 0:
         return _fwd_torch(g, u, act, h_dtype)
     n = g.shape[-1]
-    g2, u2 = _rows(g, n), _rows(u, n)
-    m = g2.shape[0]
+    (g2, stride_g), (u2, stride_u) = _rows(g, n), _rows(u, n)
+    m = g.numel() // n
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
     block = _block(n)
-    args = (g2, u2, h, g2.stride(0), u2.stride(0), n, n)
+    args = (g2, u2, h, stride_g, stride_u, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _FWD.launch_traced(grid, g.device.index, args, (code, block), 4)
@@ -155,8 +159,8 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     if g.numel() == 0:
         return _bwd_torch(dh, g, u, act, h_dtype)
     n = g.shape[-1]
-    dh2, g2, u2 = _rows(dh, n), _rows(g, n), _rows(u, n)
-    m = g2.shape[0]
+    (dh2, stride_dh), (g2, stride_g), (u2, stride_u) = _rows(dh, n), _rows(g, n), _rows(u, n)
+    m = g.numel() // n
     if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
         dg = dh2.view(g.shape)
     else:
@@ -165,7 +169,7 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS) if h_dtype is not None else None
     block = _block(n)
     h_arg = h if h is not None else du  # never written when STORE_H is False
-    args = (dh2, g2, u2, dg, du, h_arg, dh2.stride(0), g2.stride(0), u2.stride(0), n, n, n, n)
+    args = (dh2, g2, u2, dg, du, h_arg, stride_dh, stride_g, stride_u, n, n, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _BWD.launch_traced(grid, g.device.index, args, (code, h is not None, block), 4)

@@ -142,12 +142,15 @@ if HAS_TRITON:
             tl.store(dx_row + off + cols, dx.to(DX.dtype.element_ty), mask=m)
 
 
-def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(rows, n) view of t with unit column stride (copies only when no such view exists)."""
+def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(t or a (rows, n) view of it with unit column stride, row stride); copies only when no such view
+    exists. A contiguous t is passed as is (its row stride is n): no reshape on the common path."""
+    if t.is_contiguous():
+        return t, n
     t2 = t.reshape(-1, n)
     if n > 1 and t2.stride(1) != 1:
         t2 = t2.contiguous()
-    return t2
+    return t2, t2.stride(0)
 
 
 def _num_warps(block: int) -> int:
@@ -184,13 +187,13 @@ def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: to
     """
     if x.numel() == 0:
         return _fwd_torch(x, n, eps, is_rms, out_dtype)
-    x2 = _rows(x, n)
-    m = x2.shape[0]
+    x2, stride_x = _rows(x, n)
+    m = x.numel() // n
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)  # rows of n: stride n
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     looped, block = _plan(n, chunk)
     kernel = _FWD_LOOP if looped else _FWD
-    args = (x2, y, rstd, x2.stride(0), n, n, float(eps))
+    args = (x2, y, rstd, stride_x, n, n, float(eps))
     if traced:
         kernel.launch_traced((m, 1, 1), x.device.index, args, (is_rms, block), _num_warps(block))
     else:  # y and rstd are fresh (aligned); the key fixes every dtype and int
@@ -205,12 +208,12 @@ def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bo
     if y.numel() == 0:
         return _bwd_torch(g, y, rstd, is_rms, x_dtype)
     n = y.numel() // rstd.numel()
-    g2, y2 = _rows(g, n), _rows(y, n)
-    m = y2.shape[0]
+    (g2, stride_g), (y2, stride_y) = _rows(g, n), _rows(y, n)
+    m = rstd.numel()
     dx = torch.empty_like(y, dtype=x_dtype, memory_format=torch.contiguous_format)
     looped, block = _plan(n, chunk)
     kernel = _BWD_LOOP if looped else _BWD
-    args = (g2, y2, rstd, dx, g2.stride(0), y2.stride(0), n, n)
+    args = (g2, y2, rstd, dx, stride_g, stride_y, n, n)
     if traced:
         kernel.launch_traced((m, 1, 1), y.device.index, args, (is_rms, block), _num_warps(block))
     else:
