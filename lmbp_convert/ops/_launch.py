@@ -60,10 +60,11 @@ def _int_spec(v: int) -> tuple:
 
 
 class _Entry:
-    __slots__ = ("compiled", "run", "function", "metadata", "tail", "stream")
+    __slots__ = ("compiled", "run", "function", "metadata", "tail", "stream", "device")
 
-    def __init__(self, compiled: Any, tail: tuple, stream: Any) -> None:
+    def __init__(self, compiled: Any, tail: tuple, stream: Any, device: Any) -> None:
         self.compiled = compiled
+        self.device = device  # current-device getter, only on multi-GPU machines (else None)
         self.run = compiled.run  # the driver launcher (CudaLauncher), bound once
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
@@ -111,7 +112,8 @@ class LeanKernel:
                          else a.__class__ for a in args])
         key = (key, device_index, num_warps, consts)
         e = self.cache.get(key)
-        if e is not None and _no_hooks(_RUNTIME.launch_enter_hook) and _no_hooks(_RUNTIME.launch_exit_hook):
+        if (e is not None and _no_hooks(_RUNTIME.launch_enter_hook) and _no_hooks(_RUNTIME.launch_exit_hook)
+                and (e.device is None or e.device() == device_index)):
             e.run(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.metadata, None, None, None,
                   *args, *e.tail)
             return
@@ -136,7 +138,12 @@ class LeanKernel:
             return
         if len(self.cache) >= _MAX_ENTRIES:  # one entry per shape class: bounded even for ever-changing shapes
             self.cache.clear()
-        self.cache[key] = _Entry(compiled, consts, _triton_driver.active.get_current_stream)
+        # A compiled kernel is loaded in the device's context: with several GPUs, launch it directly only while
+        # that device is current (Triton's own path switches otherwise).
+        active = _triton_driver.active
+        multi = device_index is not None and torch.cuda.is_available() and torch.cuda.device_count() > 1
+        self.cache[key] = _Entry(compiled, consts, active.get_current_stream,
+                                 active.get_current_device if multi else None)
 
 
 def kernel_op(name: str, fake: Callable) -> Callable:
