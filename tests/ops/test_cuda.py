@@ -37,10 +37,14 @@ def _same_rounding(a: torch.Tensor, b: torch.Tensor) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=1e-6)
 
 
-def _act_inputs(dtype):
+def _act_inputs(dtype, strided=True):
+    """Shapes that cover the kernels' masks and both source layouts (each distinct layout is one compile)."""
     wide = _randn(37, 2 * 333 + 5, dtype=dtype, scale=3.0)
-    return {"37x333": _randn(37, 333, dtype=dtype, scale=3.0), "strided half": wide[:, 5:338],
-            "n=4101": _randn(4101, dtype=dtype, scale=3.0), "transposed": _randn(65, 9, dtype=dtype).t()}
+    out = {"37x333": _randn(37, 333, dtype=dtype, scale=3.0), "n=4101": _randn(4101, dtype=dtype, scale=3.0),
+           "transposed": _randn(65, 9, dtype=dtype).t()}  # no 2-D view: a contiguous copy
+    if strided:
+        out["strided half"] = wide[:, 5:338]  # read in place
+    return out
 
 
 # ------------------------------------------------------------------------------------------- kernels
@@ -50,7 +54,7 @@ def test_approx_act_kernels_match_torch_path(kind, dtype):
     from lmbp_convert.ops import approx_act as A
 
     for name, x in _act_inputs(dtype).items():
-        for bits in (1, 2, 3, 4):
+        for bits in (2, 4) if dtype == torch.bfloat16 else (2,):  # other widths: the variant test below
             y, packed = A._fwd_triton(x, kind, bits)
             y_ref, packed_ref = A._fwd_torch(x, kind, bits)
             assert torch.equal(packed, packed_ref), (name, bits)
@@ -64,7 +68,7 @@ def test_approx_act_kernels_match_torch_path(kind, dtype):
 def test_approx_act_every_variant_matches_torch_path(bits, dtype):
     from lmbp_convert.ops import approx_act as A
 
-    for name, x in _act_inputs(dtype).items():
+    for name, x in _act_inputs(dtype, strided=False).items():  # the strided source path: the test above
         y_ref, packed_ref = A._fwd_torch(x, "gelu", bits)
         for variant in A.FWD_VARIANTS:
             y, packed = A._fwd_triton(x, "gelu", bits, variant=variant)
