@@ -643,7 +643,7 @@ def gpu_tables(g: dict) -> str:
             err = r.get("error") or r.get("skipped")
             o = ref.get(r["mode"], {})
             if err:
-                rows.append((C.MODE_LABEL[r["mode"]], r["variant"], f"not measured: {err}", "", "", "", "", ""))
+                rows.append((C.MODE_LABEL[r["mode"]], r["variant"], f"not measured: {err}") + ("",) * 7)
                 continue
             xc = (f"{r['ledger_bytes'] / C.MiB:.1f} / {r['alloc_delta_bytes'] / C.MiB:.1f}"
                   if "ledger_bytes" in r else "—")

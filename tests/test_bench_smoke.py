@@ -174,11 +174,25 @@ def test_bench_all_renders(M, S, mem_data, tmp_path):
         {"variant": S.V_CONV, "peak": 2 * 2 ** 30, "img_s": 99.0, "saved_bytes": 2 ** 29}]},
         "kernels": {"table": "| op | x |\n|---|---|\n| a -- b | 1 |"}}
     (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    host = {"kind": "host", "machine": "test CPU", "stub_mode": "native-launch", "arch": 90, "rounds": 3,
+            "ops": [{"op": "MS-LayerNorm", "native": "F.layer_norm + affine", "dtype": "bfloat16", "ours_us": 40.0,
+                     "native_us": 30.0, "extra_us": 10.0, "ratio": 1.33, "launches": 2, "within_budget": True}],
+            "vit_proxy": {"shape": "tiny ViT", "original_ms": 10.0, "converted_ms": 11.0, "ratio": 1.1,
+                          "extra_ms": 1.0, "lmbp_modules": 37, "launches_per_step": 73}}
+    (res / "host.json").write_text(json.dumps(host))
+    qlora = {"kind": "qlora", "machine": "NVIDIA test GPU", "quantized": True, "batch": 4, "seq": 1024, "rank": 16,
+             "steps": 8, "warmup": 2, "model": {"shape": "LLaMA 1.1 B"},
+             "rows": [{"variant": "QLoRA", "tokens_s": 1000.0, "peak": 2 ** 30, "peak_over_static": 2 ** 29,
+                       "block_bytes": 2 ** 27, "first_loss": 10.4, "load_s": 5.0},
+                      {"variant": "lmbp-convert + QLoRA", "error": "RuntimeError: x"}]}
+    (tmp_path / "qlora.json").write_text(json.dumps(qlora))
     argv = ["--render-only", "--results", str(res), "--out-dir", str(out)]
-    assert A.main(argv + ["--gpu-json", str(tmp_path / "gpu.json")]) == 0
+    assert A.main(argv + ["--gpu-json", str(tmp_path / "gpu.json"), "--qlora-json", str(tmp_path / "qlora.json")]) == 0
     md = (out / "benchmarks.md").read_text()
     for part in ("## Activation memory per block", "## How activation memory grows", "## Step time on CPU",
-                 "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]"):
+                 "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]",
+                 "## Host time of the CUDA path", "| MS-LayerNorm | F.layer_norm + affine |", "**1.100×**",
+                 "**QLoRA flow**", "failed: RuntimeError: x"):
         assert part in md, part
     for png in ("bench_memory.png", "bench_speed.png", "bench_convert_time.png", "bench_gpu.png"):
         assert (out / png).stat().st_size > 10_000, png
