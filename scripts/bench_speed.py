@@ -338,7 +338,7 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
 
 
 def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, log=print,
-             compile_: bool = True) -> dict:
+             compile_: bool = True, only: Optional[set] = None) -> dict:
     """ViT-B/16 LoRA r4 batch 64 training steps: img/s, peak memory, GPU busy fraction; original vs converted,
     eager, torch.compile and torch.compile(mode="reduce-overhead") (CUDA graphs)."""
     import torch._dynamo as dynamo
@@ -347,7 +347,7 @@ def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, l
     out = {"shape": fam.describe() + ", LoRA r4 on qkv (alpha 4), head trained, AdamW, bf16 autocast, "
                                      "fp32 weights, 100 classes", "rows": [], "paper": C.PAPER_VIT_LORA}
     for variant, conv, mode in VIT_VARIANTS:
-        if mode and not compile_:
+        if (mode and not compile_) or (only is not None and variant not in only):
             continue
         need = 60 if mode else 20
         if budget.left < need:
@@ -437,7 +437,7 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
 
 def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget: Budget, compile_: bool,
                 log=print, seq: Optional[int] = None, batch: Optional[int] = None,
-                checkpointing: bool = True) -> dict:
+                checkpointing: bool = True, only: Optional[set] = None) -> dict:
     """LLaMA-7B-shaped slice: tokens/s, peak memory, per-block saved bytes, ledger cross-check, GPU busy
     fraction; original eager, torch.compile, Liger-Kernel, converted, converted + compile (and checkpointing)."""
     from transformers.models.llama import modeling_llama
@@ -448,7 +448,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
     for mode in modes:
         variants = [V_ORIG] + ([V_COMPILE] if compile_ and mode == "bf16" else []) + [V_LIGER, V_CONV]
         variants += ([V_CONV_COMPILE] if compile_ and mode == "bf16" else []) + ([V_CKPT] if checkpointing else [])
-        for variant in variants:
+        for variant in [v for v in variants if only is None or v in only]:
             need = 90 if "compile" in variant else 20
             if budget.left < need:
                 out["rows"].append({"mode": mode, "variant": variant, "skipped": "time budget"})
@@ -465,7 +465,8 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
             except Exception as e:
                 row = {"mode": mode, "variant": variant, "error": _err(e)}
                 log(f"  LLaMA slice {mode} {variant}: FAILED {row['error']}")
-                traceback.print_exc()
+                if not isinstance(e, ImportError):  # a missing package (Liger) needs no traceback
+                    traceback.print_exc()
             finally:
                 snap.restore()
                 import torch._dynamo as dynamo
@@ -543,6 +544,29 @@ def software_versions() -> dict:
     return out
 
 
+#: Run order of the GPU mode's variants (see gpu_run): eager, then torch.compile, then CUDA graphs.
+VIT_PHASES = [{V_ORIG, V_CONV}, {V_COMPILE, V_CONV_COMPILE},
+              {V_COMPILE + " (reduce-overhead)", V_CONV_COMPILE + " (reduce-overhead)"}]
+LLAMA_PHASES = [{V_ORIG, V_LIGER, V_CONV, V_CKPT}, {V_COMPILE, V_CONV_COMPILE}]
+
+
+def _merge_section(data: dict, name: str, part: dict) -> None:
+    """Adds one phase's result to the section: its rows appended, or its error (a phase that failed as a
+    whole) listed under "errors"; the first phase with rows sets the section's other fields (shape, ...)."""
+    cur = data.get(name)
+    if cur is None:
+        data[name] = part
+        return
+    if "rows" not in cur and "rows" in part:  # an earlier phase failed as a whole: this one leads
+        part, cur = cur, part
+        data[name] = cur
+    if "rows" in part:
+        cur["rows"] += part["rows"]
+    else:
+        cur.setdefault("errors", []).append(part.get("error"))
+    cur["seconds"] = round(cur.get("seconds", 0) + part.get("seconds", 0), 1)
+
+
 def gpu_run(args, log=print) -> dict:
     budget = Budget(args.budget_s)
     device = args.device
@@ -554,29 +578,37 @@ def gpu_run(args, log=print) -> dict:
         if args.json:
             C.write_json(args.json, data)
 
-    sections: list[tuple[str, Callable[[], dict]]] = [
-        ("vit_lora", lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log,
-                                      not args.no_compile)),
-        ("llama_slice", lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup, budget,
-                                            not args.no_compile, log, args.llama_seq, args.llama_batch,
-                                            not args.no_checkpointing)),
-        ("blocks", lambda: gpu_blocks(device, args.tiny, modes, budget, log)),
-    ]
-    if device.startswith("cuda") and not args.skip_kernels:
-        sections.append(("kernels", lambda: kernel_bandwidth(budget, log)))
     wanted = [n.strip() for n in args.sections.split(",") if n.strip()]
-    sections = sorted((sec for sec in sections if sec[0] in wanted), key=lambda sec: wanted.index(sec[0]))
+    vit = lambda only: lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log,  # noqa: E731
+                                        not args.no_compile, only)
+    llama = lambda only: lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup,  # noqa: E731
+                                             budget, not args.no_compile, log, args.llama_seq,
+                                             args.llama_batch, not args.no_checkpointing, only)
+    # Eager rows of both models first, then their compiled rows, then CUDA graphs: when the time budget runs
+    # out, what is left unmeasured is the least essential.
+    phases: list[tuple[str, Callable[[], dict]]] = []
+    n_phases = 1 if args.no_compile else len(VIT_PHASES)
+    for vit_only, llama_only in list(zip(VIT_PHASES, LLAMA_PHASES + [None]))[:n_phases]:
+        if "vit_lora" in wanted:
+            phases.append(("vit_lora", vit(vit_only)))
+        if "llama_slice" in wanted and llama_only is not None:
+            phases.append(("llama_slice", llama(llama_only)))
+    rest = {"blocks": lambda: gpu_blocks(device, args.tiny, modes, budget, log)}
+    if device.startswith("cuda") and not args.skip_kernels:
+        rest["kernels"] = lambda: kernel_bandwidth(budget, log)
+    phases += [(n, rest[n]) for n in wanted if n in rest]
     data["software"] = software_versions()
     log("# " + ", ".join(f"{k} {v}" for k, v in data["software"].items()))
-    for name, fn in sections:
+    for name, fn in phases:
         log(f"# {name} ({budget.left:.0f} s left)")
         t0 = time.perf_counter()
         try:
-            data[name] = fn()
+            part = fn()
         except Exception as e:
-            data[name] = {"error": _err(e)}
+            part = {"error": _err(e)}
             traceback.print_exc()
-        data[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        part["seconds"] = round(time.perf_counter() - t0, 1)
+        _merge_section(data, name, part)
         save()
     data["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
     save()

@@ -144,6 +144,20 @@ def test_gpu_mode_code_on_cpu(S):
     assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
 
 
+def test_gpu_mode_phases_merge(S):
+    """The GPU mode runs each section in phases (eager rows of both models first); rows accumulate in order and
+    a phase that fails as a whole is listed, not lost."""
+    data: dict = {}
+    S._merge_section(data, "vit_lora", {"error": "boom", "seconds": 1})
+    S._merge_section(data, "vit_lora", {"shape": "s", "rows": [{"variant": "a"}], "seconds": 2})
+    S._merge_section(data, "vit_lora", {"shape": "s", "rows": [{"variant": "b"}], "seconds": 3})
+    S._merge_section(data, "vit_lora", {"error": "late", "seconds": 1})
+    v = data["vit_lora"]
+    assert [r["variant"] for r in v["rows"]] == ["a", "b"] and v["errors"] == ["boom", "late"]
+    assert v["shape"] == "s" and v["seconds"] == 7
+    assert [n for ph in S.VIT_PHASES for n in ph] and set().union(*S.VIT_PHASES) == {v[0] for v in S.VIT_VARIANTS}
+
+
 def test_gpu_mode_compiled_vit_row_on_cpu(S, monkeypatch):
     """A compiled ViT LoRA row (dynamo with the eager backend, to keep it fast): counted graphs, no break,
     and a table row that compares it with the compiled original."""
