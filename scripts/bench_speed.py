@@ -250,10 +250,8 @@ def gpu_kernel_ms(step: Callable[[], None], device: str, steps: int = 3) -> Opti
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-    total_us = 0.0
-    for e in prof.events():
-        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            total_us += getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # kernels, copies
     return total_us / steps / 1e3
 
 
