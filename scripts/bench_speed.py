@@ -283,6 +283,8 @@ def _compile_blocks_counted(fam: C.Family, m: nn.Module, mode: str) -> Callable[
     def record(row: dict) -> None:
         row.update({"graphs": int(counters["stats"].get("unique_graphs", 0)),
                     "graph_breaks": int(sum(counters["graph_break"].values()))})
+        if mode == "reduce-overhead":  # inductor falls back to no CUDA graph for a graph it cannot capture
+            row["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
 
     return record
 
@@ -653,7 +655,9 @@ def gpu_tables(g: dict) -> str:
             err = r.get("error") or r.get("skipped")
             i = {V_ORIG: 0, V_CONV: 1}.get(r["variant"])
             p_mem, p_img = ("", "") if i is None else (paper["mem_mib"][i], paper["img_s"][i])
-            name = r["variant"] + (f" ({r['graphs']} graphs, {r['graph_breaks']} breaks)" if "graphs" in r else "")
+            name = r["variant"] + (f" ({r['graphs']} graphs, {r['graph_breaks']} breaks"
+                                   + (f", {r['cudagraph_skips']} CUDA-graph skips" if "cudagraph_skips" in r else "")
+                                   + ")" if "graphs" in r else "")
             o = ref.get(r.get("compile"), {})
             vs = (f"{r['img_s'] / o['img_s']:.2f}×" if not err and o.get("img_s") and r.get("converted") else "")
             rows.append((name, err or _f(r.get("peak"), scale=C.MiB),
