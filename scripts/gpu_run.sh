@@ -58,19 +58,23 @@ if [ "$DRY" != "1" ]; then
     {
         date -u
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
-        "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" 2>&1
+        "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" 2>&1
     } > "$OUT/env.txt"
     if ls .whl/*.whl > /dev/null 2>&1; then
-        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >> "$OUT/env.txt" 2>&1; then
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl >> "$OUT/env.txt" 2>&1; then
             export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
             echo "wheels installed: $(ls .whl | tr '\n' ' ')" | tee -a "$OUT/env.txt"
         else
-            echo "wheel install FAILED (see env.txt); Liger and 4-bit rows will report the missing package" | tee -a "$OUT/env.txt"
+            echo "wheel install FAILED (see env.txt): the Liger and 4-bit rows will name the missing package" \
+                | tee -a "$OUT/env.txt"
         fi
     else
         echo "no .whl/: bitsandbytes and liger-kernel only if the image has them" | tee -a "$OUT/env.txt"
     fi
-    "$PY" -c "import bitsandbytes, liger_kernel; print('bitsandbytes', bitsandbytes.__version__, 'liger_kernel ok')" >> "$OUT/env.txt" 2>&1
+    "$PY" -c "import bitsandbytes, liger_kernel; print('bitsandbytes', bitsandbytes.__version__, 'liger_kernel ok')" \
+        >> "$OUT/env.txt" 2>&1
     cat "$OUT/env.txt"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

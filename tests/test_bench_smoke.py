@@ -242,7 +242,8 @@ def test_host_bench_runs_the_triton_path(tmp_path):
         assert r["launches"] >= 2 and r["ours_us"] > 0 and r["native_us"] > 0, r
     v = data["vit_proxy"]
     assert "error" not in v, v
-    assert v["lmbp_modules"] >= 36 and v["launches_per_step"] >= v["lmbp_modules"], v  # 12 x (2 norms + GELU) + final norm
+    # 12 blocks x (2 norms + GELU) + the final norm; each launches in forward, and in backward where needed
+    assert v["lmbp_modules"] >= 36 and v["launches_per_step"] >= v["lmbp_modules"], v
     assert v["original_ms"] > 0 and v["converted_ms"] > 0
     H = _load("bench_host")
     md = H.host_tables(data)
