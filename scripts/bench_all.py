@@ -100,7 +100,12 @@ def gpu_headline(gpu: dict | None) -> list[str]:
         o, c = v[S.V_ORIG], v[S.V_CONV]
         lines.append(f"- **GPU, ViT-B/16 LoRA r4, batch 64** ({gpu['machine'].split(' (')[0]}): peak "
                      f"{o['peak'] / C.MiB:.0f} → {c['peak'] / C.MiB:.0f} MiB ({C.pct(c['peak'], o['peak'])}; paper "
-                     f"3827 → 2717 MiB, −29.0 %), {o['img_s']:.0f} → {c['img_s']:.0f} img/s (paper 288 → 290)")
+                     f"3827 → 2717 MiB, −29.0 %), {o['img_s']:.0f} → {c['img_s']:.0f} img/s (paper 288 → 290)"
+                     + "".join(f"; {label} {v[a]['img_s']:.0f} → {v[b]['img_s']:.0f} img/s"
+                               for label, a, b in (("torch.compile", S.V_COMPILE, S.V_CONV_COMPILE),
+                                                   ("reduce-overhead", S.V_COMPILE + " (reduce-overhead)",
+                                                    S.V_CONV_COMPILE + " (reduce-overhead)"))
+                               if "img_s" in v.get(a, {}) and "img_s" in v.get(b, {})))
     rows = {(r["mode"], r["variant"]): r for r in gpu.get("llama_slice", {}).get("rows", []) if "block_bytes" in r}
     for mode in ("bf16", "autocast"):
         o = rows.get((mode, S.V_ORIG))
@@ -111,6 +116,9 @@ def gpu_headline(gpu: dict | None) -> list[str]:
                                    (S.V_COMPILE, "torch.compile")) if (mode, var) in rows]
         conv = rows.get((mode, S.V_CONV))
         speed = f"; tokens/s converted / original {conv['tokens_s'] / o['tokens_s']:.2f}×" if conv else ""
+        speed += "".join(f", converted / {name} {conv['tokens_s'] / rows[(mode, var)]['tokens_s']:.2f}×"
+                         for var, name in ((S.V_LIGER, "Liger-Kernel"), (S.V_COMPILE, "torch.compile"))
+                         if conv and (mode, var) in rows)
         lines.append(f"- **GPU, LLaMA-7B slice, {C.MODE_LABEL[mode]}**, bytes per block: " + ", ".join(parts) + speed)
     return lines
 
