@@ -249,7 +249,10 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
     md += ["", "## Reproduce", "", "```bash", "pip install -e '.[bench]'   # matplotlib",
            "python scripts/bench_all.py                 # everything on CPU, then docs/",
            "python scripts/bench_memory.py --help       # one part at a time",
-           "python scripts/bench_speed.py --gpu         # on a CUDA machine", "```", ""]
+           "python scripts/bench_host.py               # host time of the CUDA path, on any CPU",
+           "python scripts/bench_speed.py --gpu         # on a CUDA machine",
+           "bash scripts/gpu_run.sh                     # a CUDA machine: kernel checks, GPU speed, QLoRA flow",
+           "```", ""]
     text = "\n".join(md)
     with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
         f.write(text)
