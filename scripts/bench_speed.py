@@ -338,20 +338,24 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
 
 
 def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, log=print,
-             compile_: bool = True, only: Optional[set] = None) -> dict:
+             compile_: bool = True, only: Optional[set] = None, into: Optional[dict] = None,
+             on_row: Callable[[], None] = lambda: None) -> dict:
     """ViT-B/16 LoRA r4 batch 64 training steps: img/s, peak memory, GPU busy fraction; original vs converted,
     eager, torch.compile and torch.compile(mode="reduce-overhead") (CUDA graphs)."""
     import torch._dynamo as dynamo
 
     fam = C.TINY["vit"].with_(batch=4) if tiny else C.FULL["vit"].with_(batch=64)
-    out = {"shape": fam.describe() + ", LoRA r4 on qkv (alpha 4), head trained, AdamW, bf16 autocast, "
-                                     "fp32 weights, 100 classes", "rows": [], "paper": C.PAPER_VIT_LORA}
+    out = into if into is not None else {}
+    out.update({"shape": fam.describe() + ", LoRA r4 on qkv (alpha 4), head trained, AdamW, bf16 autocast, "
+                                          "fp32 weights, 100 classes", "paper": C.PAPER_VIT_LORA})
+    out.setdefault("rows", [])
     for variant, conv, mode in VIT_VARIANTS:
         if (mode and not compile_) or (only is not None and variant not in only):
             continue
         need = 60 if mode else 20
         if budget.left < need:
             out["rows"].append({"variant": variant, "skipped": "time budget"})
+            on_row()
             continue
         _free()
         try:
@@ -369,6 +373,7 @@ def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, l
         finally:
             dynamo.reset()
         out["rows"].append(row)
+        on_row()
         _free()
     return out
 
@@ -437,14 +442,17 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
 
 def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget: Budget, compile_: bool,
                 log=print, seq: Optional[int] = None, batch: Optional[int] = None,
-                checkpointing: bool = True, only: Optional[set] = None) -> dict:
+                checkpointing: bool = True, only: Optional[set] = None, into: Optional[dict] = None,
+                on_row: Callable[[], None] = lambda: None) -> dict:
     """LLaMA-7B-shaped slice: tokens/s, peak memory, per-block saved bytes, ledger cross-check, GPU busy
     fraction; original eager, torch.compile, Liger-Kernel, converted, converted + compile (and checkpointing)."""
     from transformers.models.llama import modeling_llama
 
     fam = C.TINY["llama"].with_(layers=3, batch=2) if tiny else C.FULL["llama"].with_(layers=4, batch=4)
     fam = fam.with_(seq=seq or fam.seq, batch=batch or fam.batch)
-    out = {"shape": f"{fam.layers} blocks, " + fam.describe(), "rows": []}
+    out = into if into is not None else {}
+    out["shape"] = f"{fam.layers} blocks, " + fam.describe()
+    out.setdefault("rows", [])
     for mode in modes:
         variants = [V_ORIG] + ([V_COMPILE] if compile_ and mode == "bf16" else []) + [V_LIGER, V_CONV]
         variants += ([V_CONV_COMPILE] if compile_ and mode == "bf16" else []) + ([V_CKPT] if checkpointing else [])
@@ -452,6 +460,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
             need = 90 if "compile" in variant else 20
             if budget.left < need:
                 out["rows"].append({"mode": mode, "variant": variant, "skipped": "time budget"})
+                on_row()
                 continue
             snap = _ModuleSnapshot(modeling_llama)  # Liger patches the module's globals
             _free()
@@ -473,6 +482,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
 
                 dynamo.reset()
             out["rows"].append(row)
+            on_row()
             _free()
     return out
 
@@ -550,23 +560,6 @@ VIT_PHASES = [{V_ORIG, V_CONV}, {V_COMPILE, V_CONV_COMPILE},
 LLAMA_PHASES = [{V_ORIG, V_LIGER, V_CONV, V_CKPT}, {V_COMPILE, V_CONV_COMPILE}]
 
 
-def _merge_section(data: dict, name: str, part: dict) -> None:
-    """Adds one phase's result to the section: its rows appended, or its error (a phase that failed as a
-    whole) listed under "errors"; the first phase with rows sets the section's other fields (shape, ...)."""
-    cur = data.get(name)
-    if cur is None:
-        data[name] = part
-        return
-    if "rows" not in cur and "rows" in part:  # an earlier phase failed as a whole: this one leads
-        part, cur = cur, part
-        data[name] = cur
-    if "rows" in part:
-        cur["rows"] += part["rows"]
-    else:
-        cur.setdefault("errors", []).append(part.get("error"))
-    cur["seconds"] = round(cur.get("seconds", 0) + part.get("seconds", 0), 1)
-
-
 def gpu_run(args, log=print) -> dict:
     budget = Budget(args.budget_s)
     device = args.device
@@ -579,13 +572,22 @@ def gpu_run(args, log=print) -> dict:
             C.write_json(args.json, data)
 
     wanted = [n.strip() for n in args.sections.split(",") if n.strip()]
-    vit = lambda only: lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log,  # noqa: E731
-                                        not args.no_compile, only)
-    llama = lambda only: lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup,  # noqa: E731
-                                             budget, not args.no_compile, log, args.llama_seq,
-                                             args.llama_batch, not args.no_checkpointing, only)
+
+    def sec(name: str) -> dict:
+        return data.setdefault(name, {"rows": []})
+
+    def vit(only: set) -> Callable[[], dict]:
+        return lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log, not args.no_compile,
+                                only, sec("vit_lora"), save)
+
+    def llama(only: set) -> Callable[[], dict]:
+        return lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup, budget, not args.no_compile,
+                                   log, args.llama_seq, args.llama_batch, not args.no_checkpointing, only,
+                                   sec("llama_slice"), save)
+
     # Eager rows of both models first, then their compiled rows, then CUDA graphs: when the time budget runs
-    # out, what is left unmeasured is the least essential.
+    # out, what is left unmeasured is the least essential. Rows accumulate in their section and the JSON is
+    # rewritten after each row, so a run stopped from outside keeps what it measured.
     phases: list[tuple[str, Callable[[], dict]]] = []
     n_phases = 1 if args.no_compile else len(VIT_PHASES)
     for vit_only, llama_only in list(zip(VIT_PHASES, LLAMA_PHASES + [None]))[:n_phases]:
@@ -604,11 +606,12 @@ def gpu_run(args, log=print) -> dict:
         t0 = time.perf_counter()
         try:
             part = fn()
-        except Exception as e:
-            part = {"error": _err(e)}
+        except Exception as e:  # the phase failed as a whole: keep its section's earlier rows
+            part = data.setdefault(name, {})
+            part.setdefault("errors", []).append(_err(e))
             traceback.print_exc()
-        part["seconds"] = round(time.perf_counter() - t0, 1)
-        _merge_section(data, name, part)
+        data[name] = part
+        part["seconds"] = round(part.get("seconds", 0) + time.perf_counter() - t0, 1)
         save()
     data["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
     save()

@@ -144,18 +144,37 @@ def test_gpu_mode_code_on_cpu(S):
     assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
 
 
-def test_gpu_mode_phases_merge(S):
-    """The GPU mode runs each section in phases (eager rows of both models first); rows accumulate in order and
-    a phase that fails as a whole is listed, not lost."""
-    data: dict = {}
-    S._merge_section(data, "vit_lora", {"error": "boom", "seconds": 1})
-    S._merge_section(data, "vit_lora", {"shape": "s", "rows": [{"variant": "a"}], "seconds": 2})
-    S._merge_section(data, "vit_lora", {"shape": "s", "rows": [{"variant": "b"}], "seconds": 3})
-    S._merge_section(data, "vit_lora", {"error": "late", "seconds": 1})
-    v = data["vit_lora"]
-    assert [r["variant"] for r in v["rows"]] == ["a", "b"] and v["errors"] == ["boom", "late"]
-    assert v["shape"] == "s" and v["seconds"] == 7
-    assert [n for ph in S.VIT_PHASES for n in ph] and set().union(*S.VIT_PHASES) == {v[0] for v in S.VIT_VARIANTS}
+def test_gpu_mode_phases(S, monkeypatch, tmp_path):
+    """The GPU mode runs eager rows of both models first, then compiled ones, then CUDA graphs; rows accumulate
+    per section, the JSON is rewritten after each row, and a phase that fails as a whole is listed, not lost."""
+    seen = []
+
+    def fake_vit(device, tiny, steps, warmup, budget, log, compile_, only, into, on_row):
+        into["shape"] = "vit"
+        for v in sorted(only):
+            into["rows"].append({"variant": v})
+            on_row()
+            seen.append(json.loads((tmp_path / "g.json").read_text())["vit_lora"]["rows"][-1]["variant"])
+        return into
+
+    def fake_llama(device, tiny, modes, steps, warmup, budget, compile_, log, seq, batch, ckpt, only, into,
+                   on_row):
+        if S.V_COMPILE in only:
+            raise RuntimeError("boom")
+        into["rows"] += [{"mode": "bf16", "variant": v} for v in sorted(only)]
+        return into
+
+    monkeypatch.setattr(S, "vit_lora", fake_vit)
+    monkeypatch.setattr(S, "llama_slice", fake_llama)
+    args = S.parse_args(["--gpu", "--device", "cpu", "--tiny", "--sections", "vit_lora,llama_slice",
+                         "--json", str(tmp_path / "g.json")])
+    data = S.gpu_run(args, log=lambda *a: None)
+    vit = [r["variant"] for r in data["vit_lora"]["rows"]]
+    assert vit == [v for ph in S.VIT_PHASES for v in sorted(ph)] == seen
+    assert set(vit) == {v[0] for v in S.VIT_VARIANTS}
+    assert [r["variant"] for r in data["llama_slice"]["rows"]] == sorted(S.LLAMA_PHASES[0])
+    assert data["llama_slice"]["errors"] == ["RuntimeError: boom"]
+    assert json.loads((tmp_path / "g.json").read_text())["llama_slice"]["errors"] == ["RuntimeError: boom"]
 
 
 def test_gpu_mode_compiled_vit_row_on_cpu(S, monkeypatch):
