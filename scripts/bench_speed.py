@@ -705,6 +705,9 @@ def gpu_tables(g: dict) -> str:
         shapes = "; ".join(dict.fromkeys(f"{r['label']}: {r['shape']}" for r in b["rows"]))
         parts.append(f"**Per-block bytes on the GPU** ({shapes})\n\n" + C.markdown_table(
             ("block", "dtype", "variant", "MiB per block", "vs original"), rows))
+    for name in ("vit_lora", "llama_slice", "blocks"):
+        if g.get(name, {}).get("errors"):
+            parts.append(f"{name}: phases that failed as a whole: " + "; ".join(map(str, g[name]["errors"])))
     q = g.get("qlora")
     if q and q.get("rows"):
         import bench_qlora
