@@ -12,8 +12,8 @@
 #   3. scripts/bench_qlora.py   lmbp-convert → 4-bit load → convert() → LoRA → steps vs plain QLoRA, on a
 #      0.84 B LLaMA-shaped model (TinyLlama's width, 16 layers) (cap 90 s)
 # GPU_RUN_PARTS="bench_speed" (any of gpu_check bench_speed bench_qlora) reruns only those parts.
-# Files in $OUT (at most 8): env.txt, gpu_check.log, gpu_check.md, bench_speed.log, bench_gpu.json,
-# bench_qlora.log, bench_qlora.json, summary.txt.
+# Files in $OUT (7; the device tool returns at most 8): summary.txt (machine, packages, each part's exit),
+# gpu_check.log, gpu_check.md, bench_speed.log, bench_gpu.json, bench_qlora.log, bench_qlora.json.
 #
 # Packages the H200 image lacks (bitsandbytes for part 3, liger-kernel for part 2's Liger row) travel as wheels.
 # Once, in the root of the checkout the device tool sends (about 45 MB; the tree may carry 64 MiB in all):
@@ -62,22 +62,22 @@ if [ "$DRY" != "1" ]; then
         nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
         "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, \
 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" 2>&1
-    } > "$OUT/env.txt"
+    } >> "$OUT/summary.txt"
     if ls .whl/*.whl > /dev/null 2>&1; then
         if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-                --target /tmp/site .whl/*.whl >> "$OUT/env.txt" 2>&1; then
+                --target /tmp/site .whl/*.whl >> "$OUT/summary.txt" 2>&1; then
             export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-            echo "wheels installed: $(ls .whl | tr '\n' ' ')" | tee -a "$OUT/env.txt"
+            echo "wheels installed: $(ls .whl | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
         else
-            echo "wheel install FAILED (see env.txt): the Liger and 4-bit rows will name the missing package" \
-                | tee -a "$OUT/env.txt"
+            echo "wheel install FAILED (see summary.txt): the Liger and 4-bit rows will name the missing package" \
+                | tee -a "$OUT/summary.txt"
         fi
     else
-        echo "no .whl/: bitsandbytes and liger-kernel only if the image has them" | tee -a "$OUT/env.txt"
+        echo "no .whl/: bitsandbytes and liger-kernel only if the image has them" | tee -a "$OUT/summary.txt"
     fi
     "$PY" -c "import bitsandbytes, liger_kernel; print('bitsandbytes', bitsandbytes.__version__, 'liger_kernel ok')" \
-        >> "$OUT/env.txt" 2>&1
-    cat "$OUT/env.txt"
+        >> "$OUT/summary.txt" 2>&1
+    cat "$OUT/summary.txt"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
