@@ -235,6 +235,10 @@ def activate(arch: int = 90, native: Optional[bool] = None) -> StubState:
         return _STATE
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("the Triton stub needs compiled kernels: unset TRITON_INTERPRET")
+    from lmbp_convert.ops import _common
+
+    if not _common.HAS_TRITON:
+        raise RuntimeError("Triton is not installed: the ops have no CUDA path to measure")
     torch.cuda.is_available()  # let torch settle its own CUDA probe before a libcuda.so.1 appears
     from triton import knobs
     from triton.runtime import driver

@@ -267,6 +267,7 @@ def test_host_bench_runs_the_triton_path(tmp_path):
     H = _load("bench_host")
     md = H.host_tables(data)
     assert "ViT-B/16 LoRA r4 step proxy" in md and "F.layer_norm" in md
+    assert H.host_tables({"skipped": "RuntimeError: no Triton"}) == "Not measured: RuntimeError: no Triton."
 
 
 def test_qlora_flow_tiny_on_cpu(tmp_path, monkeypatch):
