@@ -7,10 +7,12 @@ call runs for real: the op's launcher, ``JITFunction.run`` (specialisation, cach
 cache), Triton's Python launcher and its C launcher (``driver.c``: argument parsing, ``data_ptr()`` of every
 tensor). Only the driver is a stub: a tiny ``libcuda.so.1`` built here with gcc whose functions succeed and do
 nothing (``cuLaunchKernelEx`` counts launches). Tensors are CPU tensors; ``torch.empty`` and friends run on the
-CPU allocator, which costs about what the CUDA caching allocator does on the host.
+CPU allocator, which costs about what the CUDA caching allocator does on the host. The driver's current
+device and stream are Python lambdas returning 0 (in production: ``torch.cuda.current_device`` and a C getter),
+a fraction of a µs either way.
 
-When no C compiler is available, Triton's C launcher cannot be built either; ``activate(native=False)`` then
-replaces only the final C call with a Python no-op (``mode == "python-launch"``), which omits its argument
+When no C compiler (or no Python headers) is available, Triton's C launcher cannot be built either; the
+stub (or ``activate(native=False)``) then replaces only the final C call with a Python no-op (``mode == "python-launch"``), which omits its argument
 parsing (a few µs per launch): the report says which mode ran.
 
 Routing: the ops pick the Triton path for CUDA tensors (``use_triton``); inside ``with triton_path():`` every
