@@ -13,19 +13,23 @@ _bench_common.py; LLaMA at seq 256 here to keep the run short), bf16 weights and
 convert() scaling: LLaMA-shaped causal LMs from ~60 M to ~1.1 B parameters (fp32, random weights): trace +
 plan alone and the whole convert() (trace, plan, rewrite, verify).
 
-GPU mode (``--gpu``; exits with status 2 at once when CUDA is not available):
-  1. ViT-B/16 LoRA r4 (qkv; head trained), batch 64, 224 px, bf16 autocast, AdamW: img/s and
-     torch.cuda.max_memory_allocated, original vs converted, next to the paper (3827 → 2717 MiB,
-     288 → 290 img/s).
-  2. LLaMA-7B-shaped slice (4 blocks, batch 4 x seq 512), bf16 weights (and bf16 autocast): tokens/s, peak
-     memory, and exact per-block saved bytes for original, converted (Triton kernels), Liger-Kernel (RMSNorm,
-     SwiGLU, RoPE; carried as a wheel when not installed), checkpointing, torch.compile of original and
-     converted; plus a cross-check of the byte ledger against torch.cuda.memory_allocated.
+GPU mode (``--gpu``; exits with status 2 at once when CUDA is not available; ``scripts/gpu_run.sh`` runs it
+together with the kernel checks and the QLoRA flow):
+  1. ViT-B/16 LoRA r4 (qkv; head trained), batch 64, 224 px, bf16 autocast, AdamW: img/s,
+     torch.cuda.max_memory_allocated and the GPU's busy fraction (kernel time from torch.profiler over the
+     unprofiled step time), original vs converted, eager, torch.compile (per block) and
+     torch.compile(mode="reduce-overhead") (CUDA graphs), next to the paper (3827 → 2717 MiB, 288 → 290 img/s).
+  2. LLaMA-7B-shaped slice (4 blocks, batch 4 x seq 512 by default: --llama-seq / --llama-batch), bf16 weights
+     (and bf16 autocast): tokens/s, peak memory, busy fraction and exact per-block saved bytes for original
+     eager, torch.compile, Liger-Kernel (its apply_liger_kernel_to_llama: RMSNorm, SwiGLU, RoPE; carried as a
+     wheel when not installed), converted (Triton kernels), converted + compile, and checkpointing; plus a
+     cross-check of the byte ledger against torch.cuda.memory_allocated.
   3. ViT-B/16 and BERT-base blocks: per-block bytes, original / converted / Liger LayerNorm.
   4. Per-kernel bandwidth: scripts/gpu_check.py --skip-check (its bench part), if time is left.
-Every section is guarded: a failure is recorded with its error and the run goes on; a time budget
-(``--budget-s``) skips what would overrun it. Results: JSON (``--json``, default $OUT/bench_gpu.json when
-OUT is set) and a markdown summary on stdout.
+``--sections`` picks and orders the sections. The eager rows of 1 and 2 run first, then their compiled rows,
+then CUDA graphs, so a time budget (``--budget-s``) that runs out skips the least essential rows. Every row is
+guarded: a failure is recorded with its error and the run goes on. Results: JSON (``--json``, default
+$OUT/bench_gpu.json when OUT is set), rewritten after every row, and a markdown summary on stdout.
 """
 from __future__ import annotations
 
