@@ -5,8 +5,8 @@ On a GPU a converted training step of a mid-sized model is bound by host time: t
 argument specialisation and cache lookup, autograd plumbing. This measures exactly that part, without a GPU,
 through scripts/_triton_stub.py (Triton's real launcher on a stub libcuda; CPU tensors, tiny shapes):
 
-1. Per op, forward + backward per call, µs: ours (approx GELU / SiLU, MS-LayerNorm, MS-RMSNorm, gated MLP)
-   against the native op it replaces (F.gelu, F.silu, F.layer_norm and F.rms_norm with their frozen affine,
+1. Per op, forward + backward per call, µs: ours (approx GELU / SiLU, MS-LayerNorm, MS-RMSNorm, gated MLP;
+   and the MSLayerNorm / ApproxActivation modules a converted model calls) against the native op it replaces (F.gelu, F.silu, F.layer_norm and F.rms_norm with their frozen affine,
    F.linear(F.silu(g)·u)). The native ops run their CPU kernels on tensors of a few hundred elements, so their
    time is mostly their dispatch cost: about what they cost the host on CUDA, less the driver's launch (which
    the stub removes from ours too). Two CPU-side exceptions make the native figure high: ATen's CPU GELU
@@ -95,6 +95,8 @@ def _fwd_bwd(f: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> Callable[
 
 def op_cases(dtype: torch.dtype) -> list[tuple[str, str, Callable[[], None], Callable[[], None]]]:
     """(op, native op, ours fwd+bwd, native fwd+bwd) on tiny tensors."""
+    from lmbp_convert.nn.activations import ApproxActivation
+    from lmbp_convert.nn.norms import MSLayerNorm
     from lmbp_convert.ops.approx_act import approx_act
     from lmbp_convert.ops.gated_mlp import gated_mlp
     from lmbp_convert.ops.ms_norm import ms_layer_norm, ms_rms_norm
@@ -108,6 +110,9 @@ def op_cases(dtype: torch.dtype) -> list[tuple[str, str, Callable[[], None], Cal
     x, g, u = rnd(t, h), rnd(t, f), rnd(t, f)
     w, b = rnd(h, grad=False), rnd(h, grad=False)
     down = rnd(h, f, grad=False)
+    # the modules a converted model calls, against the modules they replace (frozen affine, as under LoRA)
+    ms_ln, ln = MSLayerNorm(h), nn.LayerNorm(h, dtype=dtype).requires_grad_(False)
+    approx_gelu, gelu = ApproxActivation("gelu", 2), nn.GELU()
     return [
         ("approx GELU (2-bit)", "F.gelu", _fwd_bwd(lambda a: approx_act(a, "gelu", 2), x), _fwd_bwd(F.gelu, x)),
         ("approx SiLU (2-bit)", "F.silu", _fwd_bwd(lambda a: approx_act(a, "silu", 2), x), _fwd_bwd(F.silu, x)),
@@ -115,6 +120,8 @@ def op_cases(dtype: torch.dtype) -> list[tuple[str, str, Callable[[], None], Cal
          _fwd_bwd(lambda a: F.layer_norm(a, (h,), w, b), x)),
         ("MS-RMSNorm", "F.rms_norm + weight", _fwd_bwd(lambda a: ms_rms_norm(a, h), x),
          _fwd_bwd(lambda a: F.rms_norm(a, (h,), w, 1e-6), x)),
+        ("MSLayerNorm module", "nn.LayerNorm module", _fwd_bwd(ms_ln, x), _fwd_bwd(ln, x)),
+        ("ApproxActivation(gelu) module", "nn.GELU module", _fwd_bwd(approx_gelu, x), _fwd_bwd(gelu, x)),
         ("gated MLP (SiLU, frozen down)", "F.linear(F.silu(g)·u)",
          _fwd_bwd(lambda a, c: gated_mlp(a, c, down, None, "silu"), g, u),
          _fwd_bwd(lambda a, c: F.linear(F.silu(a) * c, down), g, u)),
