@@ -16,6 +16,7 @@ Embedding, final norm and head cancel; what is left is exactly what one block ke
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -27,8 +28,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Iterable, Optional, Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, ROOT)
+if importlib.util.find_spec("lmbp_convert") is None and ROOT not in sys.path:  # a checkout, not installed
+    sys.path.insert(0, ROOT)  # (an installed or PYTHONPATH copy wins: benchmark another branch's package)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

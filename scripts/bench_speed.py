@@ -13,19 +13,23 @@ _bench_common.py; LLaMA at seq 256 here to keep the run short), bf16 weights and
 convert() scaling: LLaMA-shaped causal LMs from ~60 M to ~1.1 B parameters (fp32, random weights): trace +
 plan alone and the whole convert() (trace, plan, rewrite, verify).
 
-GPU mode (``--gpu``; exits with status 2 at once when CUDA is not available):
-  1. ViT-B/16 LoRA r4 (qkv; head trained), batch 64, 224 px, bf16 autocast, AdamW: img/s and
-     torch.cuda.max_memory_allocated, original vs converted, next to the paper (3827 → 2717 MiB,
-     288 → 290 img/s).
-  2. LLaMA-7B-shaped slice (4 blocks, batch 4 x seq 512), bf16 weights (and bf16 autocast): tokens/s, peak
-     memory, and exact per-block saved bytes for original, converted (Triton kernels), Liger-Kernel (RMSNorm,
-     SwiGLU, RoPE; carried as a wheel when not installed), checkpointing, torch.compile of original and
-     converted; plus a cross-check of the byte ledger against torch.cuda.memory_allocated.
+GPU mode (``--gpu``; exits with status 2 at once when CUDA is not available; ``scripts/gpu_run.sh`` runs it
+together with the kernel checks and the QLoRA flow):
+  1. ViT-B/16 LoRA r4 (qkv; head trained), batch 64, 224 px, bf16 autocast, AdamW: img/s,
+     torch.cuda.max_memory_allocated and the GPU's busy fraction (kernel time from torch.profiler over the
+     unprofiled step time), original vs converted, eager, torch.compile (per block) and
+     torch.compile(mode="reduce-overhead") (CUDA graphs), next to the paper (3827 → 2717 MiB, 288 → 290 img/s).
+  2. LLaMA-7B-shaped slice (4 blocks, batch 4 x seq 512 by default: --llama-seq / --llama-batch), bf16 weights
+     (and bf16 autocast): tokens/s, peak memory, busy fraction and exact per-block saved bytes for original
+     eager, torch.compile, Liger-Kernel (its apply_liger_kernel_to_llama: RMSNorm, SwiGLU, RoPE; carried as a
+     wheel when not installed), converted (Triton kernels), converted + compile, and checkpointing; plus a
+     cross-check of the byte ledger against torch.cuda.memory_allocated.
   3. ViT-B/16 and BERT-base blocks: per-block bytes, original / converted / Liger LayerNorm.
   4. Per-kernel bandwidth: scripts/gpu_check.py --skip-check (its bench part), if time is left.
-Every section is guarded: a failure is recorded with its error and the run goes on; a time budget
-(``--budget-s``) skips what would overrun it. Results: JSON (``--json``, default $OUT/bench_gpu.json when
-OUT is set) and a markdown summary on stdout.
+``--sections`` picks and orders the sections. The eager rows of 1 and 2 run first, then their compiled rows,
+then CUDA graphs, so a time budget (``--budget-s``) that runs out skips the least essential rows. Every row is
+guarded: a failure is recorded with its error and the run goes on. Results: JSON (``--json``, default
+$OUT/bench_gpu.json when OUT is set), rewritten after every row, and a markdown summary on stdout.
 """
 from __future__ import annotations
 
@@ -227,30 +231,104 @@ def _vit_lora_model(fam: C.Family, device: str, tiny: bool, convert_: bool) -> n
     return peft.get_peft_model(m, cfg).train()
 
 
-def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, steps: int, warmup: int) -> dict:
+#: torch.compile backend of the ViT compile rows: None = inductor with the row's mode (tests use "eager").
+COMPILE_BACKEND: Optional[str] = None
+#: ViT LoRA variants: (name, converted?, torch.compile mode or None). Blocks are compiled one by one (the
+#: usual way for a transformer; identical blocks share one compiled graph), the optimizer step stays eager.
+VIT_VARIANTS = [(V_ORIG, False, None), (V_CONV, True, None),
+                (V_COMPILE, False, "default"), (V_CONV_COMPILE, True, "default"),
+                (V_COMPILE + " (reduce-overhead)", False, "reduce-overhead"),
+                (V_CONV_COMPILE + " (reduce-overhead)", True, "reduce-overhead")]
+
+
+def gpu_kernel_ms(step: Callable[[], None], device: str, steps: int = 3) -> Optional[float]:
+    """GPU kernel time per step (ms): the sum of the device-side durations torch.profiler records for `steps`
+    steps. Against the unprofiled step time it gives the GPU's busy fraction; the profiler's own host overhead
+    does not enter (only device durations are summed)."""
+    if not device.startswith("cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)  # kernels, copies
+    return total_us / steps / 1e3
+
+
+def _busy(row: dict, step: Callable[[], None], device: str) -> None:
+    """Adds the GPU kernel ms per step and the busy fraction (kernel time / step time) to ``row``."""
+    try:
+        k = gpu_kernel_ms(step, device)
+    except Exception as e:  # the profiler is optional: the throughput figures stand without it
+        row["busy_error"] = _err(e)
+        return
+    if k is not None:
+        row["gpu_kernel_ms"] = k
+        row["gpu_busy"] = k / (row["step_s"] * 1e3)
+
+
+def _compile_blocks_counted(fam: C.Family, m: nn.Module, mode: str) -> Callable[[dict], None]:
+    """Compile each block; returns a function that records graph / graph-break counts into a row."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    dynamo.reset()
+    counters.clear()
+    for blk in C.block_list(m.base_model.model if hasattr(m, "base_model") else m):
+        if COMPILE_BACKEND is None:
+            blk.compile(mode=mode)
+        else:
+            blk.compile(backend=COMPILE_BACKEND)
+
+    def record(row: dict) -> None:
+        row.update({"graphs": int(counters["stats"].get("unique_graphs", 0)),
+                    "graph_breaks": int(sum(counters["graph_break"].values()))})
+        if mode == "reduce-overhead":  # inductor falls back to no CUDA graph for a graph it cannot capture
+            row["cudagraph_skips"] = int(counters["inductor"].get("cudagraph_skips", 0))
+
+    return record
+
+
+def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, steps: int, warmup: int,
+                      convert_: bool = False, compile_mode: Optional[str] = None) -> dict:
     """One variant, start to end inside this frame, so nothing of it outlives the measurement."""
     from lmbp_convert import SavedTensorLedger
 
     base = _mem(device).get("allocated", 0)
-    m = _vit_lora_model(fam, device, tiny, variant == V_CONV)
+    m = _vit_lora_model(fam, device, tiny, convert_)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     x = C.make_input(fam, torch.float32, device)
     y = torch.randint(0, 100, (fam.batch,), device=device)
+    row: dict = {"variant": variant, "converted": convert_, "compile": compile_mode}
+    record = _compile_blocks_counted(fam, m, compile_mode) if compile_mode else None
+    graphs = compile_mode == "reduce-overhead" and device.startswith("cuda")
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with C.autocast_ctx(device, True):
             logits = m(x)
         nn.functional.cross_entropy(logits.float(), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    t0 = time.perf_counter()
+    for _ in range(max(warmup, 3 if compile_mode else 0)):  # CUDA graphs record on the 2nd-3rd call
         step()
-    with SavedTensorLedger(m) as led:
-        with C.autocast_ctx(device, True):
-            logits = m(x)
-    row = {"variant": variant, "saved_bytes": led.bytes}
-    del logits, led
+    C.sync(device)
+    row["warmup_s"] = round(time.perf_counter() - t0, 1)
+    if record:
+        record(row)
+    if not compile_mode:  # saved bytes do not depend on compiling; hooks would also stop CUDA graphs
+        with SavedTensorLedger(m) as led:
+            with C.autocast_ctx(device, True):
+                logits = m(x)
+        row["saved_bytes"] = led.bytes
+        del logits, led
     _reset_peak(device)
     row["static"] = _mem(device).get("allocated", 0)
     times = C.time_interleaved({"s": step}, steps, 0, device)["s"]
@@ -259,29 +337,47 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
     if "peak" in row:
         row["peak_over_baseline"] = row["peak"] - base
         row["peak_over_static"] = row["peak"] - row["static"]
+    _busy(row, step, device)
     return row
 
 
-def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, log=print) -> dict:
-    """ViT-B/16 LoRA r4 batch 64 training steps: img/s and peak allocated memory, original vs converted."""
+def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, log=print,
+             compile_: bool = True, only: Optional[set] = None, into: Optional[dict] = None,
+             on_row: Callable[[], None] = lambda: None) -> dict:
+    """ViT-B/16 LoRA r4 batch 64 training steps: img/s, peak memory, GPU busy fraction; original vs converted,
+    eager, torch.compile and torch.compile(mode="reduce-overhead") (CUDA graphs)."""
+    import torch._dynamo as dynamo
+
     fam = C.TINY["vit"].with_(batch=4) if tiny else C.FULL["vit"].with_(batch=64)
-    out = {"shape": fam.describe() + ", LoRA r4 on qkv (alpha 4), head trained, AdamW, bf16 autocast, "
-                                     "fp32 weights, 100 classes", "rows": [], "paper": C.PAPER_VIT_LORA}
-    for variant in (V_ORIG, V_CONV):
-        if budget.left < 30:
+    out = into if into is not None else {}
+    out.update({"shape": fam.describe() + ", LoRA r4 on qkv (alpha 4), head trained, AdamW, bf16 autocast, "
+                                          "fp32 weights, 100 classes", "paper": C.PAPER_VIT_LORA})
+    out.setdefault("rows", [])
+    for variant, conv, mode in VIT_VARIANTS:
+        if (mode and not compile_) or (only is not None and variant not in only):
+            continue
+        need = 60 if mode else 20
+        if budget.left < need:
             out["rows"].append({"variant": variant, "skipped": "time budget"})
+            on_row()
             continue
         _free()
         try:
-            row = _vit_lora_variant(fam, device, tiny, variant, steps, warmup)
-            log(f"  ViT-B/16 LoRA {variant:<10} {row['img_s']:8.1f} img/s (median step)  peak "
+            row = _vit_lora_variant(fam, device, tiny, variant, steps, warmup, conv, mode)
+            log(f"  ViT-B/16 LoRA {variant:<38} {row['img_s']:8.1f} img/s (median step)  peak "
                 + (f"{row['peak'] / C.MiB:8.0f} MiB" if "peak" in row else "n/a (not CUDA)")
-                + f"  saved {row['saved_bytes'] / C.MiB:8.1f} MiB")
+                + (f"  saved {row['saved_bytes'] / C.MiB:8.1f} MiB" if "saved_bytes" in row else "")
+                + (f"  GPU busy {100 * row['gpu_busy']:.0f} %" if "gpu_busy" in row else "")
+                + (f"  ({row['graphs']} graphs, {row['graph_breaks']} breaks, warm-up {row['warmup_s']} s)"
+                   if "graphs" in row else ""))
         except Exception as e:
             row = {"variant": variant, "error": _err(e)}
             log(f"  ViT-B/16 LoRA {variant}: FAILED {row['error']}")
             traceback.print_exc()
+        finally:
+            dynamo.reset()
         out["rows"].append(row)
+        on_row()
         _free()
     return out
 
@@ -344,24 +440,31 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
     if "peak" in row:
         row["peak_over_static"] = row["peak"] - static
         row["peak_over_baseline"] = row["peak"] - base
+    _busy(row, step, device)
     return row
 
 
 def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget: Budget, compile_: bool,
-                log=print) -> dict:
-    """LLaMA-7B-shaped slice: tokens/s, peak memory, per-block saved bytes, ledger cross-check."""
+                log=print, seq: Optional[int] = None, batch: Optional[int] = None,
+                checkpointing: bool = True, only: Optional[set] = None, into: Optional[dict] = None,
+                on_row: Callable[[], None] = lambda: None) -> dict:
+    """LLaMA-7B-shaped slice: tokens/s, peak memory, per-block saved bytes, ledger cross-check, GPU busy
+    fraction; original eager, torch.compile, Liger-Kernel, converted, converted + compile (and checkpointing)."""
     from transformers.models.llama import modeling_llama
 
     fam = C.TINY["llama"].with_(layers=3, batch=2) if tiny else C.FULL["llama"].with_(layers=4, batch=4)
-    out = {"shape": f"{fam.layers} blocks, " + fam.describe(), "rows": []}
+    fam = fam.with_(seq=seq or fam.seq, batch=batch or fam.batch)
+    out = into if into is not None else {}
+    out["shape"] = f"{fam.layers} blocks, " + fam.describe()
+    out.setdefault("rows", [])
     for mode in modes:
-        variants = [V_ORIG, V_CONV, V_LIGER, V_CKPT]
-        if compile_ and mode == "bf16":
-            variants += [V_COMPILE, V_CONV_COMPILE]
-        for variant in variants:
+        variants = [V_ORIG] + ([V_COMPILE] if compile_ and mode == "bf16" else []) + [V_LIGER, V_CONV]
+        variants += ([V_CONV_COMPILE] if compile_ and mode == "bf16" else []) + ([V_CKPT] if checkpointing else [])
+        for variant in [v for v in variants if only is None or v in only]:
             need = 90 if "compile" in variant else 20
             if budget.left < need:
                 out["rows"].append({"mode": mode, "variant": variant, "skipped": "time budget"})
+                on_row()
                 continue
             snap = _ModuleSnapshot(modeling_llama)  # Liger patches the module's globals
             _free()
@@ -375,13 +478,15 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
             except Exception as e:
                 row = {"mode": mode, "variant": variant, "error": _err(e)}
                 log(f"  LLaMA slice {mode} {variant}: FAILED {row['error']}")
-                traceback.print_exc()
+                if not isinstance(e, ImportError):  # a missing package (Liger) needs no traceback
+                    traceback.print_exc()
             finally:
                 snap.restore()
                 import torch._dynamo as dynamo
 
                 dynamo.reset()
             out["rows"].append(row)
+            on_row()
             _free()
     return out
 
@@ -440,6 +545,25 @@ def kernel_bandwidth(budget: Budget, log=print) -> dict:
     return {"returncode": p.returncode, "table": table, "stderr_tail": p.stderr[-1500:]}
 
 
+def software_versions() -> dict:
+    """Versions of what the GPU figures depend on (None: not installed)."""
+    from importlib import metadata
+
+    out = {}
+    for name in ("torch", "triton", "transformers", "timm", "peft", "liger-kernel", "bitsandbytes", "lmbp-convert"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+#: Run order of the GPU mode's variants (see gpu_run): eager, then torch.compile, then CUDA graphs.
+VIT_PHASES = [{V_ORIG, V_CONV}, {V_COMPILE, V_CONV_COMPILE},
+              {V_COMPILE + " (reduce-overhead)", V_CONV_COMPILE + " (reduce-overhead)"}]
+LLAMA_PHASES = [{V_ORIG, V_LIGER, V_CONV, V_CKPT}, {V_COMPILE, V_CONV_COMPILE}]
+
+
 def gpu_run(args, log=print) -> dict:
     budget = Budget(args.budget_s)
     device = args.device
@@ -451,23 +575,47 @@ def gpu_run(args, log=print) -> dict:
         if args.json:
             C.write_json(args.json, data)
 
-    sections: list[tuple[str, Callable[[], dict]]] = [
-        ("vit_lora", lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log)),
-        ("llama_slice", lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup, budget,
-                                            not args.no_compile, log)),
-        ("blocks", lambda: gpu_blocks(device, args.tiny, modes, budget, log)),
-    ]
+    wanted = [n.strip() for n in args.sections.split(",") if n.strip()]
+
+    def sec(name: str) -> dict:
+        return data.setdefault(name, {"rows": []})
+
+    def vit(only: set) -> Callable[[], dict]:
+        return lambda: vit_lora(device, args.tiny, args.steps, args.warmup, budget, log, not args.no_compile,
+                                only, sec("vit_lora"), save)
+
+    def llama(only: set) -> Callable[[], dict]:
+        return lambda: llama_slice(device, args.tiny, modes, args.steps, args.warmup, budget, not args.no_compile,
+                                   log, args.llama_seq, args.llama_batch, not args.no_checkpointing, only,
+                                   sec("llama_slice"), save)
+
+    # Eager rows of both models first, then their compiled rows, then CUDA graphs: when the time budget runs
+    # out, what is left unmeasured is the least essential. Rows accumulate in their section and the JSON is
+    # rewritten after each row, so a run stopped from outside keeps what it measured.
+    phases: list[tuple[str, Callable[[], dict]]] = []
+    n_phases = 1 if args.no_compile else len(VIT_PHASES)
+    for vit_only, llama_only in list(zip(VIT_PHASES, LLAMA_PHASES + [None]))[:n_phases]:
+        if "vit_lora" in wanted:
+            phases.append(("vit_lora", vit(vit_only)))
+        if "llama_slice" in wanted and llama_only is not None:
+            phases.append(("llama_slice", llama(llama_only)))
+    rest = {"blocks": lambda: gpu_blocks(device, args.tiny, modes, budget, log)}
     if device.startswith("cuda") and not args.skip_kernels:
-        sections.append(("kernels", lambda: kernel_bandwidth(budget, log)))
-    for name, fn in sections:
+        rest["kernels"] = lambda: kernel_bandwidth(budget, log)
+    phases += [(n, rest[n]) for n in wanted if n in rest]
+    data["software"] = software_versions()
+    log("# " + ", ".join(f"{k} {v}" for k, v in data["software"].items()))
+    for name, fn in phases:
         log(f"# {name} ({budget.left:.0f} s left)")
         t0 = time.perf_counter()
         try:
-            data[name] = fn()
-        except Exception as e:
-            data[name] = {"error": _err(e)}
+            part = fn()
+        except Exception as e:  # the phase failed as a whole: keep its section's earlier rows
+            part = data.setdefault(name, {})
+            part.setdefault("errors", []).append(_err(e))
             traceback.print_exc()
-        data[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        data[name] = part
+        part["seconds"] = round(part.get("seconds", 0) + time.perf_counter() - t0, 1)
         save()
     data["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
     save()
@@ -499,22 +647,35 @@ def _f(v, fmt="{:.0f}", scale=1.0) -> str:
     return "—" if v is None else fmt.format(v / scale)
 
 
+def _pct(v: Optional[float]) -> str:
+    return "—" if v is None else f"{100 * v:.0f} %"
+
+
 def gpu_tables(g: dict) -> str:
     parts = [f"Machine: {g.get('machine')}."]
     v = g.get("vit_lora", {})
     if v.get("rows"):
         rows = []
         paper = C.PAPER_VIT_LORA
-        for i, r in enumerate(v["rows"]):
+        ref = {r.get("compile"): r for r in v["rows"] if not r.get("converted") and "img_s" in r}
+        for r in v["rows"]:
             err = r.get("error") or r.get("skipped")
-            rows.append((r["variant"], err or _f(r.get("peak"), scale=C.MiB),
+            i = {V_ORIG: 0, V_CONV: 1}.get(r["variant"])
+            p_mem, p_img = ("", "") if i is None else (paper["mem_mib"][i], paper["img_s"][i])
+            name = r["variant"] + (f" ({r['graphs']} graphs, {r['graph_breaks']} breaks"
+                                   + (f", {r['cudagraph_skips']} CUDA-graph skips" if "cudagraph_skips" in r else "")
+                                   + ")" if "graphs" in r else "")
+            o = ref.get(r.get("compile"), {})
+            vs = (f"{r['img_s'] / o['img_s']:.2f}×" if not err and o.get("img_s") and r.get("converted") else "")
+            rows.append((name, err or _f(r.get("peak"), scale=C.MiB),
                          "" if err else _f(r.get("peak_over_static"), scale=C.MiB),
-                         "" if err else _f(r.get("img_s"), "{:.0f}"),
-                         "" if err else _f(r.get("saved_bytes"), "{:.1f}", C.MiB),
-                         paper["mem_mib"][i], paper["img_s"][i]))
+                         "" if err else _f(r.get("img_s"), "{:.0f}"), vs,
+                         "" if err else _pct(r.get("gpu_busy")),
+                         "" if err else _f(r.get("saved_bytes"), "{:.1f}", C.MiB), p_mem, p_img))
         parts.append(f"**ViT-B/16 LoRA** ({v['shape']})\n\n" + C.markdown_table(
             ("variant", "peak allocated MiB", "peak over weights + optimizer MiB", "img/s",
-             "saved for backward MiB", "paper peak MiB", "paper img/s"), rows))
+             "converted / original (same compile mode)", "GPU busy", "saved for backward MiB",
+             "paper peak MiB", "paper img/s"), rows))
     s = g.get("llama_slice", {})
     if s.get("rows"):
         rows = []
@@ -523,17 +684,19 @@ def gpu_tables(g: dict) -> str:
             err = r.get("error") or r.get("skipped")
             o = ref.get(r["mode"], {})
             if err:
-                rows.append((C.MODE_LABEL[r["mode"]], r["variant"], f"not measured: {err}", "", "", "", "", ""))
+                rows.append((C.MODE_LABEL[r["mode"]], r["variant"], f"not measured: {err}") + ("",) * 7)
                 continue
             xc = (f"{r['ledger_bytes'] / C.MiB:.1f} / {r['alloc_delta_bytes'] / C.MiB:.1f}"
                   if "ledger_bytes" in r else "—")
             name = r["variant"] + (f" ({r['graphs']} graphs, {r['graph_breaks']} breaks)" if "graphs" in r else "")
             rows.append((C.MODE_LABEL[r["mode"]], name, _f(r["block_bytes"], "{:.1f}", C.MiB),
                          C.pct(r["block_bytes"], o.get("block_bytes")), _f(r.get("peak"), scale=C.MiB),
-                         _f(r.get("peak_over_static"), scale=C.MiB), _f(r.get("tokens_s")), xc))
+                         _f(r.get("peak_over_static"), scale=C.MiB), _f(r.get("tokens_s")),
+                         f"{r['tokens_s'] / o['tokens_s']:.2f}×" if o.get("tokens_s") else "—",
+                         _pct(r.get("gpu_busy")), xc))
         parts.append(f"**LLaMA-7B-shaped slice** ({s['shape']})\n\n" + C.markdown_table(
             ("dtype", "variant", "MiB per block", "vs original", "peak MiB", "peak over weights MiB",
-             "tokens/s", "ledger / allocator MiB (whole forward)"), rows))
+             "tokens/s", "tokens/s vs original eager", "GPU busy", "ledger / allocator MiB (whole forward)"), rows))
     b = g.get("blocks", {})
     if b.get("rows"):
         rows = []
@@ -546,6 +709,14 @@ def gpu_tables(g: dict) -> str:
         shapes = "; ".join(dict.fromkeys(f"{r['label']}: {r['shape']}" for r in b["rows"]))
         parts.append(f"**Per-block bytes on the GPU** ({shapes})\n\n" + C.markdown_table(
             ("block", "dtype", "variant", "MiB per block", "vs original"), rows))
+    for name in ("vit_lora", "llama_slice", "blocks"):
+        if g.get(name, {}).get("errors"):
+            parts.append(f"{name}: phases that failed as a whole: " + "; ".join(map(str, g[name]["errors"])))
+    q = g.get("qlora")
+    if q and q.get("rows"):
+        import bench_qlora
+
+        parts.append(bench_qlora.table(q))
     k = g.get("kernels", {})
     if k.get("table"):
         parts.append("**Per-kernel bandwidth** (scripts/gpu_check.py, bf16, 64M elements)\n\n" + k["table"])
@@ -606,7 +777,8 @@ def plot_convert(data: dict, path: str) -> None:
 
 
 def plot_gpu(g: dict, path: str) -> bool:
-    v = [r for r in g.get("vit_lora", {}).get("rows", []) if "img_s" in r and "peak" in r]
+    v = [r for r in g.get("vit_lora", {}).get("rows", []) if "img_s" in r and "peak" in r
+         and r["variant"] in (V_ORIG, V_CONV)]
     s = [r for r in g.get("llama_slice", {}).get("rows", []) if "tokens_s" in r and "peak" in r
          and r["mode"] == "bf16"]
     if not v and not s:
@@ -680,6 +852,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=420.0, help="GPU mode: skip work past this many seconds")
     ap.add_argument("--no-compile", action="store_true", help="GPU mode: skip the torch.compile rows")
     ap.add_argument("--skip-kernels", action="store_true", help="GPU mode: skip the per-kernel bandwidth")
+    ap.add_argument("--sections", default="vit_lora,llama_slice,blocks,kernels",
+                    help="GPU mode: which sections to run, in this order")
+    ap.add_argument("--llama-seq", type=int, default=None, help="GPU mode: LLaMA slice sequence length (512)")
+    ap.add_argument("--llama-batch", type=int, default=None, help="GPU mode: LLaMA slice batch (4)")
+    ap.add_argument("--no-checkpointing", action="store_true", help="GPU mode: skip the checkpointing row")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, help="write the PNG charts into this folder")
     a = ap.parse_args(argv)

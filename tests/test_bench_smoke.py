@@ -132,7 +132,7 @@ def test_gpu_mode_fails_fast_without_cuda(S, capsys):
 def test_gpu_mode_code_on_cpu(S):
     """The GPU sections run their code on CPU tensors (no peak memory there); Liger is CUDA-only."""
     budget = S.Budget(600)
-    v = S.vit_lora("cpu", True, 1, 0, budget, log=lambda *a: None)
+    v = S.vit_lora("cpu", True, 1, 0, budget, log=lambda *a: None, compile_=False)
     assert [r["variant"] for r in v["rows"]] == [S.V_ORIG, S.V_CONV]
     assert all("error" not in r and r["img_s"] > 0 for r in v["rows"]), v
     assert v["rows"][1]["saved_bytes"] < v["rows"][0]["saved_bytes"]
@@ -142,6 +142,51 @@ def test_gpu_mode_code_on_cpu(S):
     assert "error" in rows[S.V_LIGER] or "block_bytes" in rows[S.V_LIGER]
     md = S.gpu_tables({"machine": "test", "vit_lora": v, "llama_slice": s})
     assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
+
+
+def test_gpu_mode_phases(S, monkeypatch, tmp_path):
+    """The GPU mode runs eager rows of both models first, then compiled ones, then CUDA graphs; rows accumulate
+    per section, the JSON is rewritten after each row, and a phase that fails as a whole is listed, not lost."""
+    seen = []
+
+    def fake_vit(device, tiny, steps, warmup, budget, log, compile_, only, into, on_row):
+        into["shape"] = "vit"
+        for v in sorted(only):
+            into["rows"].append({"variant": v})
+            on_row()
+            seen.append(json.loads((tmp_path / "g.json").read_text())["vit_lora"]["rows"][-1]["variant"])
+        return into
+
+    def fake_llama(device, tiny, modes, steps, warmup, budget, compile_, log, seq, batch, ckpt, only, into,
+                   on_row):
+        if S.V_COMPILE in only:
+            raise RuntimeError("boom")
+        into["rows"] += [{"mode": "bf16", "variant": v} for v in sorted(only)]
+        return into
+
+    monkeypatch.setattr(S, "vit_lora", fake_vit)
+    monkeypatch.setattr(S, "llama_slice", fake_llama)
+    args = S.parse_args(["--gpu", "--device", "cpu", "--tiny", "--sections", "vit_lora,llama_slice",
+                         "--json", str(tmp_path / "g.json")])
+    data = S.gpu_run(args, log=lambda *a: None)
+    vit = [r["variant"] for r in data["vit_lora"]["rows"]]
+    assert vit == [v for ph in S.VIT_PHASES for v in sorted(ph)] == seen
+    assert set(vit) == {v[0] for v in S.VIT_VARIANTS}
+    assert [r["variant"] for r in data["llama_slice"]["rows"]] == sorted(S.LLAMA_PHASES[0])
+    assert data["llama_slice"]["errors"] == ["RuntimeError: boom"]
+    assert json.loads((tmp_path / "g.json").read_text())["llama_slice"]["errors"] == ["RuntimeError: boom"]
+
+
+def test_gpu_mode_compiled_vit_row_on_cpu(S, monkeypatch):
+    """A compiled ViT LoRA row (dynamo with the eager backend, to keep it fast): counted graphs, no break,
+    and a table row that compares it with the compiled original."""
+    monkeypatch.setattr(S, "COMPILE_BACKEND", "eager")
+    fam = S.C.TINY["vit"].with_(batch=2)
+    row = S._vit_lora_variant(fam, "cpu", True, S.V_CONV_COMPILE, 1, 0, convert_=True, compile_mode="default")
+    assert row["graphs"] >= 1 and row["graph_breaks"] == 0 and row["img_s"] > 0
+    ref = dict(row, variant=S.V_COMPILE, converted=False, img_s=2 * row["img_s"])
+    md = S.gpu_tables({"machine": "test", "vit_lora": {"shape": "s", "rows": [ref, row]}})
+    assert "0.50×" in md and S.V_CONV_COMPILE in md
 
 
 def test_bench_all_renders(M, S, mem_data, tmp_path):
@@ -162,11 +207,25 @@ def test_bench_all_renders(M, S, mem_data, tmp_path):
         {"variant": S.V_CONV, "peak": 2 * 2 ** 30, "img_s": 99.0, "saved_bytes": 2 ** 29}]},
         "kernels": {"table": "| op | x |\n|---|---|\n| a -- b | 1 |"}}
     (tmp_path / "gpu.json").write_text(json.dumps(gpu))
+    host = {"kind": "host", "machine": "test CPU", "stub_mode": "native-launch", "arch": 90, "rounds": 3,
+            "ops": [{"op": "MS-LayerNorm", "native": "F.layer_norm + affine", "dtype": "bfloat16", "ours_us": 40.0,
+                     "native_us": 30.0, "extra_us": 10.0, "ratio": 1.33, "launches": 2, "within_budget": True}],
+            "vit_proxy": {"shape": "tiny ViT", "original_ms": 10.0, "converted_ms": 11.0, "ratio": 1.1,
+                          "extra_ms": 1.0, "lmbp_modules": 37, "launches_per_step": 73}}
+    (res / "host.json").write_text(json.dumps(host))
+    qlora = {"kind": "qlora", "machine": "NVIDIA test GPU", "quantized": True, "batch": 4, "seq": 1024, "rank": 16,
+             "steps": 8, "warmup": 2, "model": {"shape": "LLaMA 1.1 B"},
+             "rows": [{"variant": "QLoRA", "tokens_s": 1000.0, "peak": 2 ** 30, "peak_over_static": 2 ** 29,
+                       "block_bytes": 2 ** 27, "first_loss": 10.4, "load_s": 5.0},
+                      {"variant": "lmbp-convert + QLoRA", "error": "RuntimeError: x"}]}
+    (tmp_path / "qlora.json").write_text(json.dumps(qlora))
     argv = ["--render-only", "--results", str(res), "--out-dir", str(out)]
-    assert A.main(argv + ["--gpu-json", str(tmp_path / "gpu.json")]) == 0
+    assert A.main(argv + ["--gpu-json", str(tmp_path / "gpu.json"), "--qlora-json", str(tmp_path / "qlora.json")]) == 0
     md = (out / "benchmarks.md").read_text()
     for part in ("## Activation memory per block", "## How activation memory grows", "## Step time on CPU",
-                 "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]"):
+                 "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]",
+                 "## Host time of the CUDA path", "| MS-LayerNorm | F.layer_norm + affine |", "**1.100×**",
+                 "**QLoRA flow**", "failed: RuntimeError: x"):
         assert part in md, part
     for png in ("bench_memory.png", "bench_speed.png", "bench_convert_time.png", "bench_gpu.png"):
         assert (out / png).stat().st_size > 10_000, png
@@ -175,3 +234,85 @@ def test_bench_all_renders(M, S, mem_data, tmp_path):
     assert A.main(argv) == 0
     assert A.embedded_gpu(str(out / "benchmarks.md"))["kernels"]["table"].endswith("| a -- b | 1 |")
     assert "NVIDIA test GPU" in (out / "benchmarks.md").read_text()
+
+
+# ------------------------------------------------------------------------ host time, QLoRA, GPU runner
+def _env_without_interpreter() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_host_bench_runs_the_triton_path(tmp_path):
+    """bench_host.py (own process: it installs a stub Triton driver) times each op on its Triton path, with
+    real compiled kernels and no-op launches, next to the native op; and the ViT LoRA step proxy."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    out = tmp_path / "host.json"
+    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_host.py"), "--quick", "--json", str(out)],
+                       cwd=ROOT, env=_env_without_interpreter(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["stub_mode"] in ("native-launch", "python-launch")
+    ops = {r["op"]: r for r in data["ops"]}
+    assert len(ops) == 7 and "MS-LayerNorm" in ops and "MSLayerNorm module" in ops
+    for r in ops.values():  # every op took its Triton path (forward and backward each launch a kernel)
+        assert r["launches"] >= 2 and r["ours_us"] > 0 and r["native_us"] > 0, r
+    v = data["vit_proxy"]
+    assert "error" not in v, v
+    # 12 blocks x (2 norms + GELU) + the final norm; each launches in forward, and in backward where needed
+    assert v["lmbp_modules"] >= 36 and v["launches_per_step"] >= v["lmbp_modules"], v
+    assert v["original_ms"] > 0 and v["converted_ms"] > 0
+    H = _load("bench_host")
+    md = H.host_tables(data)
+    assert "ViT-B/16 LoRA r4 step proxy" in md and "F.layer_norm" in md
+    assert H.host_tables({"skipped": "RuntimeError: no Triton"}) == "Not measured: RuntimeError: no Triton."
+
+
+def test_qlora_flow_tiny_on_cpu(tmp_path, monkeypatch):
+    """The QLoRA flow end to end at tiny size without 4-bit loading: checkpoint → lmbp-convert → load →
+    convert() → LoRA → steps; the fold is exact (same first loss) and a converted block saves less."""
+    Q = _load("bench_qlora")
+    monkeypatch.setattr(Q, "CLI_IN_PROCESS", True)
+    args = Q.parse_args(["--tiny", "--no-quant", "--device", "cpu", "--json", str(tmp_path / "q.json")])
+    assert Q.problem(args) is None
+    data = Q.run(args, log=lambda *a: None)
+    rows = {r["variant"]: r for r in data["rows"]}
+    base, ours = rows[Q.V_BASE], rows[Q.V_OURS]
+    assert "error" not in base and "error" not in ours, data["rows"]
+    assert ours["verified"] is True and "norms" in ours["convert_report"]
+    assert ours["block_bytes"] < base["block_bytes"]
+    assert abs(ours["first_loss"] - base["first_loss"]) < 1e-2
+    assert ours["trainable_params"] == base["trainable_params"]  # LoRA found the same projections
+    assert json.loads((tmp_path / "q.json").read_text())["rows"][1]["tokens_s"] > 0
+    assert "lmbp-convert + QLoRA" in Q.table(data)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_qlora_refuses_without_cuda(capsys):
+    Q = _load("bench_qlora")
+    assert Q.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_runner_commands_parse(S):
+    """scripts/gpu_run.sh: every command it would run parses with its script's own argument parser (a typo
+    there would cost a GPU lease), each has a time cap, and the wheels it names are pinned."""
+    import shlex
+    import subprocess
+
+    sh = os.path.join(SCRIPTS, "gpu_run.sh")
+    p = subprocess.run(["bash", sh], env={**os.environ, "GPU_RUN_DRY": "1", "OUT": "/tmp/o"}, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [shlex.split(line) for line in p.stdout.splitlines() if line.strip()]
+    assert [w[0] for w in lines] == ["gpu_check", "bench_speed", "bench_qlora"]
+    assert sum(int(w[1]) for w in lines) <= 8 * 60  # the caps fit the 7-8 minute plan
+    argv = {w[0]: w[4:] for w in lines}
+    sp = S.parse_args(argv["bench_speed"])
+    assert sp.gpu and set(sp.sections.split(",")) <= {"vit_lora", "llama_slice", "blocks", "kernels"}
+    _load("bench_qlora").parse_args(argv["bench_qlora"])
+    _load("gpu_check").parse_args(argv["gpu_check"])
+    text = open(sh).read()
+    assert "bitsandbytes==" in text and "liger-kernel==" in text

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# One command for a CUDA machine (one H200): kernel checks, the speed benchmark, the QLoRA flow; 7-8 minutes.
+#
+#   bash scripts/gpu_run.sh            # logs and JSON into $OUT (default build/gpu_run/)
+#   GPU_RUN_DRY=1 bash scripts/gpu_run.sh   # print the commands only (the tests check their arguments)
+#
+# Parts, each under its own `timeout`, none stopping the others when it fails or runs out of time:
+#   1. scripts/gpu_check.py   Triton kernels vs the PyTorch path, bandwidth (cap 190 s with --fast, else 70 s)
+#   2. scripts/bench_speed.py --gpu   ViT-B/16 LoRA r4 bs64 (eager, compile, reduce-overhead) and the
+#      LLaMA-7B slice (eager, torch.compile, Liger-Kernel, converted, converted + compile); img/s, tokens/s,
+#      peak memory, GPU busy fraction (cap 200 s, or 260 s next to the short gpu_check)
+#   3. scripts/bench_qlora.py   lmbp-convert → 4-bit load → convert() → LoRA → steps vs plain QLoRA, on a
+#      0.84 B LLaMA-shaped model (TinyLlama's width, 16 layers) (cap 90 s)
+# GPU_RUN_PARTS="bench_speed" (any of gpu_check bench_speed bench_qlora) reruns only those parts.
+# Files in $OUT (7; the device tool returns at most 8): summary.txt (machine, packages, each part's exit),
+# gpu_check.log, gpu_check.md, bench_speed.log, bench_gpu.json, bench_qlora.log, bench_qlora.json.
+#
+# Packages the H200 image lacks (bitsandbytes for part 3, liger-kernel for part 2's Liger row) travel as wheels.
+# Once, in the root of the checkout the device tool sends (about 45 MB; the tree may carry 64 MiB in all):
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+#       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+#       -d .whl bitsandbytes==0.50.2 liger-kernel==0.8.5
+#
+# (bitsandbytes 0.50.2 is tagged manylinux_2_24 and bundles libbitsandbytes_cuda130.so for torch 2.11+cu130;
+# liger-kernel 0.8.5 is pure Python, needs torch and triton only.) Then run it with the device tool:
+#   run(command="bash scripts/gpu_run.sh", carry=[".whl"], timeout_s=570)
+# This script installs the wheels itself (pip --target /tmp/site, no index), when .whl/ holds any.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/build/gpu_run}"
+export PYTHONUNBUFFERED=1 OUT
+unset TRITON_INTERPRET
+PY="${PYTHON:-python3}"
+DRY="${GPU_RUN_DRY:-0}"
+T0=$(date +%s)
+if [ "$DRY" != "1" ]; then
+    mkdir -p "$OUT"
+    : > "$OUT/summary.txt"
+fi
+
+part() {  # part NAME CAP_S COMMAND...: run with a time cap, log to $OUT/NAME.log, never abort the rest
+    local name=$1 cap=$2
+    shift 2
+    if [ "$DRY" = "1" ]; then
+        echo "$name $cap $*"
+        return 0
+    fi
+    echo "=== $name (cap ${cap}s, at $(( $(date +%s) - T0 ))s) ==="
+    timeout -k 10 "$cap" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    local what="exit $rc"
+    [ $rc -eq 124 ] && what="timed out after ${cap}s"
+    echo "=== $name: $what ($(( $(date +%s) - T0 ))s elapsed) ===" | tee -a "$OUT/summary.txt"
+}
+
+if [ "$DRY" != "1" ]; then
+    {
+        date -u
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+        "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, \
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.is_available())" 2>&1
+    } >> "$OUT/summary.txt"
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                --target /tmp/site .whl/*.whl >> "$OUT/summary.txt" 2>&1; then
+            export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+            echo "wheels installed: $(ls .whl | tr '\n' ' ')" | tee -a "$OUT/summary.txt"
+        else
+            echo "wheel install FAILED (see summary.txt): the Liger and 4-bit rows will name the missing package" \
+                | tee -a "$OUT/summary.txt"
+        fi
+    else
+        echo "no .whl/: bitsandbytes and liger-kernel only if the image has them" | tee -a "$OUT/summary.txt"
+    fi
+    "$PY" -c "import bitsandbytes, liger_kernel; print('bitsandbytes', bitsandbytes.__version__, 'liger_kernel ok')" \
+        >> "$OUT/summary.txt" 2>&1
+    cat "$OUT/summary.txt"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+# The parts share 7-8 minutes of caps. gpu_check.py is the ops' own check: where it has --fast (pytest of the
+# CUDA-only tests, bandwidth, kernel variants; it budgets itself 180 s) it gets 190 s and bench_speed 200 s;
+# else a short check + bandwidth run gets 70 s and bench_speed 260 s. bench_speed's own budget skips rows it
+# could not finish (eager rows of both models run first); the QLoRA flow gets 90 s.
+if grep -q -- '"--fast"' scripts/gpu_check.py; then
+    GC_CAP=190
+    GC_ARGS="--fast --sizes 16M,64M"
+    BS_CAP=200
+else
+    GC_CAP=70
+    GC_ARGS="--dtypes bf16,fp32 --bench-dtypes bf16 --sizes 16M,64M --runs 10 --budget-s 60 --bench-reserve-s 30"
+    BS_CAP=260
+fi
+PARTS="${GPU_RUN_PARTS:-gpu_check bench_speed bench_qlora}"  # e.g. GPU_RUN_PARTS=bench_speed to rerun one
+
+for p in $PARTS; do
+    case $p in
+        gpu_check)
+            # shellcheck disable=SC2086
+            part gpu_check "$GC_CAP" "$PY" scripts/gpu_check.py $GC_ARGS ;;
+        bench_speed)
+            part bench_speed "$BS_CAP" "$PY" scripts/bench_speed.py --gpu --modes bf16 \
+                --sections vit_lora,llama_slice --no-checkpointing --repeats 10 --warmup 3 \
+                --budget-s $(( BS_CAP - 12 )) --json "$OUT/bench_gpu.json" ;;
+        bench_qlora)
+            part bench_qlora 90 "$PY" scripts/bench_qlora.py --layers 16 --seq 1024 --batch 4 --steps 8 \
+                --warmup 2 --json "$OUT/bench_qlora.json" ;;
+        *)
+            echo "unknown part $p (gpu_check, bench_speed, bench_qlora)" ;;
+    esac
+done
+
+if [ "$DRY" != "1" ]; then
+    echo "total $(( $(date +%s) - T0 ))s" | tee -a "$OUT/summary.txt"
+    ls -la "$OUT"
+fi
+exit 0
