@@ -17,6 +17,12 @@ from ..match.plan import ActSwap, GatedMLPSwap, NormFold
 from .hooks import ReapplyInput, ReapplyOutput
 
 
+#: per-module hook registries carried from a swapped module to its replacement (state-dict hooks are not:
+#: the replacement's state is not the original's)
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
 def module_aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(module) → every (parent, attribute) that references it (shared modules have several)."""
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -65,11 +71,29 @@ class UnitBuilder:
     def swap_module(self, unit: Unit, name: str, new: nn.Module) -> None:
         old = self.modules[name]
         new.train(old.training)
+        self.carry_hooks(unit, old, new)
         for parent, attr in self.aliases.get(id(old), []):
             unit.steps.append((
                 lambda p=parent, a=attr, n=new: setattr(p, a, n),
                 lambda p=parent, a=attr, o=old: setattr(p, a, o),
             ))
+
+    @staticmethod
+    def carry_hooks(unit: Unit, old: nn.Module, new: nn.Module) -> None:
+        """The user's forward (pre-)hooks and backward hooks on ``old`` run on ``new``. The planner has refused
+        swaps where a hook's meaning would change (hooks seeing a norm's output, whose affine is folded away).
+        ``new`` shares ``old``'s hook dictionaries, so the user's handles still remove them."""
+        for attr in HOOK_DICTS:
+            mine, theirs = getattr(new, attr), getattr(old, attr)
+            if not theirs:
+                continue
+            shared = theirs if not mine else type(theirs)([*theirs.items(), *mine.items()])
+            unit.steps.append((lambda a=attr, v=shared: setattr(new, a, v),
+                               lambda a=attr, v=mine: setattr(new, a, v)))
+        if old._backward_hooks:
+            flag = new._is_full_backward_hook
+            unit.steps.append((lambda: setattr(new, "_is_full_backward_hook", old._is_full_backward_hook),
+                               lambda f=flag: setattr(new, "_is_full_backward_hook", f)))
 
     @staticmethod
     def swap_data(unit: Unit, param: torch.Tensor, new: torch.Tensor) -> None:
@@ -156,14 +180,15 @@ class UnitBuilder:
                                           nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
                         else:
                             self.swap_data(unit, lin.bias, b_new)
-        for site in fold.reapply:
+        for site in fold.reapply:  # prepended: a user's hooks there see what they saw before the fold
             if site.kind == "root_output":
                 hook = ReapplyOutput(new, site.paths)
-                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h))
+                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h, prepend=True))
             else:
                 hook = ReapplyInput(new, site.position, site.keyword)
                 target = self.modules[site.module]
-                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True))
+                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
+                                                                                          prepend=True))
         return unit
 
     def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:
