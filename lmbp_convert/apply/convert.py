@@ -1,6 +1,8 @@
-"""``convert(model)``: see → decide → rewrite → prove, in place, all-or-nothing per rewrite."""
+"""``convert(model)``: see → decide → rewrite → prove, in place; each rewrite is kept only if verified, and the
+whole call is a transaction (any exception restores the model)."""
 from __future__ import annotations
 
+import difflib
 import time
 import warnings
 from typing import Any
@@ -48,7 +50,6 @@ def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, 
 def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> tuple[Plan, Any, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
-    _check_patterns(model, opt)
     cat = load_catalogue()
     roles = assign_roles(model, cat)
     if probe is not None:
@@ -65,19 +66,26 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> tuple[Plan, Any,
 
 
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
-    """include/exclude patterns that name no module are a typo or a different model: say which."""
+    """include/exclude patterns that name no module are a typo or a different model: say which (an error when
+    no include pattern matches, since then nothing can be converted; a warning otherwise)."""
     names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
     inc, exc = opt.unmatched(names)
-    sample = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    what = type(model).__name__
+
+    def hint(pats: list[str]) -> str:
+        close = [m for p in pats for m in difflib.get_close_matches(p, names, n=2, cutoff=0.6)]
+        if close:
+            return f"closest names: {', '.join(dict.fromkeys(close))}"
+        return f"names are full dotted paths, e.g. {', '.join(names[-3:])}; a regular expression must match a whole name"
+
     if inc and len(inc) == len(opt.include or []):
-        raise ValueError(f"include={inc!r}: no pattern matches a module of {type(model).__name__} (names are "
-                         f"full dotted paths, e.g. {sample}; regular expressions must match the whole name)")
+        raise NothingToConvertError(f"nothing to convert in {what}: include={inc!r} matches no module ({hint(inc)})")
     if inc:
-        warnings.warn(f"include pattern(s) {inc!r} match no module of {type(model).__name__}", UserWarning,
-                      stacklevel=4)
+        warnings.warn(f"include pattern(s) {inc!r} match no module of {what} ({hint(inc)})", UserWarning,
+                      stacklevel=3)
     if exc:
-        warnings.warn(f"exclude pattern(s) {exc!r} match no module of {type(model).__name__}: nothing is excluded "
-                      f"by them (names are full dotted paths, e.g. {sample})", UserWarning, stacklevel=4)
+        warnings.warn(f"exclude pattern(s) {exc!r} match no module of {what}, so they exclude nothing ({hint(exc)})",
+                      UserWarning, stacklevel=3)
 
 
 def _batch_of(probe: Any) -> int:
@@ -126,6 +134,8 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     """
     t0 = time.perf_counter()
     opt, probe = resolve_options(options, probe, overrides)
+    if isinstance(model, nn.Module):
+        _check_patterns(model, opt)
     plan, probe, reference = _plan(model, opt, probe)
     report = ConversionReport(plan)
     if plan.empty:
@@ -183,7 +193,7 @@ def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: Conv
         why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
                "probe?): nothing to compare, the rewrites are unchecked")
         report.notes.append(why)
-        warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=4)
+        warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 
 
 def _isolate_failures(model, probe, reference, units, rtol, report) -> Comparison:
@@ -246,7 +256,7 @@ def _warn_orphans(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
         parts.append(f"{names(new)} are new parameters")
     warnings.warn("convert() ran on a model whose parameters already have gradients, so an optimizer may exist: "
                   + "; ".join(parts) + ". An optimizer built before convert() keeps updating the old tensors and "
-                  "never sees the new ones: build (or rebuild) it after convert()", UserWarning, stacklevel=4)
+                  "never sees the new ones: build (or rebuild) it after convert()", UserWarning, stacklevel=3)
 
 
 def _drop(plan: Plan, item) -> None:
