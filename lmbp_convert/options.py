@@ -171,5 +171,5 @@ def resolve_options(options: ConvertOptions | None, probe: Any, overrides: dict)
         raise TypeError(f"options must be a ConvertOptions, got {type(options).__name__}")
     if probe is not None and options.probe is not None and probe is not options.probe:
         raise TypeError("convert(): probe= conflicts with the (deprecated) ConvertOptions(probe=...); give it once")
-    merged = options.with_overrides(**overrides) if overrides else options
+    merged = options.with_overrides(**overrides)  # rebuilt even without overrides: fields set later are checked
     return merged, probe if probe is not None else options.probe

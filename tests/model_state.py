@@ -21,6 +21,9 @@ def snapshot(model: nn.Module) -> dict:
         "hooks": [(n, a, list(getattr(m, a).items())) for n, m in model.named_modules(remove_duplicate=False)
                   for a in HOOK_ATTRS],
         "report": model.__dict__.get("lmbp_report", "absent"),
+        "config": model.config.to_dict() if hasattr(getattr(model, "config", None), "to_dict") else None,
+        "grad_enabled": torch.is_grad_enabled(),
+        "default_device": torch.get_default_device(),
     }
 
 
@@ -39,3 +42,5 @@ def assert_same(model: nn.Module, before: dict, what: str) -> None:
     assert [(n, a, [(i, id(h)) for i, h in hs]) for n, a, hs in now["hooks"]] == \
            [(n, a, [(i, id(h)) for i, h in hs]) for n, a, hs in before["hooks"]], what
     assert now["report"] is before["report"], what
+    assert now["config"] == before["config"], what
+    assert (now["grad_enabled"], now["default_device"]) == (before["grad_enabled"], before["default_device"]), what

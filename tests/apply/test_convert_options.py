@@ -63,6 +63,16 @@ def test_bad_values_are_value_errors_before_anything(kwargs, match):
     assert_same(model, before, str(kwargs))
 
 
+def test_options_changed_after_construction_are_checked_too():
+    opts = ConvertOptions(norms=False)
+    opts.bits = 7
+    with pytest.raises(ValueError, match="bits"):
+        convert(FAMILIES["bert"](), opts)
+    opts.bits, opts.exclude = 3, "bert.encoder.layer.0.intermediate.intermediate_act_fn"  # patterns recompiled
+    _, rep = convert(FAMILIES["bert"](), opts, return_report=True)
+    assert [a.name for a in rep.plan.act_swaps] == ["bert.encoder.layer.1.intermediate.intermediate_act_fn"]
+
+
 def test_include_that_matches_nothing_names_the_pattern():
     model = FAMILIES["llama"]()
     before = snapshot(model)

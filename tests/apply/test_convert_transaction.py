@@ -25,6 +25,7 @@ class Injector:
         self.converted_calls: dict[int, int] = {}
         self.target: tuple[str, int] | None = None
         self.exc: BaseException | None = None
+        self.run_kwargs: dict = {}
 
     def __call__(self, module: nn.Module, args) -> None:
         if module is self.model:
@@ -41,7 +42,7 @@ class Injector:
         self.target, self.exc = target, exc
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self)
         try:
-            return convert(self.model, probe=self.probe, return_report=True)
+            return convert(self.model, probe=self.probe, return_report=True, **self.run_kwargs)
         finally:
             handle.remove()
 
@@ -104,6 +105,23 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     # after all that the model still converts, to the same result as its twin
     _, again = inj.run()
     assert again.verified and again.swapped == report.swapped and again.rolled_back == report.rolled_back
+
+
+@pytest.mark.parametrize("build, kwargs", [
+    (lambda: hf("llama", tie_word_embeddings=True), {"untie": True}),  # the head gets a new Parameter
+    (lambda: hf("gpt2"), {}),  # Conv1D layout; folds into bias-less heads
+], ids=["llama-untie", "gpt2"])
+def test_exception_in_verification_restores_new_and_replaced_parameters(build, kwargs):
+    model = build()
+    before = snapshot(model)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    inj = Injector(model, {"input_ids": torch.tensor([[3, 17, 42, 9]])})
+    for target, exc in [(("model", 2), KeyboardInterrupt()), (("inside", 2), RuntimeError("CUDA out of memory"))]:
+        inj.run_kwargs = kwargs
+        with pytest.raises(type(exc)):
+            inj.run(target, exc)
+        assert_same(model, before, f"{exc!r} at {target}")
+        assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
 
 
 def test_exception_while_applying_a_unit_restores_the_model(monkeypatch):
