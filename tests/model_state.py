@@ -17,6 +17,8 @@ def snapshot(model: nn.Module) -> dict:
         "params": [(n, p, p.requires_grad, p.data.data_ptr()) for n, p in
                    model.named_parameters(remove_duplicate=False)],
         "buffers": [(n, b) for n, b in model.named_buffers(remove_duplicate=False)],
+        "slots": [(n, list(m._parameters), list(m._buffers), sorted(k for k in vars(m) if not k.startswith("_")))
+                  for n, m in model.named_modules(remove_duplicate=False)],
         "training": [(n, m.training) for n, m in model.named_modules(remove_duplicate=False)],
         "hooks": [(n, a, list(getattr(m, a).items())) for n, m in model.named_modules(remove_duplicate=False)
                   for a in HOOK_ATTRS],
@@ -38,6 +40,7 @@ def assert_same(model: nn.Module, before: dict, what: str) -> None:
     assert now["values"].keys() == before["values"].keys(), what
     for k, v in before["values"].items():
         assert torch.equal(now["values"][k], v), f"{what}: {k} changed"
+    assert now["slots"] == before["slots"], what  # e.g. a `bias=None` parameter slot stays a parameter slot
     assert now["training"] == before["training"], what
     assert [(n, a, [(i, id(h)) for i, h in hs]) for n, a, hs in now["hooks"]] == \
            [(n, a, [(i, id(h)) for i, h in hs]) for n, a, hs in before["hooks"]], what

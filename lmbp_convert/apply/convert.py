@@ -186,7 +186,7 @@ def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: Conv
         cmp = _isolate_failures(model, probe, reference, units, rtol, report)
     report.verification = cmp.verdict(rtol)
     report.verified = {PASSED: True, FAILED: False}.get(report.verification)
-    report.relative_error = cmp.error if cmp.compared else None
+    report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
     if cmp.mismatch:
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
     if report.verification == CANNOT_VERIFY:

@@ -43,11 +43,13 @@ class Unit:
     applied: bool = False
 
     def apply(self) -> None:
+        """Do every step; on any exception undo them (an interrupted step too: undos are idempotent and
+        harmless on a step that did not happen, so an interrupt between a step and its bookkeeping is safe)."""
         done = []
         try:
             for do, undo in self.steps:
-                do()
                 done.append(undo)
+                do()
         except BaseException:
             for undo in reversed(done):
                 undo()
@@ -55,6 +57,7 @@ class Unit:
         self.applied = True
 
     def undo(self) -> None:
+        """Undo every step; idempotent, so an interrupted undo can simply be run again."""
         if self.applied:
             for _, undo in reversed(self.steps):
                 undo()
@@ -109,26 +112,41 @@ class UnitBuilder:
 
     @staticmethod
     def set_attr(unit: Unit, obj: nn.Module, attr: str, value) -> None:
-        had = attr in obj._parameters or attr in obj._buffers or attr in obj.__dict__
-        old = getattr(obj, attr, None)
+        """Set a parameter/attribute; undo puts back the module's registries exactly (membership and order, so
+        ``named_parameters()`` and state_dict order, and a ``bias=None`` slot, come back as they were)."""
+        saved: list = []
 
         def do(o=obj, a=attr, v=value):
+            saved[:] = [dict(o._parameters), dict(o._buffers), a in o.__dict__, o.__dict__.get(a)]
             if a in o._parameters and not isinstance(v, nn.Parameter):
                 del o._parameters[a]
             setattr(o, a, v)
 
-        def undo(o=obj, a=attr, v=old, h=had):
-            if a in o._parameters:
-                del o._parameters[a]
-            if h:
-                setattr(o, a, v)
+        def undo(o=obj, a=attr):
+            if not saved:
+                return
+            params, buffers, in_dict, plain = saved
+            o._parameters.clear()
+            o._parameters.update(params)
+            o._buffers.clear()
+            o._buffers.update(buffers)
+            o.__dict__.pop(a, None)
+            if in_dict:
+                o.__dict__[a] = plain
+            saved.clear()
 
         unit.steps.append((do, undo))
 
     @staticmethod
     def add_hook(unit: Unit, register: Callable[[], torch.utils.hooks.RemovableHandle]) -> None:
         box: list = []
-        unit.steps.append((lambda: box.append(register()), lambda: box.pop().remove()))
+
+        def undo() -> None:
+            while box:
+                box[-1].remove()
+                box.pop()
+
+        unit.steps.append((lambda: box.append(register()), undo))
 
     # -- units ----------------------------------------------------------------------------------
     def activation(self, swap: ActSwap) -> Unit:

@@ -140,3 +140,40 @@ def test_exception_while_applying_a_unit_restores_the_model(monkeypatch):
         convert(model)
     assert_same(model, before, "KeyboardInterrupt in the 4th unit")
     assert any("restored" in note for note in getattr(caught.value, "__notes__", []))
+
+
+@pytest.mark.parametrize("family, include", [
+    ("bert", ["bert.encoder.layer.0.attention.output.LayerNorm",  # swap, fold, re-apply hook, carried hooks
+              "bert.encoder.layer.0.intermediate.intermediate_act_fn"]),
+    ("gpt2", ["transformer.ln_f"]),  # untied head: new weight Parameter, and a bias in its `bias=None` slot
+    ("llama", ["model.layers.0.mlp"]),  # gated MLP
+])
+def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, include, monkeypatch):
+    """An interrupt can land after a step's change but before its bookkeeping: simulated after every step."""
+    model = hf(family, head="cls") if family == "bert" else hf(family)
+    if family == "bert":
+        model.bert.encoder.layer[0].intermediate.intermediate_act_fn.register_forward_hook(lambda m, a, o: None)
+    before = snapshot(model)
+    real_apply, steps_done, fail_at = rewrite_mod.Unit.apply, [0], [None]
+
+    def tick():
+        steps_done[0] += 1
+        if steps_done[0] == fail_at[0]:
+            raise KeyboardInterrupt
+
+    def apply(self):
+        self.steps = [(lambda d=do: (d(), tick()), undo) for do, undo in self.steps]
+        real_apply(self)
+
+    monkeypatch.setattr(rewrite_mod.Unit, "apply", apply)
+    probe = {"input_ids": torch.tensor([[3, 17, 42, 9]])}
+    twin = hf(family, head="cls") if family == "bert" else hf(family)
+    kwargs = {"untie": True} if family == "gpt2" else {}
+    _, report = convert(twin, include=include, probe=probe, return_report=True, **kwargs)
+    total = steps_done[0]
+    assert report.verified and sorted(report.swapped) == sorted(include) and total >= len(include)
+    for k in range(1, total + 1):
+        steps_done[0], fail_at[0] = 0, k
+        with pytest.raises(KeyboardInterrupt):
+            convert(model, include=include, probe=probe, **kwargs)
+        assert_same(model, before, f"interrupt after step {k} of {total}")
