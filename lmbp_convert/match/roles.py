@@ -100,6 +100,8 @@ def quantized_linear(module: nn.Module) -> str | None:
     cls = f"{type(module).__module__.split('.')[0]} {type(module).__name__}"
     w = getattr(module, "weight", None)
     if isinstance(w, torch.Tensor):
+        if getattr(w, "quant_state", None) is not None:  # 4-bit codes in a float storage dtype (FSDP QLoRA)
+            return f"{cls}, weight is a quantized {type(w).__name__} stored as {w.dtype}"
         return None if w.is_floating_point() else f"{cls}, weight stored as {w.dtype}"
     for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
         if t.dim() == 2 and not t.is_floating_point():

@@ -142,8 +142,22 @@ class FakeQuantLinear(nn.Module):
         return nn.functional.linear(x, self.qweight.float() / 1000, self.bias)
 
 
+class QuantizedParam(nn.Parameter):
+    """A float-stored parameter that carries quantization state (bitsandbytes Params4bit with a bf16 storage)."""
+
+
+class FakeLinear4bitFloatStorage(nn.Linear):
+    def __init__(self, lin: nn.Linear):
+        super().__init__(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        self.weight = QuantizedParam(lin.weight.detach().clone(), requires_grad=False)
+        self.weight.quant_state = {"blocksize": 64}
+        if lin.bias is not None:
+            self.bias = nn.Parameter(lin.bias.detach().clone())
+
+
 @pytest.mark.parametrize("quantize, what", [(FakeLinear4bit, "weight stored as torch.uint8"),
-                                            (FakeQuantLinear, "qweight stored as torch.int32")])
+                                            (FakeQuantLinear, "qweight stored as torch.int32"),
+                                            (FakeLinear4bitFloatStorage, "quantized QuantizedParam")])
 def test_quantized_linear_consumer_is_named_as_the_cause(quantize, what):
     model = hf("llama").eval()
     attn = model.model.layers[0].self_attn
