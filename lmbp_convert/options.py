@@ -1,9 +1,19 @@
-"""Options of a conversion: one config object shared by ``convert()`` and the checkpoint CLI."""
+"""Options of a conversion: one config object shared by ``convert()`` and the checkpoint CLI.
+
+Every value is checked when the object is built (so before ``convert()`` changes anything); ``with_overrides``
+merges keyword arguments into an options object, refusing to silently drop or overrule either side.
+"""
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 import re
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any, Iterable, Sequence
+
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie")
 
 
 @dataclass
@@ -15,8 +25,7 @@ class ConvertOptions:
     gated_mlp: replace gated MLPs (act(gate)·up → down) by the memory-sharing fused op.
     bits: bits per element the approximate activations keep for backward (1..4, default 2).
     include / exclude: module names, exact or regular expressions (full match); exclude wins.
-    probe: input for the tracing forward (tensor, tuple of args, or dict of kwargs) when the walker cannot
-        build one from the model's config.
+    probe: deprecated here (it is input data, not an option): pass ``convert(model, probe=...)``.
     verify: check the rewritten model's outputs on the probe against the original's and roll back rewrites
         that change them (real weights only; meta models are planned but not verified).
     rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None picks by dtype.
@@ -33,17 +42,35 @@ class ConvertOptions:
     verify: bool = True
     rtol: float | None = None
     untie: bool = False
-    _include_rx: list = field(default_factory=list, repr=False)
-    _exclude_rx: list = field(default_factory=list, repr=False)
+    _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
+    #: names of the fields given to the constructor (not left at their defaults): what an override may not change
+    _explicit: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 4:
+        for attr in _FLAGS:
+            if not isinstance(getattr(self, attr), bool):
+                raise ValueError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, numbers.Integral) or not 1 <= self.bits <= 4:
             raise ValueError(f"bits must be an integer in 1..4, got {self.bits!r}")
+        self.bits = int(self.bits)
+        if self.rtol is not None:
+            if isinstance(self.rtol, bool) or not isinstance(self.rtol, numbers.Real) or not (
+                    math.isfinite(self.rtol) and self.rtol >= 0):
+                raise ValueError(f"rtol must be None or a finite number >= 0, got {self.rtol!r}")
+            self.rtol = float(self.rtol)
         for attr in ("include", "exclude"):
             val = getattr(self, attr)
             if isinstance(val, str):
                 val = [val]
-                setattr(self, attr, val)
+            elif val is not None:
+                items = list(val) if isinstance(val, Iterable) and not isinstance(val, (bytes, dict)) else None
+                if items is None or not all(isinstance(p, str) for p in items):
+                    raise ValueError(f"{attr} must be a module name or pattern, or a list of them, got {val!r}")
+                val = items
+                if attr == "include" and not val:
+                    raise ValueError("include=[] selects no module: pass None to convert everything")
+            setattr(self, attr, val)
             compiled = []
             for pat in val or []:
                 try:
@@ -53,18 +80,46 @@ class ConvertOptions:
             setattr(self, f"_{attr}_rx", compiled)
         if not (self.activations or self.norms or self.gated_mlp):
             raise ValueError("all of activations, norms and gated_mlp are off: nothing to convert")
+        if self.probe is not None:
+            warnings.warn("ConvertOptions(probe=...) is deprecated: the probe is input data, not an option; "
+                          "pass convert(model, probe=...) instead", DeprecationWarning, stacklevel=4)
+
+    @staticmethod
+    def _hit(name: str, pats: Sequence[str] | None, rxs: list) -> bool:
+        return any(name == p for p in pats or []) or any(rx.fullmatch(name) for rx in rxs)
 
     def selected(self, name: str) -> bool:
-        def hit(rxs, pats):
-            return any(name == p for p in pats or []) or any(rx.fullmatch(name) for rx in rxs)
-
-        if self.include is not None and not hit(self._include_rx, self.include):
+        if self.include is not None and not self._hit(name, self.include, self._include_rx):
             return False
-        return not hit(self._exclude_rx, self.exclude)
+        return not self._hit(name, self.exclude, self._exclude_rx)
 
     def excluded(self, name: str) -> bool:
         """Explicitly excluded (used for fold targets: include lists the modules to convert, not the Linears)."""
-        return any(name == p for p in self.exclude or []) or any(rx.fullmatch(name) for rx in self._exclude_rx)
+        return self._hit(name, self.exclude, self._exclude_rx)
+
+    def unmatched(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
+        """The include and the exclude patterns that match none of ``names`` (a model's module names)."""
+        names = list(names)
+        result = []
+        for pats, rxs in ((self.include, self._include_rx), (self.exclude, self._exclude_rx)):
+            result.append([p for p, rx in zip(pats or [], rxs)
+                           if not any(n == p or rx.fullmatch(n) for n in names)])
+        return result[0], result[1]
+
+    def with_overrides(self, **overrides: Any) -> "ConvertOptions":
+        """A copy with ``overrides`` applied. TypeError for an unknown name, or for a value that contradicts one
+        this object was built with explicitly (an override of a default is a merge, not a conflict)."""
+        _check_names(overrides)
+        for name, value in overrides.items():
+            if name in self._explicit and _normal(value) != _normal(getattr(self, name)):
+                raise TypeError(f"convert(): {name}={value!r} conflicts with the options' {name}="
+                                f"{getattr(self, name)!r}; give it in one place")
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "probe"}
+        values.update(overrides)
+        merged = ConvertOptions(**values)
+        merged.probe = self.probe  # already warned about when self was built
+        merged._explicit = self._explicit | frozenset(overrides)
+        return merged
 
     def summary(self) -> dict:
         return {
@@ -72,3 +127,49 @@ class ConvertOptions:
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
         }
+
+
+OPTION_NAMES = tuple(f.name for f in fields(ConvertOptions) if f.init and f.name != "probe")
+
+
+def _check_names(kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown conversion option(s) {', '.join(unknown)}; the options are "
+                        f"{', '.join(OPTION_NAMES)}")
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, str):
+        return [value]
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _record_explicit(cls: type) -> type:
+    """Wrap the dataclass __init__ so each object knows which fields were passed, not defaulted."""
+    init = cls.__init__
+    names = [f.name for f in fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._explicit = frozenset(names[:len(args)]) | frozenset(kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+_record_explicit(ConvertOptions)
+
+
+def resolve_options(options: ConvertOptions | None, probe: Any, overrides: dict) -> tuple[ConvertOptions, Any]:
+    """``convert(model, options, probe=..., **overrides)`` → (the options to use, the probe or None)."""
+    if options is None:
+        _check_names(overrides)
+        return ConvertOptions(**overrides), probe
+    if not isinstance(options, ConvertOptions):
+        raise TypeError(f"options must be a ConvertOptions, got {type(options).__name__}")
+    if probe is not None and options.probe is not None and probe is not options.probe:
+        raise TypeError("convert(): probe= conflicts with the (deprecated) ConvertOptions(probe=...); give it once")
+    merged = options.with_overrides(**overrides)  # rebuilt even without overrides: fields set later are checked
+    return merged, probe if probe is not None else options.probe

@@ -18,8 +18,10 @@ def fmt_bytes(n: float) -> str:
 @dataclass
 class ConversionReport:
     plan: Plan
-    verified: bool | None = None  # None: not verified (meta device or verify=False)
-    relative_error: float | None = None
+    verified: bool | None = None  # True: passed; False: failed; None: not run, or cannot verify (see below)
+    #: "passed", "failed", "cannot verify" (the original outputs are non-finite everywhere) or "not run"
+    verification: str = "not run"
+    relative_error: float | None = None  # over the finite outputs; None when nothing finite was compared
     rtol: float | None = None
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
@@ -34,6 +36,18 @@ class ConversionReport:
     @property
     def predicted_saved_bytes_per_unit(self) -> float:
         return self.plan.predicted_saved_bytes / max(1, self.plan.probe_tokens)
+
+    def _verification_line(self) -> str:
+        if self.verification == "not run":
+            return "verification: not run" + (f" ({self.notes[0]})" if self.notes else "")
+        if self.verification == "cannot verify":
+            return "verification: CANNOT VERIFY (" + next((n for n in self.notes if "non-finite" in n or "NaN" in n),
+                                                         "nothing finite to compare") + ")"
+        err = "n/a" if self.relative_error is None else f"{self.relative_error:.2e}"
+        line = (f"verification: {'passed' if self.verification == 'passed' else 'FAILED'}; relative output error "
+                f"{err} (tolerance {self.rtol:.0e})")
+        diff = next((n for n in self.notes if n.startswith("converted outputs differ")), None)
+        return line + (f"; {diff}" if diff and self.verification != "passed" else "")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -76,11 +90,7 @@ class ConversionReport:
             lines.append(f"already converted: {len(p.already_converted)} modules")
         for label, err in self.rolled_back:
             lines.append(f"rolled back: {label} (changed outputs, relative error {err:.2e})")
-        if self.verified is None:
-            lines.append("verification: not run" + (f" ({self.notes[0]})" if self.notes else ""))
-        else:
-            lines.append(f"verification: {'passed' if self.verified else 'FAILED'}; relative output error "
-                         f"{self.relative_error:.2e} (tolerance {self.rtol:.0e})")
+        lines.append(self._verification_line())
         lines.append(f"predicted activation memory saved: {fmt_bytes(self.plan.predicted_saved_bytes)} on the "
                      f"probe, {fmt_bytes(self.predicted_saved_bytes_per_unit)} per {p.probe_unit} "
                      "(analytic; exact counts: lmbp_convert.memory.SavedTensorLedger)")

@@ -1,7 +1,10 @@
-"""``convert(model)``: see → decide → rewrite → prove, in place, all-or-nothing per rewrite."""
+"""``convert(model)``: see → decide → rewrite → prove, in place; each rewrite is kept only if verified, and the
+whole call is a transaction (any exception restores the model)."""
 from __future__ import annotations
 
+import difflib
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -12,12 +15,13 @@ from ..errors import NothingToConvertError
 from ..match.plan import Plan
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
-from ..options import ConvertOptions
+from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.probe import make_probe
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
-from .verify import default_rtol, eval_mode, relative_error, run_probe
+from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
+                     run_probe)
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk.
 CONFIG_KEY = "lmbp_convert"
@@ -36,15 +40,20 @@ def prefolded_norms(model: nn.Module) -> set[str]:
     return set()
 
 
-def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, **kwargs: Any) -> tuple[Plan, Any, Any]:
+def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
+                    **overrides: Any) -> tuple[Plan, Any, Any]:
     """Trace and plan without changing anything. Returns (plan, probe, reference output)."""
-    opt = options if options is not None else ConvertOptions(**kwargs)
+    opt, probe = resolve_options(options, probe, overrides)
+    return _plan(model, opt, probe)
+
+
+def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> tuple[Plan, Any, Any]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     cat = load_catalogue()
     roles = assign_roles(model, cat)
-    if opt.probe is not None:
-        probe, count, unit = opt.probe, 0, "sample"
+    if probe is not None:
+        count, unit = 0, "sample"
     else:
         probe, count, unit = make_probe(model)
     with eval_mode(model):
@@ -54,6 +63,29 @@ def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, **k
     plan.probe_unit = unit
     _mark_prefolded(model, plan)
     return plan, probe, out
+
+
+def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
+    """include/exclude patterns that name no module are a typo or a different model: say which (an error when
+    no include pattern matches, since then nothing can be converted; a warning otherwise)."""
+    names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+    inc, exc = opt.unmatched(names)
+    what = type(model).__name__
+
+    def hint(pats: list[str]) -> str:
+        close = [m for p in pats for m in difflib.get_close_matches(p, names, n=2, cutoff=0.6)]
+        if close:
+            return f"closest names: {', '.join(dict.fromkeys(close))}"
+        return f"names are full dotted paths, e.g. {', '.join(names[-3:])}; a regular expression must match a whole name"
+
+    if inc and len(inc) == len(opt.include or []):
+        raise NothingToConvertError(f"nothing to convert in {what}: include={inc!r} matches no module ({hint(inc)})")
+    if inc:
+        warnings.warn(f"include pattern(s) {inc!r} match no module of {what} ({hint(inc)})", UserWarning,
+                      stacklevel=3)
+    if exc:
+        warnings.warn(f"exclude pattern(s) {exc!r} match no module of {what}, so they exclude nothing ({hint(exc)})",
+                      UserWarning, stacklevel=3)
 
 
 def _batch_of(probe: Any) -> int:
@@ -84,28 +116,31 @@ def _mark_prefolded(model: nn.Module, plan: Plan) -> None:
     plan.norm_folds = keep
 
 
-def convert(model: nn.Module, options: ConvertOptions | None = None, *, return_report: bool = False,
-            **kwargs: Any):
+def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
+            return_report: bool = False, **overrides: Any):
     """Convert ``model`` in place for memory-lean fine-tuning and return it.
 
     Approximate-backprop activations replace GELU/SiLU modules; memory-sharing norms replace LayerNorm/RMSNorm
     whose output feeds Linear layers, with the affine folded into those Linears (and re-applied on any other
     branch, e.g. the residual of a post-LN encoder); gated MLPs use the memory-sharing fused op.
-    Options: see ``ConvertOptions`` (activations, norms, gated_mlp, bits, include, exclude, probe, verify,
-    rtol, untie), given as a ConvertOptions or as keyword arguments.
+    Options: a ``ConvertOptions`` and/or its fields as keyword arguments (merged; a keyword contradicting a
+    value the options object was built with is a TypeError). ``probe``: the input of the tracing and
+    verification forwards when the model's config cannot provide one.
 
-    All analysis happens before the first change; on any error the model is as it was. Each rewrite is
-    checked on the probe against the original outputs and rolled back if it changes them. The report is
-    returned with ``return_report=True`` and kept as ``model.lmbp_report``.
+    All analysis happens before the first change. From the first change on, convert() is a transaction: on any
+    exception (including KeyboardInterrupt) the model is restored exactly and the exception re-raised. Each
+    rewrite is checked on the probe against the original outputs and rolled back if it changes them. The
+    report is returned with ``return_report=True`` and kept as ``model.lmbp_report``.
     """
     t0 = time.perf_counter()
-    opt = options if options is not None else ConvertOptions(**kwargs)
-    plan, probe, reference = plan_conversion(model, opt)
+    opt, probe = resolve_options(options, probe, overrides)
+    if isinstance(model, nn.Module):
+        _check_patterns(model, opt)
+    plan, probe, reference = _plan(model, opt, probe)
     report = ConversionReport(plan)
     if plan.empty:
         if plan.already_converted:
             report.notes.append("nothing left to convert: the model is already converted")
-            report.verified = None
             report.seconds = time.perf_counter() - t0
             _attach(model, report)
             return (model, report) if return_report else model
@@ -122,43 +157,106 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, return_r
         units.append((builder.norm(n), n))
     for a in plan.act_swaps:
         units.append((builder.activation(a), a))
-    for u, _ in units:  # everything prepared: from here on only references change
-        u.apply()
-    meta = _is_meta(model)
-    if meta or not opt.verify:
-        report.notes.append("meta device: planned and swapped, no weights to verify" if meta else "verify=False")
-    else:
-        rtol = opt.rtol if opt.rtol is not None else default_rtol(model)
-        report.rtol = rtol
-        try:
-            err = relative_error(run_probe(model, probe), reference)
-        except Exception as exc:  # a rewrite broke the forward: find it below
-            err = float("inf")
-            report.notes.append(f"converted forward raised {type(exc).__name__}: {exc}")
-        if err > rtol:
-            err = _isolate_failures(model, probe, reference, units, rtol, report)
-        report.verified = err <= rtol
-        report.relative_error = err
-    report.seconds = time.perf_counter() - t0
-    _attach(model, report)
+    params_before = dict(_params(model))
+    had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
+    try:  # everything prepared: from here on only references change, and any exception undoes them all
+        for u, _ in units:
+            u.apply()
+        _verify(model, probe, reference, units, opt, report)
+        _warn_orphans(model, params_before)
+        report.seconds = time.perf_counter() - t0
+        _attach(model, report)
+    except BaseException as exc:
+        _restore(model, units, had_report, old_report, exc)
+        raise
     return (model, report) if return_report else model
 
 
-def _isolate_failures(model, probe, reference, units, rtol, report) -> float:
+def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: ConvertOptions,
+            report: ConversionReport) -> None:
+    """Compare the converted outputs with the original's; roll back what changes them. A NaN is never a pass."""
+    if _is_meta(model) or not opt.verify:
+        report.notes.append("meta device: planned and swapped, no weights to verify" if _is_meta(model)
+                            else "verify=False")
+        return
+    rtol = opt.rtol if opt.rtol is not None else default_rtol(model)
+    report.rtol = rtol
+    cmp = compare_outputs(run_probe(model, probe), reference)
+    if cmp.verdict(rtol) == FAILED:
+        cmp = _isolate_failures(model, probe, reference, units, rtol, report)
+    report.verification = cmp.verdict(rtol)
+    report.verified = {PASSED: True, FAILED: False}.get(report.verification)
+    report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
+    if cmp.mismatch:
+        report.notes.append(f"converted outputs differ: {cmp.mismatch}")
+    if report.verification == CANNOT_VERIFY:
+        why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
+               "probe?): nothing to compare, the rewrites are unchecked")
+        report.notes.append(why)
+        warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
+
+
+def _isolate_failures(model, probe, reference, units, rtol, report) -> Comparison:
     """Undo everything, then re-apply unit by unit, keeping only those that leave outputs unchanged."""
     for u, _ in reversed(units):
         u.undo()
     for u, item in units:
         u.apply()
-        try:
-            err = relative_error(run_probe(model, probe), reference)
-        except Exception:
-            err = float("inf")
-        if err > rtol:
+        cmp = compare_outputs(run_probe(model, probe), reference)
+        if cmp.verdict(rtol) == FAILED:
             u.undo()
-            report.rolled_back.append((u.label, err))
+            report.rolled_back.append((u.label, cmp.error))
             _drop(report.plan, item)
-    return relative_error(run_probe(model, probe), reference)
+    return compare_outputs(run_probe(model, probe), reference)
+
+
+def _restore(model: nn.Module, units: list, had_report: bool, old_report: Any, exc: BaseException) -> None:
+    """Undo every applied unit (newest first) and the report attribute; keep going if an undo is interrupted."""
+    failed = []
+    for u, _ in reversed(units):
+        try:
+            u.undo()
+        except BaseException as undo_exc:  # noqa: BLE001 - restore as much as possible, then re-raise the cause
+            failed.append(f"{u.label} ({type(undo_exc).__name__})")
+    if had_report:
+        object.__setattr__(model, REPORT_ATTR, old_report)
+    else:
+        model.__dict__.pop(REPORT_ATTR, None)
+    note = ("lmbp_convert: convert() was interrupted after it began rewriting; the model was restored to its "
+            "state before convert()")
+    if failed:
+        note = f"lmbp_convert: convert() was interrupted and could not undo {', '.join(failed)}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+def _params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+def _warn_orphans(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
+    """An optimizer built before convert() holds parameters the model no longer has and misses new ones. We
+    cannot see optimizers, but gradients on the parameters say one has probably run: then warn."""
+    if not any(p.grad is not None for p in before.values()):
+        return
+    now = {id(p) for _, p in _params(model)}
+    old = {id(p) for p in before.values()}
+    gone = sorted(n for n, p in before.items() if id(p) not in now and p.requires_grad)
+    new = sorted(n for n, p in _params(model) if id(p) not in old and p.requires_grad)
+    if not (gone or new):
+        return
+
+    def names(xs):
+        return ", ".join(xs[:4]) + (f" and {len(xs) - 4} more" if len(xs) > 4 else "")
+
+    parts = []
+    if gone:
+        parts.append(f"{names(gone)} are no longer parameters of the model (folded norms hold identity buffers)")
+    if new:
+        parts.append(f"{names(new)} are new parameters")
+    warnings.warn("convert() ran on a model whose parameters already have gradients, so an optimizer may exist: "
+                  + "; ".join(parts) + ". An optimizer built before convert() keeps updating the old tensors and "
+                  "never sees the new ones: build (or rebuild) it after convert()", UserWarning, stacklevel=3)
 
 
 def _drop(plan: Plan, item) -> None:

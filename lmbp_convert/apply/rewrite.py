@@ -17,6 +17,12 @@ from ..match.plan import ActSwap, GatedMLPSwap, NormFold
 from .hooks import ReapplyInput, ReapplyOutput
 
 
+#: per-module hook registries carried from a swapped module to its replacement (state-dict hooks are not:
+#: the replacement's state is not the original's)
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+              "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
 def module_aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(module) → every (parent, attribute) that references it (shared modules have several)."""
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -37,11 +43,13 @@ class Unit:
     applied: bool = False
 
     def apply(self) -> None:
+        """Do every step; on any exception undo them (an interrupted step too: undos are idempotent and
+        harmless on a step that did not happen, so an interrupt between a step and its bookkeeping is safe)."""
         done = []
         try:
             for do, undo in self.steps:
-                do()
                 done.append(undo)
+                do()
         except BaseException:
             for undo in reversed(done):
                 undo()
@@ -49,6 +57,7 @@ class Unit:
         self.applied = True
 
     def undo(self) -> None:
+        """Undo every step; idempotent, so an interrupted undo can simply be run again."""
         if self.applied:
             for _, undo in reversed(self.steps):
                 undo()
@@ -65,11 +74,29 @@ class UnitBuilder:
     def swap_module(self, unit: Unit, name: str, new: nn.Module) -> None:
         old = self.modules[name]
         new.train(old.training)
+        self.carry_hooks(unit, old, new)
         for parent, attr in self.aliases.get(id(old), []):
             unit.steps.append((
                 lambda p=parent, a=attr, n=new: setattr(p, a, n),
                 lambda p=parent, a=attr, o=old: setattr(p, a, o),
             ))
+
+    @staticmethod
+    def carry_hooks(unit: Unit, old: nn.Module, new: nn.Module) -> None:
+        """The user's forward (pre-)hooks and backward hooks on ``old`` run on ``new``. The planner has refused
+        swaps where a hook's meaning would change (hooks seeing a norm's output, whose affine is folded away).
+        ``new`` shares ``old``'s hook dictionaries, so the user's handles still remove them."""
+        for attr in HOOK_DICTS:
+            mine, theirs = getattr(new, attr), getattr(old, attr)
+            if not theirs:
+                continue
+            shared = theirs if not mine else type(theirs)([*theirs.items(), *mine.items()])
+            unit.steps.append((lambda a=attr, v=shared: setattr(new, a, v),
+                               lambda a=attr, v=mine: setattr(new, a, v)))
+        if old._backward_hooks:
+            flag = new._is_full_backward_hook
+            unit.steps.append((lambda: setattr(new, "_is_full_backward_hook", old._is_full_backward_hook),
+                               lambda f=flag: setattr(new, "_is_full_backward_hook", f)))
 
     @staticmethod
     def swap_data(unit: Unit, param: torch.Tensor, new: torch.Tensor) -> None:
@@ -85,26 +112,41 @@ class UnitBuilder:
 
     @staticmethod
     def set_attr(unit: Unit, obj: nn.Module, attr: str, value) -> None:
-        had = attr in obj._parameters or attr in obj._buffers or attr in obj.__dict__
-        old = getattr(obj, attr, None)
+        """Set a parameter/attribute; undo puts back the module's registries exactly (membership and order, so
+        ``named_parameters()`` and state_dict order, and a ``bias=None`` slot, come back as they were)."""
+        saved: list = []
 
         def do(o=obj, a=attr, v=value):
+            saved[:] = [dict(o._parameters), dict(o._buffers), a in o.__dict__, o.__dict__.get(a)]
             if a in o._parameters and not isinstance(v, nn.Parameter):
                 del o._parameters[a]
             setattr(o, a, v)
 
-        def undo(o=obj, a=attr, v=old, h=had):
-            if a in o._parameters:
-                del o._parameters[a]
-            if h:
-                setattr(o, a, v)
+        def undo(o=obj, a=attr):
+            if not saved:
+                return
+            params, buffers, in_dict, plain = saved
+            o._parameters.clear()
+            o._parameters.update(params)
+            o._buffers.clear()
+            o._buffers.update(buffers)
+            o.__dict__.pop(a, None)
+            if in_dict:
+                o.__dict__[a] = plain
+            saved.clear()
 
         unit.steps.append((do, undo))
 
     @staticmethod
     def add_hook(unit: Unit, register: Callable[[], torch.utils.hooks.RemovableHandle]) -> None:
         box: list = []
-        unit.steps.append((lambda: box.append(register()), lambda: box.pop().remove()))
+
+        def undo() -> None:
+            while box:
+                box[-1].remove()
+                box.pop()
+
+        unit.steps.append((lambda: box.append(register()), undo))
 
     # -- units ----------------------------------------------------------------------------------
     def activation(self, swap: ActSwap) -> Unit:
@@ -156,14 +198,15 @@ class UnitBuilder:
                                           nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
                         else:
                             self.swap_data(unit, lin.bias, b_new)
-        for site in fold.reapply:
+        for site in fold.reapply:  # prepended: a user's hooks there see what they saw before the fold
             if site.kind == "root_output":
                 hook = ReapplyOutput(new, site.paths)
-                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h))
+                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h, prepend=True))
             else:
                 hook = ReapplyInput(new, site.position, site.keyword)
                 target = self.modules[site.module]
-                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True))
+                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
+                                                                                          prepend=True))
         return unit
 
     def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:

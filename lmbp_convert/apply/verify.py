@@ -1,13 +1,25 @@
-"""Compare a model's outputs on the probe with reference outputs (eval mode, no grad)."""
+"""Compare a model's outputs on the probe with reference outputs (eval mode, no grad).
+
+The comparison cannot be fooled by non-finite values: finite reference positions are compared by relative
+error, non-finite ones must match exactly (NaN where NaN, the same sign of inf), and when no finite reference
+value is left there is nothing to compare, which is a verdict of its own ("cannot verify"), never a pass.
+"""
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from ..trace.tracer import call_model
+
+PASSED = "passed"
+FAILED = "failed"
+CANNOT_VERIFY = "cannot verify"
+NOT_RUN = "not run"
 
 
 def _float_tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -47,20 +59,61 @@ def run_probe(model: nn.Module, probe: Any) -> Any:
         return call_model(model, probe)
 
 
-def relative_error(out: Any, ref: Any) -> float:
-    """max over output tensors of ‖out − ref‖ / ‖ref‖ (inf on a shape mismatch or a new nan)."""
+@dataclass(frozen=True)
+class Comparison:
+    """Outputs vs reference. ``error`` is never NaN: inf when the outputs differ in structure or in their
+    non-finite positions; ``compared`` counts the finite reference values the error is taken over."""
+
+    error: float
+    compared: int
+    mismatch: str | None = None  # why the outputs differ beyond numbers (structure, non-finite positions)
+
+    def verdict(self, rtol: float) -> str:
+        if self.mismatch is not None:
+            return FAILED
+        if self.compared == 0:
+            return CANNOT_VERIFY
+        return PASSED if self.error <= rtol else FAILED  # error is never NaN (see compare_outputs)
+
+
+def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """True unless x is NaN exactly where y is, +inf where y is, -inf where y is (so finite where y is)."""
+    return bool((torch.isnan(x) != torch.isnan(y)).any() or (torch.isposinf(x) != torch.isposinf(y)).any()
+                or (torch.isneginf(x) != torch.isneginf(y)).any())
+
+
+def _relative(x: torch.Tensor, y: torch.Tensor) -> float:
+    """‖x − y‖ / ‖y‖ over finite values, computed on a common scale so that no norm overflows."""
+    scale = float(y.abs().max()) if y.numel() else 0.0
+    if scale == 0.0 or not math.isfinite(scale):
+        return 0.0 if bool(torch.equal(x, y)) else math.inf
+    num = float(torch.linalg.vector_norm((x - y) / scale))
+    den = float(torch.linalg.vector_norm(y / scale))
+    err = num / den
+    return err if math.isfinite(err) else math.inf
+
+
+def compare_outputs(out: Any, ref: Any) -> Comparison:
+    """Compare every floating-point tensor of ``out`` with the one at the same place in ``ref``."""
     a, b = _float_tensors(out, []), _float_tensors(ref, [])
     if len(a) != len(b):
-        return float("inf")
-    worst = 0.0
-    for x, y in zip(a, b):
+        return Comparison(math.inf, 0, f"{len(a)} floating-point outputs instead of {len(b)}")
+    worst, compared = 0.0, 0
+    for i, (x, y) in enumerate(zip(a, b)):
         if x.shape != y.shape:
-            return float("inf")
+            return Comparison(math.inf, compared, f"output {i} has shape {tuple(x.shape)}, not {tuple(y.shape)}")
         x, y = x.detach().double(), y.detach().double()
-        if (torch.isnan(x) != torch.isnan(y)).any():
-            return float("inf")
-        mask = ~torch.isnan(y)
-        num = torch.linalg.vector_norm((x - y)[mask])
-        den = torch.linalg.vector_norm(y[mask]).clamp_min(1e-30)
-        worst = max(worst, float(num / den))
-    return worst
+        if _nonfinite_mismatch(x, y):
+            return Comparison(math.inf, compared, f"output {i} has NaN/inf at other positions than the original")
+        finite = torch.isfinite(y)
+        n = int(finite.sum())
+        if n == 0:
+            continue
+        compared += n
+        worst = max(worst, _relative(x[finite], y[finite]))
+    return Comparison(worst, compared)
+
+
+def relative_error(out: Any, ref: Any) -> float:
+    """Relative error of ``out`` against ``ref`` (inf on any mismatch; NaN never)."""
+    return compare_outputs(out, ref).error

@@ -14,6 +14,7 @@ from typing import Iterator
 from ..catalogue import class_key
 from .commute import is_metadata, op_short
 from .plan import GatedMLPSwap, Skip
+from .roles import user_hooks
 
 FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -86,6 +87,10 @@ def _match(planner, sc, nodes, act):
     # -- it is a gated MLP: from here on, a reason is reported when it cannot be converted ----------------
     if planner.g.module_calls.get(sc.module, 0) != 1:
         return f"gated MLP called {planner.g.module_calls.get(sc.module)} times per forward"
+    hooks = user_hooks(planner.modules[act.target])
+    if hooks or planner.modules[act.target]._forward_pre_hooks:
+        return (f"activation {act.target} has hooks registered, which the fused op would not run (it computes "
+                "the activation itself); the activation is converted on its own")
     act_kind = planner.roles[act.target].act
     if act_kind not in FUSED_ACTS:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
+import torch
 from torch import nn
 
 from ..catalogue import class_key
@@ -11,7 +12,7 @@ from ..options import ConvertOptions
 from ..trace.graph import Graph, Node
 from .commute import Block, Pass, is_metadata, op_short, step
 from .plan import ActSwap, LinearTarget, NormFold, Plan, ReapplySite, Skip
-from .roles import Role
+from .roles import Role, quantized_linear, user_hooks
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -92,6 +93,9 @@ class Planner:
             return f"{name} takes the norm output as a secondary argument"
         if self.opt.excluded(name):
             return f"{name} is excluded by the options"
+        if any(not type(h).__module__.startswith("lmbp_convert") for h in mod._forward_pre_hooks.values()):
+            return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
+                    "affine (folded into its weight)")
         if self.g.module_calls.get(name, 0) != 1:
             return f"{name} is called {self.g.module_calls.get(name, 0)} times per forward"
         if lora is not None:
@@ -99,9 +103,12 @@ class Planner:
             if problem:
                 return problem
             mod = getattr(mod, lora["base"])
+        quantized = quantized_linear(mod)
+        if quantized:
+            return f"consumer {name} is a quantized Linear ({quantized}): its weight cannot be folded"
         w = getattr(mod, "weight", None)
-        if w is None or not w.is_floating_point():
-            return f"{name} has weights that cannot be rewritten ({getattr(w, 'dtype', None)}, e.g. quantized)"
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            return f"{name} has weights that cannot be rewritten ({getattr(w, 'dtype', None)})"
         owners = self.param_owners.get(id(w), [])
         if len(owners) > 1 and not self.opt.untie:
             return f"{name}.weight is tied to {', '.join(o for o in owners if not o.startswith(name + '.'))} (untie=True would fold into an untied copy)"
@@ -130,6 +137,11 @@ class Planner:
 
     def _plan_norm(self, name: str, mod: nn.Module, role: Role) -> None:
         nr = role.norm
+        hooks = user_hooks(mod)
+        if hooks:  # their meaning would change: the output loses its affine, which moves into the next Linears
+            return self._skip(name, mod, f"has {', '.join(hooks)} registered, which would see the normalised "
+                                         "output without its affine (folded into the next Linears); remove them "
+                                         "or exclude this norm")
         calls = self.g.module_calls.get(name, 0)
         if calls == 0:
             return self._skip(name, mod, "not called by the probe forward")
@@ -189,6 +201,10 @@ class Planner:
                         for o in c.outputs:
                             frontier.append((o, axis, via + [c.target]))
                         continue
+                    quantized = quantized_linear(self.modules[c.target]) if axis == ndim - 1 else None
+                    if quantized:
+                        blocks.append(f"consumer {c.target} is a quantized Linear ({quantized}): its weight "
+                                      "cannot be folded")
                     others.append((c, tid, axis, c.target))
                     continue
                 if c.inputs and c.inputs[0] != tid and op_short(c).endswith("_as"):
@@ -208,8 +224,13 @@ class Planner:
         if inplace:
             return self._skip(name, mod, f"output modified in place ({'; '.join(sorted(set(inplace)))})")
         if not targets:
+            quantized = sorted({b for b in blocks if "quantized Linear" in b})
             why = "no Linear consumer reachable through affine-commuting ops"
-            if blocks:
+            if quantized:  # the real cause first: there are Linear consumers, but their weights are quantized
+                rest = sorted(set(blocks) - set(quantized))
+                why = "; ".join(quantized) + " (no other Linear consumer reachable through affine-commuting ops" + (
+                    f"; blocked: {'; '.join(rest)})" if rest else ")")
+            elif blocks:
                 why += f" (blocked: {'; '.join(sorted(set(blocks)))})"
             return self._skip(name, mod, why)
         sites: dict[tuple, ReapplySite] = {}

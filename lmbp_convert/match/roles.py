@@ -26,7 +26,7 @@ class NormRole:
 
 @dataclass(frozen=True)
 class Role:
-    kind: str  # "activation" | "norm" | "linear" | "dropout" | "identity" | "other"
+    kind: str  # "activation" | "norm" | "linear" | "quantized_linear" | "dropout" | "identity" | "other"
     act: str | None = None
     norm: NormRole | None = None
     layout: str | None = None  # linear weight layout: "out_in" (nn.Linear) or "in_out" (HF Conv1D)
@@ -91,6 +91,31 @@ def identify_norm(module: nn.Module, entry: dict, eps: float | None) -> NormRole
     return f"behaviour does not match {expected} norm over the last dim (catalogue entry wrong or exotic norm)"
 
 
+def quantized_linear(module: nn.Module) -> str | None:
+    """How a Linear-like layer (an nn.Linear subclass, or a module with in/out_features) stores its weight when
+    that is not a floating-point tensor — bitsandbytes Linear4bit/Linear8bitLt, GPTQ/AWQ ``qweight`` ... —, found
+    by behaviour, not by class name. None for anything else."""
+    if not (isinstance(module, nn.Linear) or (hasattr(module, "in_features") and hasattr(module, "out_features"))):
+        return None
+    cls = f"{type(module).__module__.split('.')[0]} {type(module).__name__}"
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor):
+        if getattr(w, "quant_state", None) is not None:  # 4-bit codes in a float storage dtype (FSDP QLoRA)
+            return f"{cls}, weight is a quantized {type(w).__name__} stored as {w.dtype}"
+        return None if w.is_floating_point() else f"{cls}, weight stored as {w.dtype}"
+    for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if t.dim() == 2 and not t.is_floating_point():
+            return f"{cls}, {name} stored as {t.dtype}"
+    return None
+
+
+def user_hooks(module: nn.Module) -> list[str]:
+    """The forward hooks and backward hooks on a module: they see its output (or the gradient of it)."""
+    kinds = [("forward hook", module._forward_hooks), ("backward hook", module._backward_hooks),
+             ("backward pre-hook", module._backward_pre_hooks)]
+    return [f"{len(d)} {kind}{'s' if len(d) > 1 else ''}" for kind, d in kinds if d]
+
+
 def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
     """Role of every named module (first name of shared modules)."""
     roles: dict[str, Role] = {}
@@ -117,6 +142,8 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     layout = cat.linear_layout(mod)
     if layout is not None:
         return Role("linear", layout=layout)
+    if quantized_linear(mod):  # traced as one node, so the planner sees the layer, not its dequantising ops
+        return Role("quantized_linear")
     lora = cat.lora_entry(mod)
     if lora is not None:
         base = getattr(mod, lora["base"], None)
