@@ -126,6 +126,36 @@ def test_real_converted_model_loads_original_weights(name):
     assert _rel(_out(model, probe), _out(other.eval(), probe)) < 1e-5
 
 
+@pytest.mark.parametrize("name", ["gpt2_untied", "timm_swin"])
+def test_real_converted_model_takes_a_sharded_original_checkpoint_then_its_own(name):
+    """Shards of another original checkpoint in a shuffled order, one key per call, then the model's own state
+    dict the same way: right outputs, then every tensor back bit for bit (nothing folded twice)."""
+    import random
+
+    ref = _build(name).eval()
+    probe, _, _ = make_probe(ref, batch=2, seq=9)
+    model = copy.deepcopy(ref)
+    convert(model)
+    other = _build(name)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    rng = random.Random(0)
+
+    def load_one_key_at_a_time(sd):
+        keys = list(sd)
+        rng.shuffle(keys)
+        for k in keys:
+            model.load_state_dict({k: sd[k]}, strict=False)
+
+    load_one_key_at_a_time(other.state_dict())
+    assert _rel(_out(model, probe), _out(other.eval(), probe)) < 1e-5
+    own = {k: v.clone() for k, v in model.state_dict().items()}
+    load_one_key_at_a_time(own)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+
+
 def test_checkpoint_written_by_the_cli_loads_unchanged(tmp_path):
     """A DST of ``lmbp-convert`` (identity norms, folded Linears) loaded into a meta-converted model: nothing is
     folded twice."""
@@ -155,3 +185,18 @@ def test_unexpressible_shift_is_an_error_not_a_silent_model():
     sd["transformer.ln_f.bias"][0] = 1.0
     with pytest.raises(RuntimeError, match="γ = 0"):
         model.load_state_dict(sd)
+
+
+def test_transformers_sharded_loader_folds_the_original_checkpoint(tmp_path):
+    """transformers' own per-shard loader (``load_sharded_checkpoint``, what Trainer resume uses) into a model
+    converted on meta: each shard is one ``load_state_dict(strict=False)`` call."""
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    ref = _build("gpt2_untied").eval()
+    ref.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3
+    model, _ = _meta_converted("gpt2_untied")
+    load_sharded_checkpoint(model, tmp_path, strict=True)
+    _fill_non_persistent(model, ref, ref.state_dict())
+    probe, _, _ = make_probe(ref, batch=2, seq=9)
+    assert _rel(_out(model, probe), _out(ref, probe)) < 1e-5
