@@ -33,7 +33,7 @@ from .errors import ConversionError
 from .fold import effective_scale
 from .report import ConversionReport
 
-__all__ = ["ExportError", "plain_state_dict", "save_pretrained"]
+__all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
 
 #: relative residual ‖W'·β* − b'‖ / ‖b'‖ up to which a bias moved back into a norm's shift counts as exact
 DEFAULT_RTOL = 1e-4
@@ -139,6 +139,19 @@ def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None
     return sd
 
 
+def saves_plainly(model: nn.Module) -> bool:
+    """Is ``model.state_dict()`` already a plain checkpoint (so plain ``save_pretrained`` / ``torch.save`` and a
+    plain load give the same outputs)? True unless a converted norm keeps γ, β as parameters (its affine is
+    re-applied on another branch) *and* is folded into Linears — post-LN models (BERT, RoBERTa). Those need
+    ``save_pretrained`` / ``plain_state_dict`` from this module."""
+    reports = [r for _, mod in model.named_modules() for r in _chain(getattr(mod, REPORT_ATTR, None))]
+    if any(f.targets and f.reapply for r in reports for f in r.plan.norm_folds):
+        return False
+    keeps_affine = any(_is_ms_norm(m) and isinstance(m._parameters.get("weight"), nn.Parameter)
+                       for m in model.modules())
+    return bool(reports) or not keeps_affine
+
+
 def _is_ms_norm(mod: nn.Module) -> bool:
     return type(mod).__module__.startswith("lmbp_convert.nn") and hasattr(mod, "normalized_shape")
 
@@ -176,9 +189,9 @@ def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: floa
         w = _unfold_scale(w_fold, gamma.to(w_fold.device), t.layout)
         sd[wk] = w.to(lin.weight.dtype)
         b = lin.bias.detach().to(torch.float64) if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
-        if beta is not None and b is not None:
+        if beta is not None and b is not None and getattr(fold, "beta", "fold") == "fold":
             b = b - _matvec(w, beta.to(w.device), t.layout)
-        if t.adds_bias:  # the plain Linear has no bias: what is left of b' must be nothing
+        if t.adds_bias and fold.beta == "fold":  # the plain Linear has no bias: what is left of b' must be nothing
             if b is not None:
                 _require_small(b, lin.bias.detach().to(torch.float64).norm(), rtol, lname)
             sd.pop(bk, None)
@@ -198,7 +211,7 @@ def _require_small(residual: torch.Tensor, scale: torch.Tensor, rtol: float, wha
 def _move_added_bias(sd: dict, fold, norm_name: str, norm: nn.Module, targets: list, rtol: float) -> None:
     """Identity norm: move the biases a fold added to bias-less Linears back into the norm's shift."""
     added = [(t, n, lin) for t, n, lin in targets if t.adds_bias]
-    if not added:
+    if not added or getattr(fold, "beta", "fold") != "fold":  # "shift": β is the norm's own entry already
         return
     bias_key = _key(norm_name, "bias")
     if bias_key not in sd:

@@ -59,3 +59,28 @@ def apply_affine(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None
     """γ ⊙ x + β over the last dim, in the usual type-promotion (used where the affine is re-applied)."""
     y = x * gamma
     return y + beta if beta is not None else y
+
+
+def shift_of(weight: torch.Tensor, beta: torch.Tensor, layout: str = "out_in") -> torch.Tensor:
+    """W·β: what a shift β before a Linear adds to its output (differentiable; in the weight's dtype, so
+    autocast casts it like the Linear's own weight)."""
+    if layout == "out_in":
+        return torch.nn.functional.linear(beta.to(weight.dtype), weight)
+    if layout == "in_out":
+        return beta.to(weight.dtype) @ weight
+    raise ValueError(f"unknown weight layout {layout!r}")
+
+
+def shift_through_scale(beta: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """β / γ: the shift that, placed *after* the scale, gives the same affine: γ·x̂ + β = γ·(x̂ + β/γ). A norm
+    folded into bias-less Linears keeps this shift (W'·(x̂ + β/γ) = W·(γ·x̂ + β) with W' = W·diag(γ)). Channels
+    with γ = 0 need β = 0 there (checked by the planner); they get 0. Computed in float64, stored as β."""
+    b, g = beta.detach().double(), gamma.detach().double().to(beta.device)
+    return torch.where(g == 0, torch.zeros_like(b), b / torch.where(g == 0, torch.ones_like(g), g)).to(beta.dtype)
+
+
+def shift_is_expressible(beta: torch.Tensor, gamma: torch.Tensor) -> bool:
+    """Can β move behind the scale (``shift_through_scale``)? Not where γ = 0 but β ≠ 0."""
+    if beta.device.type == "meta" or gamma.device.type == "meta":
+        return True
+    return not bool(((gamma.detach() == 0) & (beta.detach().to(gamma.device) != 0)).any())

@@ -59,3 +59,21 @@ def test_conv1d_layout_matches_hf_conv1d():
         conv.weight.copy_(w2)
         conv.bias.copy_(b2)
     assert torch.allclose(conv(x), ref, atol=1e-12)
+
+
+def test_shift_behind_the_scale_gives_the_same_affine():
+    from lmbp_convert.fold import shift_is_expressible, shift_of, shift_through_scale
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    gamma, beta = torch.rand(8, generator=gen) + 0.5, torch.randn(8, generator=gen)
+    shift = shift_through_scale(beta, gamma)
+    # W·(γ·x + β) = (W·diag(γ))·x + (W·diag(γ))·(β/γ)
+    w_fold = w * gamma
+    torch.testing.assert_close(x @ w_fold.T + shift_of(w_fold, shift), (x * gamma + beta) @ w.T)
+    torch.testing.assert_close(shift_of(w.T.contiguous(), beta, "in_out"), w @ beta)  # HF Conv1D layout
+    assert shift_is_expressible(beta, gamma)
+    gamma[2] = 0.0
+    assert not shift_is_expressible(beta, gamma)
+    beta[2] = 0.0
+    assert shift_is_expressible(beta, gamma) and shift_through_scale(beta, gamma)[2] == 0

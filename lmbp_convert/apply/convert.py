@@ -17,6 +17,7 @@ from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
+from ..trace.device import keeps_model_device
 from ..trace.probe import make_probe
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
@@ -40,6 +41,7 @@ def prefolded_norms(model: nn.Module) -> set[str]:
     return set()
 
 
+@keeps_model_device
 def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
                     **overrides: Any) -> tuple[Plan, Any, Any]:
     """Trace and plan without changing anything. Returns (plan, probe, reference output)."""
@@ -116,6 +118,7 @@ def _mark_prefolded(model: nn.Module, plan: Plan) -> None:
     plan.norm_folds = keep
 
 
+@keeps_model_device
 def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
             return_report: bool = False, **overrides: Any):
     """Convert ``model`` in place for memory-lean fine-tuning and return it.

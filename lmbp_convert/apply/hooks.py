@@ -1,4 +1,5 @@
-"""Forward hooks that put a folded-out affine back on the branches that are not folded Linears.
+"""Forward hooks that put a folded-out affine back on the branches that are not folded Linears, and add a
+norm's shift to the Linears that have no bias to hold it.
 
 They are callable objects (not closures) so ``copy.deepcopy`` and pickling of a converted model carry them
 with references to the copied norm, and they read γ, β from the norm module at call time, so training the
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fold import apply_affine
+from ..fold import apply_affine, shift_of
+from ..trace.tracer import wants_tuple
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -60,14 +62,81 @@ def _replace(obj: Any, path: list, fn) -> Any:
 
 
 class ReapplyOutput:
-    """Forward hook on the model: re-applies the norm's affine where its output is returned."""
+    """Forward hook on the model: re-applies the norm's affine where its output is returned.
+
+    The paths name fields of the output as the trace saw it, in dict form for models that return a
+    ``ModelOutput`` (the trace asks for ``return_dict=True``). A call that asks for a tuple (``return_dict=False``
+    or a config that says so) is run as a dict call by ``pre``; the affine is put back by field name and the
+    caller gets ``output.to_tuple()``, as the model itself would have returned — whatever the container, the
+    same fields get the affine.
+    """
 
     def __init__(self, norm: nn.Module, paths: list[list]):
         self.norm = norm
         self.paths = [list(p) for p in paths]
+        self._as_tuple: list[bool] = []  # one entry per call in flight: did ``pre`` turn a tuple call into dict?
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict):
+        flip = wants_tuple(module, kwargs)
+        self._as_tuple.append(flip)
+        if flip:
+            return args, {**kwargs, "return_dict": True}
+        return None
 
     def __call__(self, module: nn.Module, args: tuple, output: Any):
+        as_tuple = self._as_tuple.pop() if self._as_tuple else False
         gamma, beta = _affine_of(self.norm)
         for path in self.paths:
             output = _replace(output, path, lambda t: apply_affine(t, gamma, beta))
+        if as_tuple and hasattr(output, "to_tuple"):
+            output = output.to_tuple()
         return output
+
+
+class _Handles:
+    def __init__(self, *handles: torch.utils.hooks.RemovableHandle):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def register_output_reapply(model: nn.Module, hook: ReapplyOutput) -> _Handles:
+    """Register ``hook`` on the model: ``pre`` runs after earlier pre-hooks and the output hook *before* earlier
+    output hooks, so several of these nest (the first one registered converts back to a tuple, last)."""
+    return _Handles(model.register_forward_pre_hook(hook.pre, with_kwargs=True),
+                    model.register_forward_hook(hook, prepend=True))
+
+
+class AddShift:
+    """Forward hook on a Linear: adds W'·β', the norm's shift seen through this Linear's current weight.
+
+    Used when a norm with β feeds a Linear that has no bias: folding β would need a new ``bias`` entry, which a
+    plain model does not have (plain save/load would drop it). Instead the shift stays a parameter of the norm
+    and the converted forward adds W'·β' after the Linear, which still reads the shared, normalised tensor.
+    W'·β' reads only parameters: nothing new is kept for backward.
+
+    With the norm's affine folded away, the norm holds β' = β/γ (its state dict then is a plain norm with γ = 1
+    and that shift, so plain save/load gives W'·(x̂ + β') — the same function). A norm whose affine is also
+    re-applied elsewhere keeps γ, β themselves; then β' = β/γ is formed here from their current values.
+    """
+
+    def __init__(self, norm: nn.Module, layout: str, behind_scale: bool = False):
+        self.norm = norm
+        self.layout = layout
+        self.behind_scale = behind_scale  # the norm holds γ, β (re-applied elsewhere): use β/γ
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any):
+        if not isinstance(output, torch.Tensor):
+            return None
+        if self.behind_scale:
+            gamma, beta = _affine_of(self.norm)
+            if beta is None:
+                return None
+            beta = beta / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
+        else:
+            beta = getattr(self.norm, "bias", None)
+            if not isinstance(beta, torch.Tensor):
+                return None
+        return output + shift_of(module.weight, beta, self.layout).to(output.dtype)

@@ -12,9 +12,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..fold import effective_scale, fold_affine, identity_weight_value
+from ..fold import effective_scale, fold_affine, identity_weight_value, shift_through_scale
 from ..match.plan import ActSwap, GatedMLPSwap, NormFold
-from .hooks import ReapplyInput, ReapplyOutput
+from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
+from .load_hooks import FoldOnLoad
 
 
 #: per-module hook registries carried from a swapped module to its replacement (state-dict hooks are not:
@@ -175,8 +176,11 @@ class UnitBuilder:
         else:
             ident = "one" if identity_weight_value(fold.param) == 1.0 else "zero"
             new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
-            if fold.kind == "layer" and getattr(old, "bias", None) is None and "bias" in new._buffers:
+            if fold.kind == "layer" and (bias is None or fold.beta == "shift") and "bias" in new._buffers:
                 del new._buffers["bias"]
+            if fold.beta == "shift":  # the norm keeps β/γ as its own parameter (same key); see AddShift
+                shift = shift_through_scale(bias, effective_scale(weight, fold.param))
+                new.register_parameter("bias", nn.Parameter(shift, requires_grad=bias.requires_grad))
         self.swap_module(unit, fold.name, new)
         if not fold.prefolded:
             gamma = effective_scale(weight, fold.param)
@@ -189,7 +193,8 @@ class UnitBuilder:
                         if a.weight.device.type != "meta":
                             self.swap_data(unit, a.weight, a_new)
                     lin = getattr(lin, t.base)
-                w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, bias, t.layout)
+                w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma,
+                                           bias if fold.beta == "fold" else None, t.layout)
                 if lin.weight.device.type != "meta":
                     self._set_weight(unit, lin, w_new)
                     if b_new is not None:
@@ -198,10 +203,18 @@ class UnitBuilder:
                                           nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
                         else:
                             self.swap_data(unit, lin.bias, b_new)
-        for site in fold.reapply:  # prepended: a user's hooks there see what they saw before the fold
+        loader = FoldOnLoad.for_fold(self.modules, fold)  # an unfolded checkpoint loaded later is folded too
+        self.add_hook(unit, lambda h=loader: self.model.register_load_state_dict_pre_hook(h))
+        if fold.beta == "shift":
+            for t in fold.targets:
+                lin = self.modules[t.name]
+                lin = getattr(lin, t.base) if t.base else lin
+                hook = AddShift(new, t.layout, behind_scale=bool(fold.reapply))
+                self.add_hook(unit, lambda h=hook, m=lin: m.register_forward_hook(h))
+        for site in fold.reapply:
             if site.kind == "root_output":
                 hook = ReapplyOutput(new, site.paths)
-                self.add_hook(unit, lambda h=hook: self.model.register_forward_hook(h, prepend=True))
+                self.add_hook(unit, lambda h=hook: register_output_reapply(self.model, h))
             else:
                 hook = ReapplyInput(new, site.position, site.keyword)
                 target = self.modules[site.module]

@@ -47,6 +47,9 @@ class NormFold:
     caveats: list[str] = field(default_factory=list)
     predicted_saved_bytes: int = 0
     prefolded: bool = False  # weights already folded on disk (checkpoint CLI): swap only
+    # where β goes: "fold" (into the Linears' biases), "shift" (a target has no bias: β stays the norm's own
+    # parameter and each target adds W·β after its matmul, so no state-dict key is added), "none" (no β)
+    beta: str = "fold"
 
 
 @dataclass

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..catalogue import class_key
+from ..fold import effective_scale, shift_is_expressible
 from ..options import ConvertOptions
 from ..trace.graph import Graph, Node
 from .commute import Block, Pass, is_metadata, op_short, step
@@ -153,6 +154,7 @@ class Planner:
         out = node.outputs[0]
         d = nr.shape[0]
         targets: dict[str, LinearTarget] = {}
+        target_inputs: dict[str, tuple[Node, int, int]] = {}
         others: list[tuple[Node | None, int, int, str]] = []  # consumer, tid, axis, what
         blocks: list[str] = []
         caveats: list[str] = []
@@ -187,6 +189,7 @@ class Planner:
                             targets[c.target] = LinearTarget(c.target, r.layout, list(via), adds_bias,
                                                              r.lora["base"] if r.lora else None, adapters,
                                                              r.lora["adapters_A"] if r.lora else None)
+                            target_inputs[c.target] = (c, tid, axis)
                             active_scopes.update(c.scopes)
                         else:
                             blocks.append(problem)
@@ -223,7 +226,8 @@ class Planner:
                     others.append((c, tid, axis, f"{op_short(c)} in {self._scope_name(c)}"))
         if inplace:
             return self._skip(name, mod, f"output modified in place ({'; '.join(sorted(set(inplace)))})")
-        if not targets:
+        demoted = self._reapply_small_readers(out, targets, target_inputs, others) if others else []
+        if not targets and not demoted:
             quantized = sorted({b for b in blocks if "quantized Linear" in b})
             why = "no Linear consumer reachable through affine-commuting ops"
             if quantized:  # the real cause first: there are Linear consumers, but their weights are quantized
@@ -252,10 +256,30 @@ class Planner:
         n, nbytes = _bytes(self.g, node.inputs[0])
         rows = n // d
         predicted = nbytes + (rows * 4 if nr.kind == "layer" else 0)
+        beta = "none" if not nr.has_bias else ("shift" if any(t.adds_bias for t in targets.values()) else "fold")
+        if beta == "shift" and not shift_is_expressible(mod.bias, effective_scale(mod.weight, nr.param)):
+            bare = next(t.name for t in targets.values() if t.adds_bias)
+            return self._skip(name, mod, f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel "
+                                         "where β ≠ 0 (β cannot move behind the scale)")
         self.plan.norm_folds.append(
             NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
-                     list(targets.values()), list(sites.values()), sorted(set(caveats)), predicted)
+                     list(targets.values()), list(sites.values()), sorted(set(caveats)), predicted, beta=beta)
         )
+
+    def _reapply_small_readers(self, out: int, targets: dict[str, LinearTarget],
+                               target_inputs: dict[str, tuple[Node, int, int]], others: list) -> list[str]:
+        """A norm whose affine is re-applied elsewhere keeps γ, β as parameters, so a Linear folded as well would
+        have to be unfolded for every plain checkpoint. A Linear that reads only part of the output (a token
+        slice, a pooled row: fewer elements) gets the affine re-applied at its input instead: it stays plain, at
+        the cost of keeping that small part once more for backward. Returns the Linears moved."""
+        whole = math.prod(self.g.tensors[out].shape)
+        moved = []
+        for lname, (node, tid, axis) in list(target_inputs.items()):
+            if math.prod(self.g.tensors[tid].shape) < whole:
+                del targets[lname]
+                others.append((node, tid, axis, lname))
+                moved.append(lname)
+        return moved
 
     def _scope_name(self, node: Node) -> str:
         return self.g.scopes[node.scopes[-1]].module or "<model>" if node.scopes else "<model>"

@@ -67,13 +67,13 @@ def identify_norm(module: nn.Module, entry: dict, eps: float | None) -> NormRole
     probe = probe.to(device="cpu", dtype=torch.float32)
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():
-        probe.weight.copy_(torch.rand(d, generator=gen) + 0.5)
+        probe.weight.copy_(torch.rand(d, generator=gen, device="cpu") + 0.5)
         if b is not None:
-            probe.bias.copy_(torch.randn(d, generator=gen))
+            probe.bias.copy_(torch.randn(d, generator=gen, device="cpu"))
         for name, buf in probe.named_buffers(recurse=False):
             if buf.is_floating_point() and buf.numel() and name not in ("weight", "bias"):
                 return f"norm has buffer {name!r}; not a plain LayerNorm/RMSNorm"
-        x = torch.randn(3, d, generator=gen) * 3 + 1
+        x = torch.randn(3, d, generator=gen, device="cpu") * 3 + 1
         try:
             y = probe.eval()(x)
         except Exception as exc:

@@ -174,18 +174,18 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
 
 def _byte_slope_table(const: "ApproxConstants", dtype: torch.dtype) -> torch.Tensor:
     """[256, P] table: the P slopes a packed byte stands for, so unpacking is one gather."""
-    all_bytes = torch.arange(256, dtype=torch.uint8)
+    all_bytes = torch.arange(256, dtype=torch.uint8, device="cpu")  # import-time: never the ambient device
     codes = unpack_codes(all_bytes, 256 * (8 // slot_bits(const.bits)), const.bits).long()
-    slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64)
+    slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64, device="cpu")
     return slopes[codes].view(256, -1).to(dtype)
 
 
 def _threshold_below(c: float, dtype: torch.dtype) -> float:
     """Largest value of ``dtype`` ≤ c: for x in ``dtype``, x > c ⟺ x > that value (no value lies between),
     so the code compare runs in the input's own dtype with exactly the fp32 result."""
-    t = torch.tensor(c, dtype=torch.float64).to(dtype)
+    t = torch.tensor(c, dtype=torch.float64, device="cpu").to(dtype)
     if float(t) > c:
-        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype))
+        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype, device="cpu"))
     return float(t)
 
 

@@ -20,6 +20,10 @@ def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
+# Every tensor made here is drawn on the CPU (seeded) and then moved to the model's device: an ambient default
+# device (``with torch.device("meta"):``) must not decide where a probe of a CPU model lives.
+
+
 def _first(cfg: Any, *names: str, default=None):
     for n in names:
         v = getattr(cfg, n, None)
@@ -43,14 +47,14 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int
         max_pos = _first(cfg, "max_position_embeddings", "n_positions", default=seq)
         n = max(2, min(seq, max_pos))
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (batch, n), generator=gen).to(device)
+        ids = torch.randint(0, vocab, (batch, n), generator=gen, device="cpu").to(device)
         return {"input_ids": ids}, batch * n, "token"
     if cfg is not None and main == "pixel_values":
         vcfg = getattr(cfg, "vision_config", None) or cfg
         size = _first(vcfg, "image_size", default=224)
         size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
         chans = _first(vcfg, "num_channels", default=3)
-        x = torch.randn(batch, chans, *size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        x = torch.randn(batch, chans, *size, generator=torch.Generator().manual_seed(0), device="cpu").to(device, dtype)
         return {"pixel_values": x}, batch, "image"
     pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
     if isinstance(pcfg, dict) and pcfg.get("input_size"):
@@ -58,7 +62,7 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int
         img = getattr(model, "patch_embed", None)
         if img is not None and getattr(img, "img_size", None):  # timm models built with a non-default size
             size = (size[0], *tuple(img.img_size))
-        x = torch.randn(batch, *size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        x = torch.randn(batch, *size, generator=torch.Generator().manual_seed(0), device="cpu").to(device, dtype)
         return x, batch, "image"
     raise ProbeError(
         f"cannot build a probe input for {type(model).__name__} (not a Hugging Face text/vision model nor a "

@@ -7,6 +7,8 @@ Works on real and meta tensors alike: nothing here reads tensor values.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import ExitStack
 from typing import Any, Callable
 
@@ -183,13 +185,42 @@ def call_model(model: nn.Module, probe: Any) -> Any:
     return model(probe)
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_return_dict(cls: type) -> bool:
+    try:
+        params = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "return_dict" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def wants_tuple(model: nn.Module, kwargs: dict) -> bool:
+    """Does this call of a model that can return a ``ModelOutput`` (a config with ``return_dict`` and a
+    forward that takes it) ask for a tuple instead (``return_dict=False``, or unset with the config saying so)?"""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "return_dict") or not _takes_return_dict(type(model)):
+        return False
+    asked = kwargs.get("return_dict")
+    return not (getattr(cfg, "return_dict", True) if asked is None else asked)
+
+
+def _dict_outputs(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: trace a model that returns a ModelOutput in its dict form, so output paths are field
+    names (stable whether a later call asks for a dict or a tuple) rather than tuple positions."""
+    if wants_tuple(module, kwargs):
+        return args, {**kwargs, "return_dict": True}
+    return None
+
+
 def trace(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], bool]) -> tuple[Graph, Any]:
-    """Run ``model`` on ``probe`` once (no grad) and return its data-flow graph and the output."""
+    """Run ``model`` on ``probe`` once (no grad) and return its data-flow graph and the output (in dict form for
+    models that return a ``ModelOutput``)."""
     names: dict[int, str] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
     tracer = _Tracer(names, is_leaf)
     with ExitStack() as stack:
+        stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
         for mod in model.modules():
             stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
             stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)

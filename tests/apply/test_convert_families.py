@@ -103,8 +103,9 @@ def test_norm_only_gradients_equal_original(family):
             gamma = norm_w + 1 if f.param == "1+w" else norm_w
             t = next(t for t in f.targets if t.name == mod_name)
             # W' = W·diag(γ), b' = b + W·β  ⇒  dL/dW = dL/dW'·diag(γ) + dL/db' ⊗ β
+            # (β kept by the norm as β/γ for bias-less Linears: W'·(x̂ + β/γ) ⇒ dL/dW = dL/dW'·diag(γ))
             got = g_new[name] * (gamma if t.layout == "out_in" else gamma[:, None])
-            if f.has_bias:
+            if f.has_bias and f.beta == "fold":
                 beta = ref_params[f.name + ".bias"].detach()
                 g_b = g_new[mod_name + ".bias"]
                 got = got + (torch.outer(g_b, beta) if t.layout == "out_in" else torch.outer(beta, g_b))

@@ -34,3 +34,74 @@ def test_output_hook_dict_tuple_namedtuple_and_one_plus_w():
     Pair = namedtuple("Pair", "p q")
     out = ReapplyOutput(norm, [[0]])(None, (), Pair(x, x))
     assert isinstance(out, Pair) and torch.equal(out.p, torch.tensor([[4.0, 3.0]]))
+
+
+def _toy_model_output_class():
+    from dataclasses import dataclass
+
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class Out(ModelOutput):
+        a: torch.Tensor | None = None
+        b: torch.Tensor | None = None
+
+    return Out
+
+
+class _Cfg:
+    return_dict = True
+
+
+class _DictOrTuple(nn.Module):
+    """Returns a ModelOutput or its tuple, as a transformers model does (``return_dict`` / config)."""
+
+    out_cls = None
+
+    def __init__(self):
+        super().__init__()
+        self.config = _Cfg()
+
+    def forward(self, x, return_dict=None):
+        rd = self.config.return_dict if return_dict is None else return_dict
+        out = type(self).out_cls(a=x, b=x + 1)
+        return out if rd else out.to_tuple()
+
+
+def test_output_hooks_put_the_affine_back_whatever_container_the_caller_asks_for():
+    import copy
+
+    from lmbp_convert.apply.hooks import register_output_reapply
+
+    _DictOrTuple.out_cls = _toy_model_output_class()
+    model, norm_a, norm_b = _DictOrTuple(), _Norm(), _Norm("1+w")
+    register_output_reapply(model, ReapplyOutput(norm_a, [["a"]]))  # two folds: their hooks nest
+    register_output_reapply(model, ReapplyOutput(norm_b, [["b"]]))
+    x = torch.ones(1, 2)
+    want_a, want_b = torch.tensor([[3.0, 2.0]]), torch.tensor([[7.0, 7.0]])
+    for m in (model, copy.deepcopy(model)):
+        d = m(x)
+        assert torch.equal(d["a"], want_a) and torch.equal(d["b"], want_b)
+        t = m(x, return_dict=False)
+        assert isinstance(t, tuple) and torch.equal(t[0], want_a) and torch.equal(t[1], want_b)
+        m.config.return_dict = False
+        t = m(x)
+        assert isinstance(t, tuple) and torch.equal(t[0], want_a) and torch.equal(t[1], want_b)
+        m.config.return_dict = True
+
+
+def test_add_shift_adds_w_beta_and_keeps_gradients():
+    from lmbp_convert.apply.hooks import AddShift
+
+    norm = _Norm()
+    lin = nn.Linear(2, 3, bias=False)
+    lin.register_forward_hook(AddShift(norm, "out_in"))
+    x = torch.randn(4, 2)
+    y = lin(x)
+    torch.testing.assert_close(y, x @ lin.weight.T + lin.weight @ norm.bias)
+    y.sum().backward()
+    assert norm.bias.grad is not None and lin.weight.grad is not None
+    # behind_scale: the norm holds γ, β (re-applied elsewhere) and the Linear adds W'·β/γ
+    lin2 = nn.Linear(2, 3, bias=False)
+    lin2.register_forward_hook(AddShift(norm, "out_in", behind_scale=True))
+    torch.testing.assert_close(lin2(x), x @ lin2.weight.T + lin2.weight @ (norm.bias / norm.weight))

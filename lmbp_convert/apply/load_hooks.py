@@ -1,0 +1,252 @@
+"""Fold a norm's original affine into its Linears as the weights are loaded (``model.load_state_dict``).
+
+A converted model keeps the original state-dict keys, so ``load_state_dict`` accepts the *original*
+(unfolded) checkpoint without complaint — the natural way to fill a model converted on the ``meta`` device
+(``convert()``, ``to_empty()``, ``load_state_dict(original)``). Without this hook the folded norm would take
+γ, β into identity buffers that its forward never reads and the Linears would run unfolded: a different model.
+
+One ``FoldOnLoad`` per folded norm, registered as a load_state_dict pre-hook on the converted model. It reads
+the arriving entries and rewrites them (or, for pieces that arrived in an earlier call, the live tensors) so
+that the model ends with the parameters ``convert()`` would have made from that checkpoint:
+
+* a norm whose affine is folded away holds the identity. An arriving non-identity γ (or a non-zero β, where β is
+  folded into biases) is therefore an original checkpoint: W ← W·diag(γ), b ← b + W·β, the norm's entries
+  become the identity (or β/γ where the norm keeps the shift for bias-less Linears, see ``hooks.AddShift``).
+  Identity entries — the converted model's own state dict, a checkpoint written by ``lmbp-convert`` — load as
+  they are.
+* a norm whose affine is also re-applied elsewhere keeps γ, β as parameters, so its entries look the same
+  folded or not; its Linears are folded on load only while they hold unfolded weights (converted on ``meta``).
+* entries may arrive in separate calls, in any order (``strict=False`` per shard, as in transformers'
+  ``load_sharded_checkpoint`` and Trainer resume): the norm's γ, β are kept until every entry of the fold has
+  arrived; a weight that arrives before its norm waits unfolded and is folded in place when the norm arrives,
+  and a bias is kept equal to its original value plus W·β whichever of b, W, β comes last.
+
+Not covered: a load of *only* a norm's γ, β, followed later by a separate load of the converted model's own
+Linears (the kept γ would fold them again), an original checkpoint loaded into a *real* converted model's
+re-applied (post-LN) norms (indistinguishable from its own state dict), and loaders that bypass
+``Module.load_state_dict`` and set tensors one by one (accelerate's ``set_module_tensor_to_device`` with a
+``device_map``): load those weights before ``convert()``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..fold import (effective_scale, fold_affine, identity_weight_value, shift_is_expressible, shift_of,
+                    shift_through_scale)
+from ..match.plan import NormFold
+
+
+def _key(prefix: str, module: str, attr: str) -> str:
+    return f"{prefix}{module}.{attr}" if module else f"{prefix}{attr}"
+
+
+def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
+    with torch.no_grad():
+        live.copy_(value)
+
+
+class _Target:
+    """One Linear of the fold (names relative to the converted model) and the state of its live tensors."""
+
+    def __init__(self, name: str, layout: str, base: str | None, lora_a: list[str], has_bias: bool, state: str):
+        self.layout = layout
+        self.linear = f"{name}.{base}" if base else name
+        self.lora_a = lora_a  # module names of lora_A adapters (they take γ only)
+        self.has_bias = has_bias
+        # live W: "unset" (converted on meta, nothing loaded), "plain" (an original W, γ not folded in yet),
+        # "folded" (holds W·diag(γ) for the γ being loaded, or the converted model's own weight)
+        self.state = state
+        self.added: torch.Tensor | None = None  # the W·β the live bias holds on top of its original value
+
+
+class FoldOnLoad:
+    """load_state_dict pre-hook of a converted model for one folded norm (see the module docstring)."""
+
+    def __init__(self, fold: NormFold, targets: list[_Target], awaiting: bool):
+        self.norm = fold.name
+        self.param = fold.param
+        self.beta_mode = getattr(fold, "beta", "fold") if fold.has_bias else "none"
+        self.reapplied = bool(fold.reapply)
+        self.targets = targets
+        self.awaiting = awaiting  # converted on meta: the Linears have never held folded weights
+        self.gamma: torch.Tensor | None = None  # the original γ (effective scale) of the checkpoint being loaded
+        self.beta: torch.Tensor | None = None  # its β, where β folds into biases
+        self.seen: set[str] = set()  # entries of this fold that arrived since a checkpoint was last complete
+
+    @classmethod
+    def for_fold(cls, modules: dict[str, nn.Module], fold: NormFold) -> "FoldOnLoad":
+        found = []
+        for t in fold.targets:
+            lin = modules[t.name]
+            base = getattr(lin, t.base) if t.base else lin
+            lora_a = [f"{t.name}.{t.lora_a_attr}.{a}" for a in t.lora_adapters] if t.base else []
+            found.append((t, base, lora_a))
+        awaiting = any(b.weight.device.type == "meta" for _, b, _ in found) and not fold.prefolded
+        targets = [_Target(t.name, t.layout, t.base, lora_a, getattr(b, "bias", None) is not None,
+                           "unset" if awaiting else "folded") for t, b, lora_a in found]
+        return cls(fold, targets, awaiting)
+
+    @property
+    def _open(self) -> bool:
+        return self.gamma is not None or self.beta is not None
+
+    # -- the hook ----------------------------------------------------------------------------------------
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        pieces = self._pieces()
+        self.seen.update(name for name, key in pieces.items() if _key(prefix, *key) in state_dict)
+        was_open = self._open
+        new_gamma, new_beta = self._take_norm(module, state_dict, prefix, error_msgs)
+        if self._open and not was_open:  # an original checkpoint starts arriving
+            for t in self.targets:
+                if t.state == "folded":  # the converted weight is what the plain model (identity norm) holds
+                    t.state = "plain"
+                t.added = None
+        for t in self.targets:
+            self._take_target(module, state_dict, prefix, t, new_gamma, new_beta, error_msgs)
+        if self.seen >= set(pieces):  # every entry of the fold has arrived: the checkpoint is complete
+            self._converted_form()
+            self.seen.clear()
+
+    def _pieces(self) -> dict[str, tuple[str, str]]:
+        """Every state-dict entry of this fold: name → (module, attribute)."""
+        out = {"norm.weight": (self.norm, "weight")}
+        if self.beta_mode != "none":
+            out["norm.bias"] = (self.norm, "bias")
+        for t in self.targets:
+            out[f"{t.linear}.weight"] = (t.linear, "weight")
+            if t.has_bias:
+                out[f"{t.linear}.bias"] = (t.linear, "bias")
+        return out
+
+    def _converted_form(self) -> None:
+        """From here the Linears hold what the converted model holds."""
+        self.awaiting = False
+        self.gamma = self.beta = None
+        for t in self.targets:
+            if t.state == "plain":
+                t.state = "folded"
+            t.added = None
+
+    def _take_norm(self, module: nn.Module, sd: dict, prefix: str, errors: list[str]) -> tuple[bool, bool]:
+        """Keep the arriving original γ, β (and put what the converted norm holds in their place).
+        Returns (γ arrived, β arrived)."""
+        gk, bk = _key(prefix, self.norm, "weight"), _key(prefix, self.norm, "bias")
+        g_in, b_in = sd.get(gk), sd.get(bk)
+        if g_in is None and b_in is None:
+            return False, False
+        if self.reapplied:  # γ, β stay the norm's parameters; fold only into Linears still unfolded
+            if not self.awaiting:
+                return False, False
+            if g_in is not None:
+                self.gamma = effective_scale(g_in, self.param)
+            if b_in is not None and self.beta_mode == "fold":
+                self.beta = b_in.detach()
+            return g_in is not None, b_in is not None and self.beta_mode == "fold"
+        ident = identity_weight_value(self.param)
+        new_gamma = new_beta = False
+        if g_in is not None:
+            if bool(torch.all(g_in == ident)) and not (self.beta_mode == "fold" and b_in is not None
+                                                         and bool(torch.any(b_in != 0))):
+                self._converted_form()  # identity: the converted parametrisation, loaded as it is
+                return False, False
+            self.gamma = effective_scale(g_in, self.param)
+            sd[gk] = torch.full_like(g_in, ident)
+            new_gamma = True
+        if self.beta_mode == "fold" and b_in is not None:
+            if bool(torch.any(b_in != 0)):
+                self.beta = b_in.detach()
+                new_beta = True
+            sd[bk] = torch.zeros_like(b_in)
+        if self.beta_mode == "shift" and self.gamma is not None and (new_gamma or b_in is not None):
+            self._shift_behind_scale(module, sd, bk, errors)
+        return new_gamma, new_beta
+
+    def _shift_behind_scale(self, module: nn.Module, sd: dict, bk: str, errors: list[str]) -> None:
+        """The norm keeps β/γ (see hooks.AddShift): the arriving β, or the live one when only γ arrived."""
+        beta = sd[bk] if bk in sd else module.get_submodule(self.norm).bias
+        if beta.device.type == "meta":
+            return
+        if not shift_is_expressible(beta, self.gamma):
+            errors.append(f"{self.norm}: γ = 0 on a channel where β ≠ 0, which the converted norm cannot hold "
+                          "(its Linear has no bias); load this checkpoint before convert()")
+            return
+        new = shift_through_scale(beta, self.gamma)
+        if bk in sd:
+            sd[bk] = new
+        else:
+            _copy_into(beta, new)
+
+    def _take_target(self, module: nn.Module, sd: dict, prefix: str, t: _Target, new_gamma: bool,
+                     new_beta: bool, errors: list[str]) -> None:
+        wk, bk = _key(prefix, t.linear, "weight"), _key(prefix, t.linear, "bias")
+        w_in, b_in = sd.get(wk), sd.get(bk)
+        if not self._open:  # no original affine arriving: tensors are what the model holds
+            if w_in is not None:
+                t.state = "plain" if self.awaiting else "folded"
+            return
+        lin = module.get_submodule(t.linear)
+        beta = self.beta if self.beta_mode == "fold" and t.has_bias else None
+        if beta is not None and (b_in is not None or w_in is not None or new_beta):
+            self._fold_beta(lin, sd, bk, t, w_in, b_in, beta, errors)
+        if self.gamma is None:  # β came first: γ folds into the weight when it arrives
+            if w_in is not None:
+                t.state = "plain"
+            return
+        if w_in is not None:  # an arriving weight is an original one
+            sd[wk], _ = fold_affine(w_in, None, self.gamma, None, t.layout)
+            for a in t.lora_a:
+                ak = _key(prefix, a, "weight")
+                if ak in sd:
+                    sd[ak], _ = fold_affine(sd[ak], None, self.gamma, None, "out_in")
+            t.state = "folded"
+        elif new_gamma and t.state == "plain" and lin.weight.device.type != "meta":
+            _copy_into(lin.weight, fold_affine(lin.weight, None, self.gamma, None, t.layout)[0])
+            for a in t.lora_a:
+                a_w = module.get_submodule(a).weight
+                _copy_into(a_w, fold_affine(a_w, None, self.gamma, None, "out_in")[0])
+            t.state = "folded"
+
+    def _fold_beta(self, lin: nn.Module, sd: dict, bk: str, t: _Target, w_in, b_in, beta: torch.Tensor,
+                   errors: list[str]) -> None:
+        """bias = original b + W·β, with the original W: arriving, live while plain, else W'/γ."""
+        if w_in is not None:
+            w_plain = w_in.detach().double()
+        elif t.state == "plain":
+            w_plain = lin.weight.detach().double()
+        elif t.state == "folded":
+            w_plain = self._unfolded(lin.weight, t, errors)
+        else:  # "unset": the weight has not arrived; the bias is folded when it does
+            w_plain = None
+        if b_in is not None:
+            base = b_in.detach().double()
+        else:
+            if lin.bias.device.type == "meta":
+                return
+            base = lin.bias.detach().double() - (t.added if t.added is not None else 0.0)
+        if w_plain is None or w_plain.device.type == "meta":
+            t.added = None
+            if b_in is not None:
+                sd[bk] = b_in
+            else:
+                _copy_into(lin.bias, base)
+            return
+        shift = shift_of(w_plain, beta.double().to(w_plain.device), t.layout).to(base.device)
+        new = (base + shift).to(b_in.dtype if b_in is not None else lin.bias.dtype)
+        t.added = shift
+        if b_in is not None:
+            sd[bk] = new
+        else:
+            _copy_into(lin.bias, new)
+
+    def _unfolded(self, w: torch.Tensor, t: _Target, errors: list[str]) -> torch.Tensor | None:
+        if self.gamma is None:
+            return w.detach().double()
+        g = self.gamma.to(device=w.device, dtype=torch.float64)
+        if bool((g == 0).any()):
+            errors.append(f"{self.norm}: β arrived after {t.linear}.weight was folded with a γ that is 0 on some "
+                          "channel; load the norm together with its Linears")
+            return None
+        wd = w.detach().double()
+        return wd / g if t.layout == "out_in" else wd / g[:, None]

@@ -1,0 +1,50 @@
+"""Where the tensors of a conversion live: on the model's device, whatever default device is in effect.
+
+Inside ``with torch.device("meta"):`` a factory call without ``device=`` makes a meta tensor; a CPU model
+converted there would get meta probes and fail ("Cannot copy out of meta tensor"). Tensors made by this package
+name their device; the model's own forward (probe, verification) runs with the model's device as the default,
+as it would outside such a block.
+"""
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+import torch
+from torch import nn
+
+F = TypeVar("F", bound=Callable)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a model without tensors."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+@contextmanager
+def on_model_device(model: nn.Module) -> Iterator[None]:
+    """Make the model's device the default device while converting, if another non-CPU default is in effect
+    (the process default, CPU, is left alone: a model's forward is run as the user would run it)."""
+    ambient = torch.get_default_device()
+    dev = model_device(model) if isinstance(model, nn.Module) else ambient
+    if ambient.type == "cpu" or ambient == dev:
+        yield
+        return
+    with torch.device(dev):
+        yield
+
+
+def keeps_model_device(fn: F) -> F:
+    """Decorator for entry points whose first argument is the model: run them ``on_model_device``."""
+
+    @functools.wraps(fn)
+    def wrapper(model, *args, **kwargs):
+        with on_model_device(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
