@@ -103,11 +103,12 @@ SM90_SCRIPT = """
 
 def test_every_kernel_compiles_for_sm90():
     """Real compiles (Triton to PTX and cubin) of each kernel and variant; the interpreter accepts things the
-    compiler rejects. The default variants must read 16 bytes per load in bf16 (the tl.sum tile reads 8)."""
+    compiler rejects. The split/join variants read 16 bytes per load in bf16 (the tl.sum tile reads 8); the
+    default forward is nevertheless the tl.sum tile, which the H200 measured fastest (scripts/gpu_check.py)."""
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(SM90_SCRIPT)], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode == 0, res.stderr[-4000:]
     vectorised = ast.literal_eval(res.stdout.strip().splitlines()[-1])
     for bits in (1, 2, 4):
-        assert ("fwd", A.FWD_VARIANT, bits) in [tuple(v) for v in vectorised], res.stdout
-        assert ("bwd", A.BWD_VARIANT, bits) in [tuple(v) for v in vectorised], res.stdout
+        assert ("fwd", "split", bits) in [tuple(v) for v in vectorised], res.stdout
+        assert ("bwd", "join", bits) in [tuple(v) for v in vectorised], res.stdout
