@@ -105,12 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif not args.quiet:
                 print(plan.describe(), flush=True)
 
+        def note(line: str) -> None:  # shown even with -q: it says what was done to files beside DST
+            print(f"lmbp-convert: note: {line}", file=sys.stderr, flush=True)
+
         try:
             plan = convert_checkpoint(
                 args.src, args.dst, timm_model=args.timm_model, timm_kwargs=timm_kwargs, use_ema=args.use_ema,
                 untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
                 dry_run=args.dry_run, allow_empty=args.allow_empty,
-                progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show)
+                progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show,
+                on_note=note)
         except CheckpointError as exc:
             _err(str(exc))
             return 1
@@ -120,11 +124,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             _err(f"{what} after {args.dst} was complete" if done else f"{what}; SRC untouched, no DST written")
             return 130 if isinstance(exc, KeyboardInterrupt) else 143
         except OSError as exc:
+            done = bool(planned) and planned[0].committed  # failed making the completed DST durable
+            outcome = f"{args.dst} is complete but may not survive a power loss" if done else "no DST written"
             if exc.errno == errno.ENOSPC:
-                _err(f"no space left on device while writing {args.dst}; no DST written")
+                _err(f"no space left on device while writing {args.dst}; {outcome}")
             else:
                 where = f" ({exc.filename})" if exc.filename else ""
-                _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; no DST written")
+                _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; {outcome}")
             return 1
         except Exception as exc:  # a bug, not a bad input: still one line unless asked
             if args.debug:

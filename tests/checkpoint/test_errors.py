@@ -14,7 +14,7 @@ import torch
 from ckpt_helpers import leftovers, tree_hash
 from safetensors.torch import load_file, save_file
 
-import lmbp_convert.checkpoint.api as api
+import lmbp_convert.checkpoint.fsops as fsops
 import lmbp_convert.checkpoint.safetensors_io as sio
 
 
@@ -213,10 +213,11 @@ def test_unwritable_dst_read_only_dir(cli, src, tmp_path):
 
 def test_unwritable_dst_mkdir_fails(cli, src, tmp_path, monkeypatch):
     """Permission checks can pass and creating the temporary directory still fail (ACLs, read-only mounts)."""
-    def refuse(*a, **k):
-        raise PermissionError(errno.EACCES, "Permission denied")
+    def refuse(op, path):
+        if op == "mkdir":
+            raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(api.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(fsops, "fault_hook", refuse)
     expect_error(cli, src, tmp_path / "dst", match="cannot write DST .*Permission denied")
 
 
@@ -268,14 +269,14 @@ def test_commit_failure_restores_existing_dst(cli, src, tmp_path, monkeypatch):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "old.txt").write_text("previous result")
-    real = os.rename
+    failed = []
 
-    def rename(a, b):
-        if ".lmbp-tmp-" in str(a):
+    def fail_rename_in(op, path):
+        if op == "rename" and path == str(dst) and not failed:  # the new DST into place (the old one is aside)
+            failed.append(path)
             raise OSError(errno.EIO, "Input/output error")
-        return real(a, b)
 
-    monkeypatch.setattr(api.os, "rename", rename)
+    monkeypatch.setattr(fsops, "fault_hook", fail_rename_in)
     expect_error(cli, src, dst, "--force", match="I/O error .*Input/output error")
 
 
@@ -312,23 +313,27 @@ def test_head_checkpoint_without_architectures_says_so(cli, src, tmp_path):
 @pytest.mark.parametrize("existing", [False, True])
 def test_ctrl_c_during_commit_is_held_until_dst_is_in_place(cli, src, tmp_path, monkeypatch, existing):
     """An interrupt that arrives while DST is renamed into place is delivered after the swap: never a missing
-    or half-swapped DST, and the message says DST is complete."""
+    or half-swapped DST, and the message says DST is complete. The signal is raised synchronously in the main
+    thread at the rename itself (signal.raise_signal), so its handler runs at that point on any machine load —
+    os.kill may deliver a process-directed signal to another thread, whose handler then runs at a later,
+    load-dependent point."""
     import signal
 
     dst = tmp_path / "dst"
     if existing:
         dst.mkdir()
         (dst / "old.txt").write_text("previous result")
-    real = os.rename
+    raised = []
 
-    def rename(a, b):
-        if ".lmbp-tmp-" in str(a):
-            os.kill(os.getpid(), signal.SIGINT)  # held: the rename below still runs
-        return real(a, b)
+    def interrupt_at_rename_in(op, path):
+        if op == "rename" and path == str(dst):
+            signal.raise_signal(signal.SIGINT)  # held: the rename below still runs
+            raised.append(path)
 
-    monkeypatch.setattr(api.os, "rename", rename)
+    monkeypatch.setattr(fsops, "fault_hook", interrupt_at_rename_in)
     before = tree_hash(src)
     rc, _, err = cli(src, dst, *(["--force"] if existing else []))
+    assert raised == [str(dst)]  # the handler held it: the hook went on to the rename
     assert rc == 130 and f"interrupted after {dst} was complete" in err and err.count("\n") == 1
     assert tree_hash(src) == before and not leftovers(tmp_path)
     assert (dst / "config.json").exists() and not (dst / "old.txt").exists()

@@ -252,25 +252,28 @@ def test_progress_bar_when_asked(saved, tmp_path, capsys):
 
 
 def test_sigterm_mid_write_removes_partial_dst(saved, tmp_path, cli, monkeypatch):
-    import os
+    """SIGTERM raised synchronously on the main thread at its third write (signal.raise_signal in the fault hook):
+    the handler runs right there on any machine load. (os.kill from a copying thread, as before, let the handler
+    run at a load-dependent point of the main thread.)"""
     import signal
+    import threading
 
-    import lmbp_convert.checkpoint.safetensors_io as sio
+    import lmbp_convert.checkpoint.fsops as fsops
 
     src = saved("llama")
     before = tree_hash(src)
-    real = sio._copy_range
-    calls = {"n": 0}
+    writes = []
 
-    def term(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
+    def term(op, path):
+        if op == "write" and threading.current_thread() is threading.main_thread():
+            writes.append(path)
+            if len(writes) == 3:
+                signal.raise_signal(signal.SIGTERM)
 
-    monkeypatch.setattr(sio, "_copy_range", term)
+    monkeypatch.setattr(fsops, "fault_hook", term)
     old = signal.getsignal(signal.SIGTERM)
     rc, _, err = cli(src, tmp_path / "dst")
+    assert len(writes) == 3  # the handler raised at once: no write after the signal
     assert rc == 143 and "terminated" in err and err.count("\n") == 1
     assert not (tmp_path / "dst").exists() and not leftovers(tmp_path) and tree_hash(src) == before
     assert signal.getsignal(signal.SIGTERM) == old  # the CLI restores the handler
