@@ -337,3 +337,36 @@ def test_ctrl_c_during_commit_is_held_until_dst_is_in_place(cli, src, tmp_path, 
     assert rc == 130 and f"interrupted after {dst} was complete" in err and err.count("\n") == 1
     assert tree_hash(src) == before and not leftovers(tmp_path)
     assert (dst / "config.json").exists() and not (dst / "old.txt").exists()
+
+
+# -- issue 10, item 7: smaller holes ---------------------------------------------------------------------------
+def test_use_ema_without_ema_weights_is_an_error(cli, tmp_path):
+    """--use-ema on a training checkpoint that holds only the regular weights: before, they were converted with
+    exit 0, as if they were the EMA ones."""
+    from test_streaming import timm_cli_args, timm_vit
+
+    src = tmp_path / "train.pth"
+    torch.save({"state_dict": timm_vit().state_dict(), "epoch": 3}, src)
+    expect_error(cli, src, tmp_path / "ema.safetensors", *timm_cli_args(), "--use-ema",
+                 match=r"train.pth has no EMA weights .*'state_dict'.*drop --use-ema")
+
+
+def test_index_omitting_a_tensor_names_the_unindexed_shard(cli, src, tmp_path):
+    """The index leaves out the only tensor of a shard: that shard is then named nowhere. Before, the run
+    reported it as "weights in another format" and wrote a DST missing the tensor, with exit 0."""
+    idx_path = src / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    counts: dict[str, list[str]] = {}
+    for k, s in idx["weight_map"].items():
+        counts.setdefault(s, []).append(k)
+    shard, keys = next((s, ks) for s, ks in sorted(counts.items()) if len(ks) == 1)
+    del idx["weight_map"][keys[0]]
+    idx_path.write_text(json.dumps(idx))
+    expect_error(cli, src, tmp_path / "dst", match=rf"index.json does not list tensor '{re.escape(keys[0])}': it is "
+                                                   rf"in {shard}, a shard the index does not name")
+
+
+def test_config_with_more_layers_than_the_checkpoint(cli, src, tmp_path):
+    edit_config(src, num_hidden_layers=4)  # the checkpoint holds 2
+    expect_error(cli, src, tmp_path / "dst", match=r"lacks \d+ tensor\(s\) .* e\.g\. 'model\.layers\.2\..*more "
+                                                   r"layers than the checkpoint holds .*layer\(s\) 2, 3")
