@@ -433,7 +433,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_m
                 finally:
                     prep.plan.committed = ws.committed
         except BaseException:
-            if not ws.committed:
+            if os.path.lexists(ws.tmp):  # (once committed, only a timm run's emptied directory is left)
                 fsops.remove_tree(ws.tmp)
             raise
         finally:

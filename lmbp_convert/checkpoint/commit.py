@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,9 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: liveness falls back to the pid alone
     fcntl = None  # type: ignore[assignment]
+
+
+_in_process = threading.Lock()  # a workspace is created and locked, or leftovers mended, one at a time
 
 
 def parent_of(dst: Path) -> Path:
@@ -68,15 +72,16 @@ class Workspace:
 def make_workspace(dst: Path) -> Workspace:
     """Create the hidden temporary directory beside DST (same file system, so the final rename is atomic)."""
     parent = parent_of(dst)
-    try:
-        fsops.at("mkdir", parent / f".{dst.name}.lmbp-tmp-")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.lmbp-tmp-{os.getpid()}-", dir=parent))
-    except OSError as exc:
-        raise CheckpointError(f"cannot write DST {dst}: {exc.strerror or exc}") from exc
-    ws = Workspace(dst, tmp)
-    fd = _lock(tmp)
-    if fd is not None:
-        ws.fds.append(fd)
+    with _in_process:  # another thread of this process mending leftovers sees it only once locked
+        try:
+            fsops.at("mkdir", parent / f".{dst.name}.lmbp-tmp-")
+            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.lmbp-tmp-{os.getpid()}-", dir=parent))
+        except OSError as exc:
+            raise CheckpointError(f"cannot write DST {dst}: {exc.strerror or exc}") from exc
+        ws = Workspace(dst, tmp)
+        fd = _lock(tmp)
+        if fd is not None:
+            ws.fds.append(fd)
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; DST should look like any new directory
@@ -136,9 +141,7 @@ def commit(ws: Workspace, kind: str, force: bool) -> None:
 # -- leftovers of killed runs -------------------------------------------------------------------------------------
 def _alive(path: Path, pid: int | None) -> bool:
     """Whether the run that made ``path`` may still be running."""
-    if pid is not None:
-        if pid == os.getpid():
-            return True
+    if pid is not None and pid != os.getpid():  # (this process: its live runs hold their flock)
         try:
             os.kill(pid, 0)
             return True  # (or the pid was reused: leave it, it is reported)
@@ -184,6 +187,11 @@ def _fmt(n: int) -> str:
 def mend_leftovers(dst: Path, dry_run: bool = False) -> str | None:
     """Find the siblings ``.DST.lmbp-old-*`` / ``.DST.lmbp-tmp-*`` of killed runs; restore the old DST when DST is
     missing, remove the rest. Returns one line saying what was found and done (None when there was nothing)."""
+    with _in_process:
+        return _mend(dst, dry_run)
+
+
+def _mend(dst: Path, dry_run: bool) -> str | None:
     parent = parent_of(dst)
     if not parent.is_dir():
         return None

@@ -169,12 +169,12 @@ def test_leftover_after_completed_replace_is_removed(saved, tmp_path, cli):
 
 
 def test_temp_dir_of_a_live_run_is_never_removed(saved, tmp_path, cli):
-    """Siblings of a run that is alive stay: its pid exists (this process), or it holds the sibling's flock
-    (a pid from another host or pid namespace, which looks dead here)."""
+    """Siblings of a run that is alive stay: its pid exists (here: our parent process), or it holds the
+    sibling's flock (a pid from another host or pid namespace, which looks dead here)."""
     import fcntl
 
     dst = tmp_path / "dst"
-    by_pid = tmp_path / f".dst.lmbp-tmp-{os.getpid()}-live01"
+    by_pid = tmp_path / f".dst.lmbp-tmp-{os.getppid()}-live01"  # another live process
     by_lock = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-live02"
     dead = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-dead03"
     for p in (by_pid, by_lock, dead):
