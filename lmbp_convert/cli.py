@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 EPILOG = """\
@@ -94,7 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         old_term = None
     t0 = time.perf_counter()
     try:
-        from .checkpoint import CheckpointError, convert_checkpoint
+        from .checkpoint.commit import preflight
+        from .checkpoint.errors import CheckpointError
 
         planned = []
 
@@ -109,12 +111,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"lmbp-convert: note: {line}", file=sys.stderr, flush=True)
 
         try:
+            src, dst = Path(args.src), Path(args.dst)
+            if src.exists():  # fail fast, before the heavy imports (torch, transformers); convert_checkpoint
+                preflight("timm" if args.timm_model else "hf", src, dst, args.force, args.dry_run, note)  # rechecks
+            from .checkpoint.api import convert_checkpoint
+
             plan = convert_checkpoint(
                 args.src, args.dst, timm_model=args.timm_model, timm_kwargs=timm_kwargs, use_ema=args.use_ema,
                 untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
                 dry_run=args.dry_run, allow_empty=args.allow_empty,
                 progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show,
-                on_note=note)
+                on_note=None if src.exists() else note)  # (preflight above told it)
         except CheckpointError as exc:
             _err(str(exc))
             return 1

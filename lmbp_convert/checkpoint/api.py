@@ -24,7 +24,7 @@ from ..apply.convert import CONFIG_KEY, plan_conversion
 from ..fold import effective_scale, fold_affine, identity_weight_value
 from ..options import ConvertOptions
 from . import fsops
-from .commit import make_workspace, commit, mend_leftovers
+from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
 from .diskplan import Action, DiskPlan, OutShard, plan_disk, record_json
 from .errors import CheckpointError
 from .models import build_hf, build_timm, read_config_json
@@ -287,7 +287,7 @@ def _write_shard(prep: Prepared, shard: OutShard, path: Path, folder: _Folder, o
                 pass
         w.abort()
         raise
-    w.close()
+    w.close(sync=False)  # write_into fsyncs it while the next shard is written
 
 
 def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
@@ -318,11 +318,16 @@ def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
                                   initargs=(1,))
         copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-copy")
     folder = _Folder(prep.source, pool)
+    syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-fsync")  # a shard is flushed to disk
+    synced = []  # while the next one is written: the fsync waits on the device, not on this process
     try:
         for shard in dp.shards:
             if bar is not None:
                 bar.set_postfix_str(shard.name, refresh=False)
             _write_shard(prep, shard, out_dir / shard.name, folder, on_bytes, copier)
+            synced.append(syncer.submit(fsops.fsync_file, out_dir / shard.name))
+        for f in synced:
+            f.result()
         if dp.index is not None:
             fsops.write_file(out_dir / dp.index_name, (json.dumps(dp.index, indent=2, sort_keys=True) + "\n").encode())
         if dp.config is not None:
@@ -330,43 +335,12 @@ def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
         for name in dp.copies:
             fsops.copy_file(prep.src_path / name, out_dir / name)
     finally:
-        for p in (pool, copier):
+        for p in (pool, copier, syncer):
             if p is not None:
                 p.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads)
         if bar is not None:
             bar.close()
-
-
-def _real(p: Path) -> Path:
-    return Path(os.path.realpath(p))
-
-
-def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> None:
-    """Refuse DST = SRC, DST inside SRC (or SRC inside DST), an existing DST without force, an unwritable DST."""
-    rs, rd = _real(src), _real(dst)
-    if rs == rd:
-        raise CheckpointError("DST is SRC: lmbp-convert never modifies SRC; choose another DST")
-    if kind == "hf" and rd.is_relative_to(rs):
-        raise CheckpointError(f"DST {dst} is inside SRC {src}; choose a DST outside it")
-    if rs.is_relative_to(rd):
-        raise CheckpointError(f"SRC {src} is inside DST {dst}; choose another DST")
-    if kind == "timm" and dst.suffix != ".safetensors":
-        raise CheckpointError(f"DST {dst} must be a .safetensors file for a timm checkpoint")
-    if dry_run:
-        return
-    if os.path.lexists(dst):
-        if not force:
-            raise CheckpointError(f"DST {dst} exists (pass --force to replace it)")
-        if kind == "timm" and dst.is_dir():
-            raise CheckpointError(f"DST {dst} is a directory; a timm DST is a .safetensors file")
-    parent = _real(dst.parent if str(dst.parent) else Path("."))
-    if not parent.exists():
-        raise CheckpointError(f"cannot write DST {dst}: directory {parent} does not exist")
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot write DST {dst}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write DST {dst}: directory {parent} is not writable")
 
 
 @contextlib.contextmanager
@@ -406,11 +380,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_m
     src_p, dst_p = Path(src), Path(dst)
     kind = "timm" if timm_model else "hf"
     if src_p.exists():
-        check_paths(kind, src_p, dst_p, force, dry_run=True)  # the checks that need no DST state
-        note = mend_leftovers(dst_p, dry_run=dry_run)  # before the DST checks: it may restore DST
-        if note and on_note is not None:
-            on_note(note)
-        check_paths(kind, src_p, dst_p, force, dry_run)
+        preflight(kind, src_p, dst_p, force, dry_run, on_note)
     t0 = time.perf_counter()
     prep = prepare(src_p, timm_model=timm_model, timm_kwargs=timm_kwargs, use_ema=use_ema, untie=untie,
                    include=include, exclude=exclude, dst_name=dst_p.name)

@@ -138,6 +138,47 @@ def commit(ws: Workspace, kind: str, force: bool) -> None:
     fsops.remove_tree(old)
 
 
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> None:
+    """Refuse DST = SRC, DST inside SRC (or SRC inside DST), an existing DST without force, an unwritable DST."""
+    rs, rd = _real(src), _real(dst)
+    if rs == rd:
+        raise CheckpointError("DST is SRC: lmbp-convert never modifies SRC; choose another DST")
+    if kind == "hf" and rd.is_relative_to(rs):
+        raise CheckpointError(f"DST {dst} is inside SRC {src}; choose a DST outside it")
+    if rs.is_relative_to(rd):
+        raise CheckpointError(f"SRC {src} is inside DST {dst}; choose another DST")
+    if kind == "timm" and dst.suffix != ".safetensors":
+        raise CheckpointError(f"DST {dst} must be a .safetensors file for a timm checkpoint")
+    if dry_run:
+        return
+    if os.path.lexists(dst):
+        if not force:
+            raise CheckpointError(f"DST {dst} exists (pass --force to replace it)")
+        if kind == "timm" and dst.is_dir():
+            raise CheckpointError(f"DST {dst} is a directory; a timm DST is a .safetensors file")
+    parent = _real(dst.parent if str(dst.parent) else Path("."))
+    if not parent.exists():
+        raise CheckpointError(f"cannot write DST {dst}: directory {parent} does not exist")
+    if not parent.is_dir():
+        raise CheckpointError(f"cannot write DST {dst}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write DST {dst}: directory {parent} is not writable")
+
+
+def preflight(kind: str, src: Path, dst: Path, force: bool, dry_run: bool,
+              on_note=None) -> None:
+    """The path checks, with leftovers of an earlier interrupted run on DST mended first (that may restore DST)."""
+    check_paths(kind, src, dst, force, dry_run=True)  # the checks that need no DST state
+    note = mend_leftovers(dst, dry_run=dry_run)
+    if note and on_note is not None:
+        on_note(note)
+    check_paths(kind, src, dst, force, dry_run)
+
+
 # -- leftovers of killed runs -------------------------------------------------------------------------------------
 def _alive(path: Path, pid: int | None) -> bool:
     """Whether the run that made ``path`` may still be running."""

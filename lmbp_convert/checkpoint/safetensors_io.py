@@ -215,13 +215,15 @@ class SafetensorsWriter:
         fsops.at("copy", self.path)
         _copy_range(src_fd, self.fd, offset, self._claim(key, nbytes), nbytes, label)
 
-    def close(self) -> None:
-        """Check that every tensor is complete, make the file durable (fsync) and close it."""
+    def close(self, sync: bool = True) -> None:
+        """Check that every tensor is complete, make the file durable (fsync; the caller's job with
+        ``sync=False``) and close it."""
         try:
             short = [k for k, n in self._done.items() if n != self._span[k][1]]
             if short:
                 raise RuntimeError(f"internal error: {short[0]!r} incomplete in {self.path}")
-            fsops.fsync_fd(self.fd, self.path)
+            if sync:
+                fsops.fsync_fd(self.fd, self.path)
         finally:
             os.close(self.fd)
 
