@@ -26,6 +26,12 @@ Folds that a plain checkpoint cannot express (the affine would have to be re-app
 time, e.g. post-LN encoders; a Linear without a bias to take the norm's shift; a tied head without --untie) are
 skipped with their reason; convert() still handles them at load time.
 
+DST is written into a hidden sibling (.DST.lmbp-tmp-*), fsync'ed, and renamed into place only when complete. An
+existing DST is never replaced without --force, also one that appears while the conversion runs (of two runs to
+one new DST, one wins and the other exits 1). --force renames the old DST aside (.DST.lmbp-old-*), puts the new one
+in place, then deletes the old one. If a run was killed midway, the next run on the same DST says so in one line,
+restores the old DST if DST is missing, and removes stale temporary outputs (never those of a run still alive).
+
 Exit status: 0 done, 1 bad input or failed write (nothing written), 2 usage error, 130 interrupted.
 """
 
@@ -50,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", metavar="REGEX", action="append", help="only these modules (full match)")
     p.add_argument("--exclude", metavar="REGEX", action="append", help="not these modules (full match)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is done)")
+    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is complete)")
     p.add_argument("--allow-empty", action="store_true", help="write DST even when no norm can be folded")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")

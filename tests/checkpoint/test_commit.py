@@ -189,3 +189,28 @@ def test_temp_dir_of_a_live_run_is_never_removed(saved, tmp_path, cli):
     assert rc == 0, err
     assert by_pid.exists() and by_lock.exists() and not dead.exists()
     assert err.count("\n") == 1 and "removed 1 stale" in err and "left 2 in use" in err, err
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "fallback"])
+def test_rename_noreplace_never_replaces(tmp_path, monkeypatch, native):
+    """Both ways of the atomic no-replace rename: renameat2(RENAME_NOREPLACE), and where the kernel or file system
+    lacks it, a hard link (files) or an empty directory claimed with mkdir (directories)."""
+    if not native:
+        monkeypatch.setattr(fsops, "_renameat2_tried", True)
+        monkeypatch.setattr(fsops, "_renameat2", None)
+    elif fsops._libc_renameat2() is None:
+        pytest.skip("no renameat2 in this libc")
+    for make in (lambda p: p.write_text("data"), lambda p: (p.mkdir(), (p / "f").write_text("data"))):
+        src, dst = tmp_path / "src", tmp_path / "dst"
+        make(src)
+        for existing in (lambda p: p.write_text("theirs"), lambda p: p.mkdir(), lambda p: p.symlink_to("nowhere")):
+            existing(dst)
+            before = os.readlink(dst) if dst.is_symlink() else tree_hash(dst) if dst.is_dir() else dst.read_text()
+            with pytest.raises(FileExistsError):
+                fsops.rename_noreplace(src, dst)
+            after = os.readlink(dst) if dst.is_symlink() else tree_hash(dst) if dst.is_dir() else dst.read_text()
+            assert after == before and src.exists()
+            shutil.rmtree(dst) if dst.is_dir() and not dst.is_symlink() else dst.unlink()
+        fsops.rename_noreplace(src, dst)
+        assert not src.exists() and (dst.read_text() if dst.is_file() else (dst / "f").read_text()) == "data"
+        shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
