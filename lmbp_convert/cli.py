@@ -78,6 +78,22 @@ def _timm_kwargs(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
+def _start_prefetch(src: Path) -> None:
+    """Start reading SRC's weights into the page cache on a background thread (a kernel hint, up to half the free
+    memory), so that a checkpoint not yet in memory is read while torch and transformers are imported."""
+    import threading
+
+    from .checkpoint import fsops
+
+    if src.is_dir():
+        files = sorted(p for p in src.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    else:
+        files = [src]
+    budget = fsops.available_memory() // 2
+    if files and budget:
+        threading.Thread(target=fsops.prefetch, args=(files, budget), name="lmbp-prefetch", daemon=True).start()
+
+
 def _err(msg: str) -> None:
     print(f"lmbp-convert: error: {msg}", file=sys.stderr, flush=True)
 
@@ -120,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             src, dst = Path(args.src), Path(args.dst)
             if src.exists():  # fail fast, before the heavy imports (torch, transformers); convert_checkpoint
                 preflight("timm" if args.timm_model else "hf", src, dst, args.force, args.dry_run, note)  # rechecks
+                if not args.dry_run:
+                    _start_prefetch(src)
             from .checkpoint.api import convert_checkpoint
 
             plan = convert_checkpoint(

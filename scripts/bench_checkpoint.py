@@ -2,13 +2,15 @@
 """Benchmark ``lmbp-convert`` on a multi-GB LLaMA-layout sharded checkpoint: throughput vs a plain copy, peak RSS.
 
 The checkpoint is random bf16 written straight with safetensors (no model is built), with a LlamaForCausalLM
-config.json. Both contenders run with the source in the page cache (it is read once before each timing), write
-fresh files into the same file system, and are timed end to end; the CLI runs in a subprocess whose own peak RSS
+config.json. Both contenders run with the source in the page cache (it is read once before each timing; with
+--cold it is evicted instead), write fresh files into the same file system, and are timed end to end (the copy
+also with an fsync of every file, as lmbp-convert makes DST durable before renaming it into place); the CLI runs in a subprocess whose own peak RSS
 is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
 so the streaming rate is shown apart from the fixed start-up (Python imports of torch and transformers).
 
     python scripts/bench_checkpoint.py            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
     python scripts/bench_checkpoint.py --small    # a quick smoke run (~60 MB)
+    python scripts/bench_checkpoint.py --cold     # SRC read from the device (the CLI prefetches it meanwhile)
 """
 from __future__ import annotations
 
@@ -91,6 +93,17 @@ def warm(root: Path) -> None:
         with open(p, "rb", buffering=0) as f:
             while f.read(64 << 20):
                 pass
+
+
+def evict(root: Path) -> None:
+    """Drop SRC's pages from the page cache (clean pages only: call after os.sync), as for a checkpoint just
+    downloaded or not read since boot: both contenders then read from the device."""
+    for p in sorted(root.iterdir()):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def file_bytes(root: Path) -> int:
@@ -189,6 +202,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timings per contender (best is reported)")
     ap.add_argument("--dir", default=None, help="work directory (default: a new one under $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--cold", action="store_true", help="SRC not in the page cache: evicted before each timing "
+                    "(default: read once before each timing, so it is cached)")
     a = ap.parse_args()
     if a.small:
         a.hidden, a.intermediate, a.layers, a.heads, a.vocab, a.shard_mb = 512, 1376, 4, 8, 4000, 16
@@ -207,14 +222,14 @@ def main() -> int:
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         copies, synced, clis, rsss, plans, writes = [], [], [], [], [], []
         for _ in range(a.repeat):
-            os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache
-            warm(src)
+            os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
+            evict(src) if a.cold else warm(src)
             c, cs = time_copy(src, copy_dst)
             copies.append(c)
             synced.append(cs)
             shutil.rmtree(copy_dst)
             os.sync()
-            warm(src)
+            evict(src) if a.cold else warm(src)
             dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"])
             if rc != 0:
                 print(f"lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
@@ -234,7 +249,8 @@ def main() -> int:
             ("checkpoint", f"{total / gib:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shards "
                            f"(largest {largest / gib:.2f} GiB); hidden {a.hidden}, intermediate {a.intermediate}, "
                            f"{a.layers} layers, vocab {a.vocab}; generated in {gen_s:.1f} s"),
-            ("file system", f"{work} ({shutil.disk_usage(work).free / gib:.0f} GiB free)"),
+            ("file system", f"{work} ({shutil.disk_usage(work).free / gib:.0f} GiB free); SRC "
+                            f"{'evicted from (cold)' if a.cold else 'in (warm)'} the page cache before each timing"),
             ("plain copy (shutil.copy)", f"{copy_s:.2f} s  {total / copy_s / gib:.2f} GiB/s  (runs: "
                                          f"{', '.join(f'{c:.2f}' for c in copies)})"),
             ("plain copy + fsync (durable)", f"{sync_s:.2f} s  {total / sync_s / gib:.2f} GiB/s  (runs: "

@@ -144,3 +144,39 @@ def remove_tree(path: Path) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def prefetch(paths: list[Path], budget: int) -> None:
+    """Ask the kernel to start reading ``paths`` into the page cache (``POSIX_FADV_WILLNEED``), in order, up to
+    ``budget`` bytes: the reads then overlap the seconds the CLI spends importing torch and transformers. A hint
+    only; errors are ignored. (Beyond the budget a cold read would evict pages before they are used.)"""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None:
+        return
+    for p in paths:
+        if budget <= 0:
+            return
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            n = min(os.fstat(fd).st_size, budget)
+            advise(fd, 0, n, os.POSIX_FADV_WILLNEED)
+            budget -= n
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes), 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
