@@ -137,10 +137,10 @@ print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys
 """
 
 
-def run_cli(args: list[str]) -> tuple[float, int, int, str, str]:
+def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, str, str]:
     """(seconds, exit code, peak RSS in bytes, stdout, stderr) of ``python -m lmbp_convert ARGS`` in a child
-    process."""
-    repo = Path(__file__).resolve().parents[1]
+    process, from this checkout or ``repo``."""
+    repo = repo or Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, sys.executable, "-m", "lmbp_convert", *args],
@@ -202,6 +202,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timings per contender (best is reported)")
     ap.add_argument("--dir", default=None, help="work directory (default: a new one under $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout of lmbp-convert, timed in the "
+                    "same rounds (e.g. the main branch: git worktree add /tmp/base main)")
     ap.add_argument("--cold", action="store_true", help="SRC not in the page cache: evicted before each timing "
                     "(default: read once before each timing, so it is cached)")
     a = ap.parse_args()
@@ -220,7 +222,7 @@ def main() -> int:
         gen_s = time.perf_counter() - t0
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
-        copies, synced, clis, rsss, plans, writes = [], [], [], [], [], []
+        copies, synced, clis, rsss, plans, writes, bases = [], [], [], [], [], [], []
         for _ in range(a.repeat):
             os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
             evict(src) if a.cold else warm(src)
@@ -239,6 +241,15 @@ def main() -> int:
             m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
             plans.append(float(m.group(1)))
             writes.append(float(m.group(2)))
+            if a.baseline is not None:
+                shutil.rmtree(cli_dst)
+                os.sync()
+                evict(src) if a.cold else warm(src)
+                dt, rc, _, _, err = run_cli([str(src), str(cli_dst), "--no-progress"], a.baseline)
+                if rc != 0:
+                    print(f"baseline lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
+                    return 1
+                bases.append(dt)
             if len(clis) < a.repeat:
                 shutil.rmtree(cli_dst)
         err_max = spot_check(src, cli_dst)
@@ -263,6 +274,9 @@ def main() -> int:
                                   f"{', '.join(f'{c:.2f}' for c in writes)})"),
             ("throughput vs copy", f"{copy_s / write_s:.2f}x streaming, {copy_s / cli_s:.2f}x end to end "
                                    f"(aim >= 0.5x); {sync_s / cli_s:.2f}x end to end vs the durable copy"),
+            *([("baseline end to end", f"{min(bases):.2f} s  ({a.baseline}; runs: "
+                                        f"{', '.join(f'{c:.2f}' for c in bases)}); this checkout / baseline: "
+                                        f"{cli_s / min(bases):.2f}x the time")] if bases else []),
             ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
                                       f"{'+' if max(rsss) >= largest else '-'} "
                                       f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),

@@ -296,3 +296,20 @@ def test_timm_use_ema(tmp_path, cli):
     with torch.no_grad():
         ref, got = ema(x), plain(x)
     assert ((ref - got).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_prefetch_hints_files_in_order_up_to_the_budget(tmp_path, monkeypatch):
+    import os
+
+    import lmbp_convert.checkpoint.fsops as fsops
+
+    files = []
+    for i, size in enumerate((100, 300, 50)):
+        p = tmp_path / f"s{i}.safetensors"
+        p.write_bytes(b"x" * size)
+        files.append(p)
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: advised.append((os.fstat(fd).st_size, off, n,
+                                                                                        how)))
+    fsops.prefetch([*files, tmp_path / "missing"], budget=250)
+    assert advised == [(100, 0, 100, os.POSIX_FADV_WILLNEED), (300, 0, 150, os.POSIX_FADV_WILLNEED)]
