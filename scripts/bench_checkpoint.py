@@ -4,8 +4,8 @@
 The checkpoint is random bf16 written straight with safetensors (no model is built), with a LlamaForCausalLM
 config.json. Both contenders run with the source in the page cache (it is read once before each timing; with
 --cold it is evicted instead), write fresh files into the same file system, and are timed end to end (the copy
-also with an fsync of every file, as lmbp-convert makes DST durable before renaming it into place); the CLI runs in a subprocess whose own peak RSS
-is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
+also with an fsync of every file, as lmbp-convert makes DST durable before renaming it into place); the CLI runs
+in a subprocess whose own peak RSS is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
 so the streaming rate is shown apart from the fixed start-up (Python imports of torch and transformers).
 
     python scripts/bench_checkpoint.py            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
@@ -268,7 +268,8 @@ def main() -> int:
                                              f"{', '.join(f'{c:.2f}' for c in synced)})"),
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
-            ("  start-up (Python, torch, path checks)", f"{cli_s - plans[clis.index(cli_s)] - writes[clis.index(cli_s)]:.2f} s"),
+            ("  start-up (Python, torch, path checks)",
+             f"{cli_s - plans[clis.index(cli_s)] - writes[clis.index(cli_s)]:.2f} s"),
             ("  plan (transformers import, meta model, trace)", f"{min(plans):.2f} s"),
             ("  streaming write (+ fsync)", f"{write_s:.2f} s  {total / write_s / gib:.2f} GiB/s  (runs: "
                                   f"{', '.join(f'{c:.2f}' for c in writes)})"),

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from . import fsops
 from .errors import CheckpointError
@@ -170,7 +171,7 @@ def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> 
 
 
 def preflight(kind: str, src: Path, dst: Path, force: bool, dry_run: bool,
-              on_note=None) -> None:
+              on_note: Callable[[str], None] | None = None) -> None:
     """The path checks, with leftovers of an earlier interrupted run on DST mended first (that may restore DST)."""
     check_paths(kind, src, dst, force, dry_run=True)  # the checks that need no DST state
     note = mend_leftovers(dst, dry_run=dry_run)
