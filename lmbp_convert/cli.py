@@ -79,7 +79,7 @@ def _timm_kwargs(items: Sequence[str]) -> dict[str, Any]:
 
 
 def _start_prefetch(src: Path) -> None:
-    """Start reading SRC's weights into the page cache on a background thread (a kernel hint, up to half the free
+    """Start reading SRC's weights into the page cache on a background thread (up to half the free
     memory), so that a checkpoint not yet in memory is read while torch and transformers are imported."""
     import threading
 

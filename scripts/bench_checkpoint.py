@@ -144,7 +144,7 @@ def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int,
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, sys.executable, "-m", "lmbp_convert", *args],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=repo)  # (-m imports from the cwd first)
     dt = time.perf_counter() - t0
     out, _, last = proc.stdout.rstrip().rpartition("\n")
     _, rc, rss = last.split()
