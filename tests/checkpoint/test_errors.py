@@ -370,3 +370,28 @@ def test_config_with_more_layers_than_the_checkpoint(cli, src, tmp_path):
     edit_config(src, num_hidden_layers=4)  # the checkpoint holds 2
     expect_error(cli, src, tmp_path / "dst", match=r"lacks \d+ tensor\(s\) .* e\.g\. 'model\.layers\.2\..*more "
                                                    r"layers than the checkpoint holds .*layer\(s\) 2, 3")
+
+
+def test_help_and_path_errors_come_before_the_heavy_imports(src, tmp_path):
+    """``--help``, usage errors and path errors answer without importing torch or transformers (seconds of the
+    CLI's fixed cost): the package imports its public names lazily and the path checks are torch-free."""
+    import subprocess
+    import sys
+
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    script = (
+        "import contextlib, io, sys\n"
+        "from lmbp_convert.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        f"rc = main([{str(src)!r}, {str(dst)!r}])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'timm', 'numpy') if m in sys.modules)\n"
+        "print(rc, heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split("\n")[0] == "1 []", (proc.stdout, proc.stderr)
+    assert "exists (pass --force" in proc.stderr
+    import lmbp_convert
+
+    assert lmbp_convert.convert.__module__ == "lmbp_convert.apply.convert"  # public names unchanged
+    from lmbp_convert import ConvertOptions, SavedTensorLedger, convert  # noqa: F401
