@@ -134,10 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             src, dst = Path(args.src), Path(args.dst)
-            if src.exists():  # fail fast, before the heavy imports (torch, transformers); convert_checkpoint
-                preflight("timm" if args.timm_model else "hf", src, dst, args.force, args.dry_run, note)  # rechecks
-                if not args.dry_run:
-                    _start_prefetch(src)
+            # fail fast, before the heavy imports (torch, transformers); convert_checkpoint checks again
+            preflight("timm" if args.timm_model else "hf", src, dst, args.force, args.dry_run, note)
+            if not args.dry_run:
+                _start_prefetch(src)
             from .checkpoint.api import convert_checkpoint
 
             plan = convert_checkpoint(
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
                 dry_run=args.dry_run, allow_empty=args.allow_empty,
                 progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show,
-                on_note=None if src.exists() else note)  # (preflight above told it)
+                on_note=None)  # (preflight above told it)
         except CheckpointError as exc:
             _err(str(exc))
             return 1

@@ -173,6 +173,8 @@ def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> 
 def preflight(kind: str, src: Path, dst: Path, force: bool, dry_run: bool,
               on_note: Callable[[str], None] | None = None) -> None:
     """The path checks, with leftovers of an earlier interrupted run on DST mended first (that may restore DST)."""
+    if not os.path.exists(src):
+        raise CheckpointError(f"SRC {src} does not exist")
     check_paths(kind, src, dst, force, dry_run=True)  # the checks that need no DST state
     note = mend_leftovers(dst, dry_run=dry_run)
     if note and on_note is not None:
