@@ -155,8 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _err(f"{what} after {args.dst} was complete" if done else f"{what}; SRC untouched, no DST written")
             return 130 if isinstance(exc, KeyboardInterrupt) else 143
         except OSError as exc:
-            done = bool(planned) and planned[0].committed  # failed making the completed DST durable
-            outcome = f"{args.dst} is complete but may not survive a power loss" if done else "no DST written"
+            done = bool(planned) and planned[0].committed  # DST in place; its fsync or the cleanup failed
+            outcome = (f"{args.dst} is complete and in place, but the step after failed (syncing it to disk or "
+                       "removing the old copy, which the next run removes)" if done else "no DST written")
             if exc.errno == errno.ENOSPC:
                 _err(f"no space left on device while writing {args.dst}; {outcome}")
             else:
