@@ -214,3 +214,50 @@ def test_rename_noreplace_never_replaces(tmp_path, monkeypatch, native):
         fsops.rename_noreplace(src, dst)
         assert not src.exists() and (dst.read_text() if dst.is_file() else (dst / "f").read_text()) == "data"
         shutil.rmtree(dst) if dst.is_dir() else dst.unlink()
+
+
+_RACER = """
+import fcntl, os, sys
+import lmbp_convert.checkpoint.fsops as fsops
+from lmbp_convert.cli import main
+
+src, dst, mine, theirs = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+reached = []
+
+def at_commit(op, path):
+    if op == "rename" and path == dst and not reached:
+        reached.append(path)
+        fcntl.flock(mine, fcntl.LOCK_UN)  # "I am at the commit"
+        other = os.open(theirs, os.O_RDONLY)
+        fcntl.flock(other, fcntl.LOCK_EX)  # returns once the other run is at its commit too (or has exited)
+        os.close(other)
+
+fsops.fault_hook = at_commit
+sys.exit(main([src, dst, "-q"]))
+"""
+
+
+def test_two_processes_racing_for_one_new_dst_one_wins(saved, tmp_path):
+    """Two real processes, each held at its final rename until the other has reached its own: a flock that the
+    parent takes for each and hands over (pass_fds) is released by its process at the commit point, and the
+    process then waits for the other's. No sleeps; a process that dies releases its lock, so nothing hangs."""
+    import fcntl
+
+    src, dst = saved("llama"), tmp_path / "dst"
+    locks = [tmp_path / "a.lock", tmp_path / "b.lock"]
+    fds = []
+    for lock in locks:  # both taken before either process starts
+        lock.write_text("")
+        fds.append(os.open(lock, os.O_RDONLY))
+        fcntl.flock(fds[-1], fcntl.LOCK_EX)  # held by the child (shared open file description) until its commit
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(src), str(dst), str(fds[i]), str(locks[1 - i])],
+                              cwd=ROOT, pass_fds=(fds[i],), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in range(2)]
+    for fd in fds:
+        os.close(fd)
+    results = [(p.returncode, *out) for p in procs for out in [p.communicate(timeout=600)]]
+    assert sorted(rc for rc, _, _ in results) == [0, 1], results
+    loser_err = next(err for rc, _, err in results if rc == 1)
+    assert loser_err.count("\n") == 1 and "created by another process" in loser_err, loser_err
+    assert json.loads((dst / "config.json").read_text())["lmbp_convert"]["folded_norms"]
+    assert not leftovers(tmp_path)
