@@ -147,31 +147,51 @@ def remove_tree(path: Path) -> None:
 
 
 def prefetch(paths: list[Path], budget: int) -> None:
-    """Read ``paths`` once, in order, up to ``budget`` bytes, so that they are in the page cache when the CLI needs
-    them: the reads overlap the seconds spent importing torch and transformers (``os.preadv`` releases the GIL).
-    Only a warm-up; errors are ignored. (Beyond the budget a cold read would evict pages before they are used;
-    ``POSIX_FADV_WILLNEED`` alone did not fill the cache in our measurements.)"""
-    buf = memoryview(bytearray(8 << 20))
-    for p in paths:
-        if budget <= 0:
+    """Bring ``paths`` into the page cache, in order, up to ``budget`` bytes, so that the reads overlap the seconds
+    the CLI spends importing torch and transformers. ``sendfile`` to /dev/null makes the kernel read the pages
+    without copying them anywhere: nearly free when they are cached already (0.02 s of CPU for 1.2 GiB, where
+    reading them costs 0.07-0.3 s), and it releases the GIL. ``POSIX_FADV_WILLNEED`` alone did not fill the cache
+    in our measurements. A warm-up only: errors are ignored. (Beyond the budget a cold read would evict pages
+    before they are used.)"""
+    try:
+        sink = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        for p in paths:
+            if budget <= 0:
+                return
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                n = min(os.fstat(fd).st_size, budget)
+                budget -= n
+                _drain(fd, sink, n)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    finally:
+        os.close(sink)
+
+
+def _drain(fd: int, sink: int, n: int) -> None:
+    off = 0
+    if hasattr(os, "sendfile"):
+        while off < n:
+            k = os.sendfile(sink, fd, off, n - off)
+            if k <= 0:
+                return
+            off += k
+        return
+    buf = memoryview(bytearray(8 << 20))  # pragma: no cover - no sendfile on this platform
+    while off < n:
+        k = os.preadv(fd, [buf[:n - off]], off)
+        if k <= 0:
             return
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            n = min(os.fstat(fd).st_size, budget)
-            budget -= n
-            off = 0
-            while off < n:
-                k = os.preadv(fd, [buf], off)
-                if k <= 0:
-                    break
-                off += k
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        off += k
 
 
 def available_memory() -> int:

@@ -308,13 +308,13 @@ def test_prefetch_reads_files_in_order_up_to_the_budget(tmp_path, monkeypatch):
         p = tmp_path / f"s{i}.safetensors"
         p.write_bytes(b"x" * size)
         files.append(p)
-    real = os.preadv
+    real = os.sendfile
     reads = []
 
-    def preadv(fd, bufs, off):
-        reads.append((os.fstat(fd).st_size, off))
-        return real(fd, bufs, off)
+    def sendfile(out_fd, in_fd, offset, count):
+        reads.append((os.fstat(in_fd).st_size, offset, count))
+        return real(out_fd, in_fd, offset, count)
 
-    monkeypatch.setattr(os, "preadv", preadv)
+    monkeypatch.setattr(os, "sendfile", sendfile)
     fsops.prefetch([*files, tmp_path / "missing"], budget=250)
-    assert reads == [(100, 0), (300, 0)]  # the second file up to the budget: one 8 MiB read covers it
+    assert reads == [(100, 0, 100), (300, 0, 150)]  # in order; the second file up to the budget
