@@ -2,15 +2,51 @@
 
     from lmbp_convert import convert
     convert(model)            # in place; print(model.lmbp_report) for what it did
+
+The public names are imported on first use (PEP 562), so that ``lmbp-convert --help`` and the checkpoint CLI's
+early checks do not pay for importing torch.
 """
-from .apply.convert import convert, last_report, plan_conversion
-from .errors import ConversionError, NothingToConvertError, ProbeError, TraceError
-from .memory import SavedTensorLedger
-from .options import ConvertOptions
-from .report import ConversionReport
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+#: public name → the module that defines it
+_LAZY = {
+    "convert": ".apply.convert", "last_report": ".apply.convert", "plan_conversion": ".apply.convert",
+    "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
+    "TraceError": ".errors", "SavedTensorLedger": ".memory", "ConvertOptions": ".options",
+    "ConversionReport": ".report",
+}
 
 __all__ = [
     "ConversionError", "ConversionReport", "ConvertOptions", "NothingToConvertError", "ProbeError",
     "SavedTensorLedger", "TraceError", "convert", "last_report", "plan_conversion",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .apply.convert import convert, last_report, plan_conversion
+    from .errors import ConversionError, NothingToConvertError, ProbeError, TraceError
+    from .memory import SavedTensorLedger
+    from .options import ConvertOptions
+    from .report import ConversionReport
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    else:  # a subpackage used as an attribute (lmbp_convert.nn...) without importing it first
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -11,6 +11,7 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 EPILOG = """\
@@ -24,6 +25,12 @@ a .safetensors file: load it with timm.create_model(NAME, checkpoint_path=DST).
 Folds that a plain checkpoint cannot express (the affine would have to be re-applied on another branch at run
 time, e.g. post-LN encoders; a Linear without a bias to take the norm's shift; a tied head without --untie) are
 skipped with their reason; convert() still handles them at load time.
+
+DST is written into a hidden sibling (.DST.lmbp-tmp-*), fsync'ed, and renamed into place only when complete. An
+existing DST is never replaced without --force, also one that appears while the conversion runs (of two runs to
+one new DST, one wins and the other exits 1). --force renames the old DST aside (.DST.lmbp-old-*), puts the new one
+in place, then deletes the old one. If a run was killed midway, the next run on the same DST says so in one line,
+restores the old DST if DST is missing, and removes stale temporary outputs (never those of a run still alive).
 
 Exit status: 0 done, 1 bad input or failed write (nothing written), 2 usage error, 130 interrupted.
 """
@@ -49,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include", metavar="REGEX", action="append", help="only these modules (full match)")
     p.add_argument("--exclude", metavar="REGEX", action="append", help="not these modules (full match)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, write nothing")
-    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is done)")
+    p.add_argument("--force", action="store_true", help="replace an existing DST (only once the new one is complete)")
     p.add_argument("--allow-empty", action="store_true", help="write DST even when no norm can be folded")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of text")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
@@ -69,6 +76,22 @@ def _timm_kwargs(items: Sequence[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             out[key] = val
     return out
+
+
+def _start_prefetch(src: Path) -> None:
+    """Start reading SRC's weights into the page cache on a background thread (up to half the free
+    memory), so that a checkpoint not yet in memory is read while torch and transformers are imported."""
+    import threading
+
+    from .checkpoint import fsops
+
+    if src.is_dir():
+        files = sorted(p for p in src.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    else:
+        files = [src]
+    budget = fsops.available_memory() // 2
+    if files and budget:
+        threading.Thread(target=fsops.prefetch, args=(files, budget), name="lmbp-prefetch", daemon=True).start()
 
 
 def _err(msg: str) -> None:
@@ -94,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         old_term = None
     t0 = time.perf_counter()
     try:
-        from .checkpoint import CheckpointError, convert_checkpoint
+        from .checkpoint.commit import preflight
+        from .checkpoint.errors import CheckpointError
 
         planned = []
 
@@ -105,12 +129,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif not args.quiet:
                 print(plan.describe(), flush=True)
 
+        def note(line: str) -> None:  # shown even with -q: it says what was done to files beside DST
+            print(f"lmbp-convert: note: {line}", file=sys.stderr, flush=True)
+
         try:
+            src, dst = Path(args.src), Path(args.dst)
+            # fail fast, before the heavy imports (torch, transformers); convert_checkpoint checks again
+            preflight("timm" if args.timm_model else "hf", src, dst, args.force, args.dry_run, note)
+            if not args.dry_run:
+                _start_prefetch(src)
+            from .checkpoint.api import convert_checkpoint
+
             plan = convert_checkpoint(
                 args.src, args.dst, timm_model=args.timm_model, timm_kwargs=timm_kwargs, use_ema=args.use_ema,
                 untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
                 dry_run=args.dry_run, allow_empty=args.allow_empty,
-                progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show)
+                progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show,
+                on_note=None)  # (preflight above told it)
         except CheckpointError as exc:
             _err(str(exc))
             return 1
@@ -120,11 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             _err(f"{what} after {args.dst} was complete" if done else f"{what}; SRC untouched, no DST written")
             return 130 if isinstance(exc, KeyboardInterrupt) else 143
         except OSError as exc:
+            done = bool(planned) and planned[0].committed  # DST in place; its fsync or the cleanup failed
+            outcome = (f"{args.dst} is complete and in place, but the step after failed (syncing it to disk or "
+                       "removing the old copy, which the next run removes)" if done else "no DST written")
             if exc.errno == errno.ENOSPC:
-                _err(f"no space left on device while writing {args.dst}; no DST written")
+                _err(f"no space left on device while writing {args.dst}; {outcome}")
             else:
                 where = f" ({exc.filename})" if exc.filename else ""
-                _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; no DST written")
+                _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; {outcome}")
             return 1
         except Exception as exc:  # a bug, not a bad input: still one line unless asked
             if args.debug:

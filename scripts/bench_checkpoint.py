@@ -2,13 +2,15 @@
 """Benchmark ``lmbp-convert`` on a multi-GB LLaMA-layout sharded checkpoint: throughput vs a plain copy, peak RSS.
 
 The checkpoint is random bf16 written straight with safetensors (no model is built), with a LlamaForCausalLM
-config.json. Both contenders run with the source in the page cache (it is read once before each timing), write
-fresh files into the same file system, and are timed end to end; the CLI runs in a subprocess whose own peak RSS
-is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
+config.json. Both contenders run with the source in the page cache (it is read once before each timing; with
+--cold it is evicted instead), write fresh files into the same file system, and are timed end to end (the copy
+also with an fsync of every file, as lmbp-convert makes DST durable before renaming it into place); the CLI runs
+in a subprocess whose own peak RSS is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
 so the streaming rate is shown apart from the fixed start-up (Python imports of torch and transformers).
 
     python scripts/bench_checkpoint.py            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
     python scripts/bench_checkpoint.py --small    # a quick smoke run (~60 MB)
+    python scripts/bench_checkpoint.py --cold     # SRC read from the device (the CLI prefetches it meanwhile)
 """
 from __future__ import annotations
 
@@ -93,16 +95,36 @@ def warm(root: Path) -> None:
                 pass
 
 
+def evict(root: Path) -> None:
+    """Drop SRC's pages from the page cache (clean pages only: call after os.sync), as for a checkpoint just
+    downloaded or not read since boot: both contenders then read from the device."""
+    for p in sorted(root.iterdir()):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def file_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.iterdir() if p.is_file())
 
 
-def time_copy(src: Path, dst: Path) -> float:
+def time_copy(src: Path, dst: Path) -> tuple[float, float]:
+    """(seconds to copy, seconds to copy and fsync every file and the directory): lmbp-convert fsyncs DST before
+    renaming it into place, so the durable copy is the like-for-like contender."""
     t0 = time.perf_counter()
     dst.mkdir()
     for p in sorted(src.iterdir()):
         shutil.copy(p, dst / p.name)
-    return time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for p in [*sorted(dst.iterdir()), dst]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return t1 - t0, time.perf_counter() - t0
 
 
 # A tiny launcher measures the CLI's peak RSS: a child forked straight from this (large) process would start with
@@ -115,14 +137,14 @@ print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys
 """
 
 
-def run_cli(args: list[str]) -> tuple[float, int, int, str, str]:
+def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, str, str]:
     """(seconds, exit code, peak RSS in bytes, stdout, stderr) of ``python -m lmbp_convert ARGS`` in a child
-    process."""
-    repo = Path(__file__).resolve().parents[1]
+    process, from this checkout or ``repo``."""
+    repo = repo or Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, sys.executable, "-m", "lmbp_convert", *args],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=env, cwd=repo)  # (-m imports from the cwd first)
     dt = time.perf_counter() - t0
     out, _, last = proc.stdout.rstrip().rpartition("\n")
     _, rc, rss = last.split()
@@ -180,6 +202,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2, help="timings per contender (best is reported)")
     ap.add_argument("--dir", default=None, help="work directory (default: a new one under $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout of lmbp-convert, timed in the "
+                    "same rounds (e.g. the main branch: git worktree add /tmp/base main)")
+    ap.add_argument("--cold", action="store_true", help="SRC not in the page cache: evicted before each timing "
+                    "(default: read once before each timing, so it is cached)")
     a = ap.parse_args()
     if a.small:
         a.hidden, a.intermediate, a.layers, a.heads, a.vocab, a.shard_mb = 512, 1376, 4, 8, 4000, 16
@@ -196,14 +222,16 @@ def main() -> int:
         gen_s = time.perf_counter() - t0
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
-        copies, clis, rsss, plans, writes = [], [], [], [], []
+        copies, synced, clis, rsss, plans, writes, bases = [], [], [], [], [], [], []
         for _ in range(a.repeat):
-            os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache
-            warm(src)
-            copies.append(time_copy(src, copy_dst))
+            os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
+            evict(src) if a.cold else warm(src)
+            c, cs = time_copy(src, copy_dst)
+            copies.append(c)
+            synced.append(cs)
             shutil.rmtree(copy_dst)
             os.sync()
-            warm(src)
+            evict(src) if a.cold else warm(src)
             dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"])
             if rc != 0:
                 print(f"lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
@@ -213,27 +241,43 @@ def main() -> int:
             m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
             plans.append(float(m.group(1)))
             writes.append(float(m.group(2)))
+            if a.baseline is not None:
+                shutil.rmtree(cli_dst)
+                os.sync()
+                evict(src) if a.cold else warm(src)
+                dt, rc, _, _, err = run_cli([str(src), str(cli_dst), "--no-progress"], a.baseline)
+                if rc != 0:
+                    print(f"baseline lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
+                    return 1
+                bases.append(dt)
             if len(clis) < a.repeat:
                 shutil.rmtree(cli_dst)
         err_max = spot_check(src, cli_dst)
         shutil.rmtree(cli_dst)
-        copy_s, cli_s, write_s = min(copies), min(clis), min(writes)
+        copy_s, sync_s, cli_s, write_s = min(copies), min(synced), min(clis), min(writes)
         gib = 2**30
         rows = machine() + [
             ("checkpoint", f"{total / gib:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shards "
                            f"(largest {largest / gib:.2f} GiB); hidden {a.hidden}, intermediate {a.intermediate}, "
                            f"{a.layers} layers, vocab {a.vocab}; generated in {gen_s:.1f} s"),
-            ("file system", f"{work} ({shutil.disk_usage(work).free / gib:.0f} GiB free)"),
+            ("file system", f"{work} ({shutil.disk_usage(work).free / gib:.0f} GiB free); SRC "
+                            f"{'evicted from (cold)' if a.cold else 'in (warm)'} the page cache before each timing"),
             ("plain copy (shutil.copy)", f"{copy_s:.2f} s  {total / copy_s / gib:.2f} GiB/s  (runs: "
                                          f"{', '.join(f'{c:.2f}' for c in copies)})"),
+            ("plain copy + fsync (durable)", f"{sync_s:.2f} s  {total / sync_s / gib:.2f} GiB/s  (runs: "
+                                             f"{', '.join(f'{c:.2f}' for c in synced)})"),
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
-            ("  start-up (imports)", f"{cli_s - plans[clis.index(cli_s)] - writes[clis.index(cli_s)]:.2f} s"),
-            ("  plan (model class import, meta model, trace)", f"{min(plans):.2f} s"),
-            ("  streaming write", f"{write_s:.2f} s  {total / write_s / gib:.2f} GiB/s  (runs: "
+            ("  start-up (Python, torch, path checks)",
+             f"{cli_s - plans[clis.index(cli_s)] - writes[clis.index(cli_s)]:.2f} s"),
+            ("  plan (transformers import, meta model, trace)", f"{min(plans):.2f} s"),
+            ("  streaming write (+ fsync)", f"{write_s:.2f} s  {total / write_s / gib:.2f} GiB/s  (runs: "
                                   f"{', '.join(f'{c:.2f}' for c in writes)})"),
             ("throughput vs copy", f"{copy_s / write_s:.2f}x streaming, {copy_s / cli_s:.2f}x end to end "
-                                   "(aim >= 0.7x)"),
+                                   f"(aim >= 0.5x); {sync_s / cli_s:.2f}x end to end vs the durable copy"),
+            *([("baseline end to end", f"{min(bases):.2f} s  ({a.baseline}; runs: "
+                                        f"{', '.join(f'{c:.2f}' for c in bases)}); this checkout / baseline: "
+                                        f"{cli_s / min(bases):.2f}x the time")] if bases else []),
             ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
                                       f"{'+' if max(rsss) >= largest else '-'} "
                                       f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),

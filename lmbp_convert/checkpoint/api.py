@@ -9,12 +9,9 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
-import tempfile
 import threading
 import time
-import uuid
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +23,8 @@ import torch
 from ..apply.convert import CONFIG_KEY, plan_conversion
 from ..fold import effective_scale, fold_affine, identity_weight_value
 from ..options import ConvertOptions
+from . import fsops
+from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
 from .diskplan import Action, DiskPlan, OutShard, plan_disk, record_json
 from .errors import CheckpointError
 from .models import build_hf, build_timm, read_config_json
@@ -119,7 +118,9 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
         if not timm_model:
             used = {*source.shards, source.index_name}
             dp.copies, left = _other_files(src_path)
-            dp.not_copied = [f"{n} ({why})" for n, why in left if n not in used]
+            why_not = {n: f"a weights file that {source.index_name} does not name, not converted"
+                       for n in source.unindexed}
+            dp.not_copied = [f"{n} ({why_not.get(n, why)})" for n, why in left if n not in used]
         return Prepared("timm" if timm_model else "hf", src_path, source, dp)
     except BaseException:
         source.close()
@@ -286,7 +287,7 @@ def _write_shard(prep: Prepared, shard: OutShard, path: Path, folder: _Folder, o
                 pass
         w.abort()
         raise
-    w.close()
+    w.close(sync=False)  # write_into fsyncs it while the next shard is written
 
 
 def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
@@ -317,77 +318,29 @@ def write_into(prep: Prepared, out_dir: Path, progress: bool = False) -> None:
                                   initargs=(1,))
         copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-copy")
     folder = _Folder(prep.source, pool)
+    syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmbp-fsync")  # a shard is flushed to disk
+    synced = []  # while the next one is written: the fsync waits on the device, not on this process
     try:
         for shard in dp.shards:
             if bar is not None:
                 bar.set_postfix_str(shard.name, refresh=False)
             _write_shard(prep, shard, out_dir / shard.name, folder, on_bytes, copier)
+            synced.append(syncer.submit(fsops.fsync_file, out_dir / shard.name))
+        for f in synced:
+            f.result()
         if dp.index is not None:
-            (out_dir / dp.index_name).write_text(json.dumps(dp.index, indent=2, sort_keys=True) + "\n")
+            fsops.write_file(out_dir / dp.index_name, (json.dumps(dp.index, indent=2, sort_keys=True) + "\n").encode())
         if dp.config is not None:
-            (out_dir / "config.json").write_text(json.dumps(dp.config, indent=2) + "\n")
+            fsops.write_file(out_dir / "config.json", (json.dumps(dp.config, indent=2) + "\n").encode())
         for name in dp.copies:
-            shutil.copyfile(prep.src_path / name, out_dir / name)
+            fsops.copy_file(prep.src_path / name, out_dir / name)
     finally:
-        for p in (pool, copier):
+        for p in (pool, copier, syncer):
             if p is not None:
                 p.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads)
         if bar is not None:
             bar.close()
-
-
-def _real(p: Path) -> Path:
-    return Path(os.path.realpath(p))
-
-
-def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> None:
-    """Refuse DST = SRC, DST inside SRC (or SRC inside DST), an existing DST without force, an unwritable DST."""
-    rs, rd = _real(src), _real(dst)
-    if rs == rd:
-        raise CheckpointError("DST is SRC: lmbp-convert never modifies SRC; choose another DST")
-    if kind == "hf" and rd.is_relative_to(rs):
-        raise CheckpointError(f"DST {dst} is inside SRC {src}; choose a DST outside it")
-    if rs.is_relative_to(rd):
-        raise CheckpointError(f"SRC {src} is inside DST {dst}; choose another DST")
-    if kind == "timm" and dst.suffix != ".safetensors":
-        raise CheckpointError(f"DST {dst} must be a .safetensors file for a timm checkpoint")
-    if dry_run:
-        return
-    if os.path.lexists(dst):
-        if not force:
-            raise CheckpointError(f"DST {dst} exists (pass --force to replace it)")
-        if kind == "timm" and dst.is_dir():
-            raise CheckpointError(f"DST {dst} is a directory; a timm DST is a .safetensors file")
-    parent = _real(dst.parent if str(dst.parent) else Path("."))
-    if not parent.exists():
-        raise CheckpointError(f"cannot write DST {dst}: directory {parent} does not exist")
-    if not parent.is_dir():
-        raise CheckpointError(f"cannot write DST {dst}: {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write DST {dst}: directory {parent} is not writable")
-
-
-def _make_tmp(dst: Path) -> Path:
-    parent = _real(dst.parent if str(dst.parent) else Path("."))
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.lmbp-tmp-", dir=parent))
-    except OSError as exc:
-        raise CheckpointError(f"cannot write DST {dst}: {exc.strerror or exc}") from exc
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; DST should look like any new directory
-    return tmp
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir() and not p.is_symlink():
-        shutil.rmtree(p, ignore_errors=True)
-    else:
-        try:
-            p.unlink()
-        except OSError:
-            pass
 
 
 @contextlib.contextmanager
@@ -410,41 +363,24 @@ def _signals_deferred():
             signal.raise_signal(held[0])
 
 
-def _commit(kind: str, tmp: Path, dst: Path) -> None:
-    """Move the finished temporary output to DST (replacing an existing DST only once the new one is complete)."""
-    if kind == "timm":
-        os.replace(tmp / dst.name, dst)  # atomic, replaces an existing file
-        tmp.rmdir()
-        return
-    old = None
-    if os.path.lexists(dst):
-        old = _real(dst.parent) / f".{dst.name}.lmbp-old-{uuid.uuid4().hex[:12]}"
-        os.rename(dst, old)
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        if old is not None:
-            os.rename(old, dst)
-        raise
-    if old is not None:
-        _remove(old)
-
-
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_model: str | None = None,
                        timm_kwargs: dict[str, Any] | None = None, use_ema: bool = False, untie: bool = False,
                        include: list[str] | None = None, exclude: list[str] | None = None, force: bool = False,
                        dry_run: bool = False, allow_empty: bool = False, progress: bool = False,
-                       on_plan: Callable[[DiskPlan], None] | None = None) -> DiskPlan:
+                       on_plan: Callable[[DiskPlan], None] | None = None,
+                       on_note: Callable[[str], None] | None = None) -> DiskPlan:
     """Fold norm affines into the following Linears of checkpoint SRC and write the result to DST.
 
     SRC: a Hugging Face model directory, or (with ``timm_model``) a timm checkpoint file; DST: a directory, or a
     ``.safetensors`` file for timm. Raises CheckpointError (one-line message) for bad inputs; SRC is never
-    modified and DST only appears when complete. With ``dry_run`` only the plan is made. Returns the plan.
+    modified and DST only appears when complete; an existing DST is only replaced with ``force`` (also one that
+    appears while converting). Leftovers of an interrupted earlier run on DST are mended first and told to
+    ``on_note`` in one line. With ``dry_run`` only the plan is made. Returns the plan.
     """
     src_p, dst_p = Path(src), Path(dst)
     kind = "timm" if timm_model else "hf"
     if src_p.exists():
-        check_paths(kind, src_p, dst_p, force, dry_run)
+        preflight(kind, src_p, dst_p, force, dry_run, on_note)
     t0 = time.perf_counter()
     prep = prepare(src_p, timm_model=timm_model, timm_kwargs=timm_kwargs, use_ema=use_ema, untie=untie,
                    include=include, exclude=exclude, dst_name=dst_p.name)
@@ -458,16 +394,20 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_m
         if dry_run:
             return prep.plan
         t0 = time.perf_counter()
-        tmp = _make_tmp(dst_p)
+        ws = make_workspace(dst_p)
         try:
-            write_into(prep, tmp, progress)
+            write_into(prep, ws.tmp, progress)
             with _signals_deferred():
-                _commit(kind, tmp, dst_p)
-                prep.plan.committed = True
+                try:
+                    commit(ws, kind, force)
+                finally:
+                    prep.plan.committed = ws.committed
         except BaseException:
-            if not prep.plan.committed:
-                _remove(tmp)
+            if os.path.lexists(ws.tmp):  # (once committed, only a timm run's emptied directory is left)
+                fsops.remove_tree(ws.tmp)
             raise
+        finally:
+            ws.release()
         prep.plan.seconds_write = time.perf_counter() - t0
         return prep.plan
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -14,7 +15,7 @@ from ..match.plan import NormFold, Plan, Skip
 from ..report import fmt_bytes
 from .errors import CheckpointError
 from .models import KeyMap, ModelView, map_keys
-from .sources import Source
+from .sources import Source, unindexed_key
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -145,6 +146,34 @@ class _Planner:
             if src.infos[k].shape != shape:
                 raise CheckpointError(f"tensor {k!r} in {src.infos[k].shard} has shape {list(src.infos[k].shape)}, "
                                       f"but the config expects {list(shape)} for {m}")
+        self._check_nothing_missing()
+
+    def _check_nothing_missing(self) -> None:
+        """Every parameter the model has must come from the checkpoint (itself, a tied twin, or a load-time
+        converter): a DST missing one would load with freshly initialised weights, e.g. a config.json that
+        describes more layers than the checkpoint holds."""
+        have = set(self.km.plain.values()) | set(self.km.converted.values())
+        ignore = getattr(self.view.model, "_keys_to_ignore_on_load_missing", None) or []
+        ignore_re = re.compile("|".join(f"({p})" for p in ignore)) if ignore else None
+        missing = []
+        for name, _ in self.view.model.named_parameters():
+            if self.view.group(name) & have or (ignore_re is not None and ignore_re.search(name)):
+                continue
+            missing.append(name)
+        if not missing:
+            return
+        if self.src.index_name is not None:
+            for name in missing:
+                held_in = unindexed_key(self.src, name)
+                if held_in is not None:
+                    raise CheckpointError(f"{self.src.index_name} does not list tensor {name!r}: it is in "
+                                          f"{held_in}, a shard the index does not name (incomplete or stale index)")
+        layers = sorted({int(m.group(1)) for n in missing for m in [re.search(r"\.(\d+)\.", n)] if m})
+        hint = (f"; does config.json describe more layers than the checkpoint holds (no tensors for layer(s) "
+                f"{', '.join(map(str, layers[:5]))}{'...' if len(layers) > 5 else ''})?" if layers else
+                "; is config.json from another model?")
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) that {self.view.arch} expects, e.g. "
+                              f"{missing[0]!r}{hint}")
 
     # -- lookups --------------------------------------------------------------------------------------------
     def key_of(self, name: str) -> str | None:

@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch
 
+from . import fsops
 from .errors import CheckpointError
 
 #: safetensors dtype code → (torch dtype or None when this torch lacks it, bytes per element)
@@ -188,6 +189,7 @@ class SafetensorsWriter:
         start = 8 + len(blob)
         self._span = {k: (start + o, n) for k, (o, n) in spans.items()}  # key → (absolute offset, bytes)
         self._done = dict.fromkeys(spans, 0)  # key → bytes written so far (each key has one writer)
+        fsops.at("write", self.path)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         _write_all(self.fd, len(blob).to_bytes(8, "little") + blob, 0)
 
@@ -204,18 +206,24 @@ class SafetensorsWriter:
         t = t.detach().contiguous().reshape(-1)
         n = t.numel() * t.element_size()
         if n:
+            fsops.at("write", self.path)
             _write_all(self.fd, t.view(torch.uint8).numpy(), self._claim(key, n))
         return n
 
     def copy_into(self, key: str, src_fd: int, offset: int, nbytes: int, label: str) -> None:
         """Append ``nbytes`` of src (from ``offset``) to tensor ``key``, file to file."""
+        fsops.at("copy", self.path)
         _copy_range(src_fd, self.fd, offset, self._claim(key, nbytes), nbytes, label)
 
-    def close(self) -> None:
+    def close(self, sync: bool = True) -> None:
+        """Check that every tensor is complete, make the file durable (fsync; the caller's job with
+        ``sync=False``) and close it."""
         try:
             short = [k for k, n in self._done.items() if n != self._span[k][1]]
             if short:
                 raise RuntimeError(f"internal error: {short[0]!r} incomplete in {self.path}")
+            if sync:
+                fsops.fsync_fd(self.fd, self.path)
         finally:
             os.close(self.fd)
 

@@ -52,6 +52,7 @@ class Source:
         self.infos: dict[str, TensorInfo] = {}
         self.index: dict | None = None  # the source index JSON, when sharded
         self.index_name: str | None = None
+        self.unindexed: list[str] = []  # files that look like shards of this checkpoint but the index omits
         self.shard_metadata: dict[str, dict[str, str]] = {s: {} for s in shards}
         self._by_shard: dict[str, list[TensorInfo]] | None = None
 
@@ -220,6 +221,23 @@ def _check_index(src: Source, index_name: str) -> None:
                                   "or shard)")
 
 
+def _unindexed(root: Path, shards: list[str], looks_like: Callable[[str], bool]) -> list[str]:
+    named = set(shards)
+    return sorted(p.name for p in root.iterdir() if p.name not in named and looks_like(p.name) and p.is_file())
+
+
+def unindexed_key(src: Source, key: str) -> str | None:
+    """The unindexed safetensors file of ``src`` that holds tensor ``key``, if any (headers only)."""
+    for name in src.unindexed:
+        if name.endswith(".safetensors"):
+            try:
+                if key in SafetensorsFile(src.root / name, label=name).entries:
+                    return name
+            except CheckpointError:
+                continue
+    return None
+
+
 def open_hf_source(root: Path) -> Source:
     """Find the weights of a Hugging Face model directory (safetensors preferred, like transformers)."""
     if (root / ST_INDEX).is_file():
@@ -227,6 +245,7 @@ def open_hf_source(root: Path) -> Source:
         src: Source = SafetensorsSource(root, shards, str(root))
         src.index, src.index_name = index, ST_INDEX
         _check_index(src, ST_INDEX)
+        src.unindexed = _unindexed(root, shards, lambda n: n.endswith(".safetensors"))
         return src
     if (root / ST_SINGLE).is_file():
         return SafetensorsSource(root, [ST_SINGLE], str(root))
@@ -235,6 +254,7 @@ def open_hf_source(root: Path) -> Source:
         src = BinSource(root, shards, str(root), _flat_state_dict)
         src.index, src.index_name = index, BIN_INDEX
         _check_index(src, BIN_INDEX)
+        src.unindexed = _unindexed(root, shards, lambda n: n.startswith("pytorch_model") and n.endswith(".bin"))
         return src
     if (root / BIN_SINGLE).is_file():
         return BinSource(root, [BIN_SINGLE], str(root), _flat_state_dict)
@@ -249,6 +269,7 @@ def bin_to_safetensors_name(name: str) -> str:
 
 # -- timm -------------------------------------------------------------------------------------------------------
 _TIMM_CONTAINERS = ("state_dict", "model", "module")
+_TIMM_EMA = ("state_dict_ema", "model_ema")  # where timm's training script saves them
 
 
 def _clean_timm_key(k: str) -> str:
@@ -257,15 +278,19 @@ def _clean_timm_key(k: str) -> str:
 
 def _timm_select(use_ema: bool) -> Callable[[Any, str], dict[str, torch.Tensor]]:
     def select(obj: Any, label: str) -> dict[str, torch.Tensor]:
-        if isinstance(obj, dict):
-            order = (("state_dict_ema", "model_ema") if use_ema else ()) + _TIMM_CONTAINERS
-            for name in order:
+        if use_ema:  # asked for EMA weights: never fall back to the regular ones
+            ema = next((n for n in _TIMM_EMA if isinstance(obj, dict) and isinstance(obj.get(n), dict)), None)
+            if ema is None:
+                held = (f"it holds {', '.join(repr(k) for k in list(obj)[:5])}" if isinstance(obj, dict) and obj
+                        else f"it holds a {type(obj).__name__}")
+                raise CheckpointError(f"{label} has no EMA weights (no {' or '.join(_TIMM_EMA)}; {held}); drop "
+                                      "--use-ema to convert the regular weights")
+            obj = obj[ema]
+        elif isinstance(obj, dict):
+            for name in _TIMM_CONTAINERS:
                 if isinstance(obj.get(name), dict):
                     obj = obj[name]
                     break
-            else:
-                if use_ema:
-                    raise CheckpointError(f"{label} has no EMA weights (state_dict_ema / model_ema)")
         sd = _flat_state_dict(obj, label)
         out = {}
         for k, v in sd.items():

@@ -14,7 +14,7 @@ import torch
 from ckpt_helpers import leftovers, tree_hash
 from safetensors.torch import load_file, save_file
 
-import lmbp_convert.checkpoint.api as api
+import lmbp_convert.checkpoint.fsops as fsops
 import lmbp_convert.checkpoint.safetensors_io as sio
 
 
@@ -213,10 +213,11 @@ def test_unwritable_dst_read_only_dir(cli, src, tmp_path):
 
 def test_unwritable_dst_mkdir_fails(cli, src, tmp_path, monkeypatch):
     """Permission checks can pass and creating the temporary directory still fail (ACLs, read-only mounts)."""
-    def refuse(*a, **k):
-        raise PermissionError(errno.EACCES, "Permission denied")
+    def refuse(op, path):
+        if op == "mkdir":
+            raise PermissionError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(api.tempfile, "mkdtemp", refuse)
+    monkeypatch.setattr(fsops, "fault_hook", refuse)
     expect_error(cli, src, tmp_path / "dst", match="cannot write DST .*Permission denied")
 
 
@@ -268,14 +269,14 @@ def test_commit_failure_restores_existing_dst(cli, src, tmp_path, monkeypatch):
     dst = tmp_path / "dst"
     dst.mkdir()
     (dst / "old.txt").write_text("previous result")
-    real = os.rename
+    failed = []
 
-    def rename(a, b):
-        if ".lmbp-tmp-" in str(a):
+    def fail_rename_in(op, path):
+        if op == "rename" and path == str(dst) and not failed:  # the new DST into place (the old one is aside)
+            failed.append(path)
             raise OSError(errno.EIO, "Input/output error")
-        return real(a, b)
 
-    monkeypatch.setattr(api.os, "rename", rename)
+    monkeypatch.setattr(fsops, "fault_hook", fail_rename_in)
     expect_error(cli, src, dst, "--force", match="I/O error .*Input/output error")
 
 
@@ -312,23 +313,85 @@ def test_head_checkpoint_without_architectures_says_so(cli, src, tmp_path):
 @pytest.mark.parametrize("existing", [False, True])
 def test_ctrl_c_during_commit_is_held_until_dst_is_in_place(cli, src, tmp_path, monkeypatch, existing):
     """An interrupt that arrives while DST is renamed into place is delivered after the swap: never a missing
-    or half-swapped DST, and the message says DST is complete."""
+    or half-swapped DST, and the message says DST is complete. The signal is raised synchronously in the main
+    thread at the rename itself (signal.raise_signal), so its handler runs at that point on any machine load —
+    os.kill may deliver a process-directed signal to another thread, whose handler then runs at a later,
+    load-dependent point."""
     import signal
 
     dst = tmp_path / "dst"
     if existing:
         dst.mkdir()
         (dst / "old.txt").write_text("previous result")
-    real = os.rename
+    raised = []
 
-    def rename(a, b):
-        if ".lmbp-tmp-" in str(a):
-            os.kill(os.getpid(), signal.SIGINT)  # held: the rename below still runs
-        return real(a, b)
+    def interrupt_at_rename_in(op, path):
+        if op == "rename" and path == str(dst):
+            signal.raise_signal(signal.SIGINT)  # held: the rename below still runs
+            raised.append(path)
 
-    monkeypatch.setattr(api.os, "rename", rename)
+    monkeypatch.setattr(fsops, "fault_hook", interrupt_at_rename_in)
     before = tree_hash(src)
     rc, _, err = cli(src, dst, *(["--force"] if existing else []))
+    assert raised == [str(dst)]  # the handler held it: the hook went on to the rename
     assert rc == 130 and f"interrupted after {dst} was complete" in err and err.count("\n") == 1
     assert tree_hash(src) == before and not leftovers(tmp_path)
     assert (dst / "config.json").exists() and not (dst / "old.txt").exists()
+
+
+# -- issue 10, item 7: smaller holes ---------------------------------------------------------------------------
+def test_use_ema_without_ema_weights_is_an_error(cli, tmp_path):
+    """--use-ema on a training checkpoint that holds only the regular weights: before, they were converted with
+    exit 0, as if they were the EMA ones."""
+    from test_streaming import timm_cli_args, timm_vit
+
+    src = tmp_path / "train.pth"
+    torch.save({"state_dict": timm_vit().state_dict(), "epoch": 3}, src)
+    expect_error(cli, src, tmp_path / "ema.safetensors", *timm_cli_args(), "--use-ema",
+                 match=r"train.pth has no EMA weights .*'state_dict'.*drop --use-ema")
+
+
+def test_index_omitting_a_tensor_names_the_unindexed_shard(cli, src, tmp_path):
+    """The index leaves out the only tensor of a shard: that shard is then named nowhere. Before, the run
+    reported it as "weights in another format" and wrote a DST missing the tensor, with exit 0."""
+    idx_path = src / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text())
+    counts: dict[str, list[str]] = {}
+    for k, s in idx["weight_map"].items():
+        counts.setdefault(s, []).append(k)
+    shard, keys = next((s, ks) for s, ks in sorted(counts.items()) if len(ks) == 1)
+    del idx["weight_map"][keys[0]]
+    idx_path.write_text(json.dumps(idx))
+    expect_error(cli, src, tmp_path / "dst", match=rf"index.json does not list tensor '{re.escape(keys[0])}': it is "
+                                                   rf"in {shard}, a shard the index does not name")
+
+
+def test_config_with_more_layers_than_the_checkpoint(cli, src, tmp_path):
+    edit_config(src, num_hidden_layers=4)  # the checkpoint holds 2
+    expect_error(cli, src, tmp_path / "dst", match=r"lacks \d+ tensor\(s\) .* e\.g\. 'model\.layers\.2\..*more "
+                                                   r"layers than the checkpoint holds .*layer\(s\) 2, 3")
+
+
+def test_help_and_path_errors_come_before_the_heavy_imports(src, tmp_path):
+    """``--help``, usage errors and path errors answer without importing torch or transformers (seconds of the
+    CLI's fixed cost): the package imports its public names lazily and the path checks are torch-free."""
+    import subprocess
+    import sys
+
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    script = (
+        "import contextlib, io, sys\n"
+        "from lmbp_convert.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        f"rc = main([{str(src)!r}, {str(dst)!r}])\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'timm', 'numpy') if m in sys.modules)\n"
+        "print(rc, heavy)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.split("\n")[0] == "1 []", (proc.stdout, proc.stderr)
+    assert "exists (pass --force" in proc.stderr
+    import lmbp_convert
+
+    assert lmbp_convert.convert.__module__ == "lmbp_convert.apply.convert"  # public names unchanged
+    from lmbp_convert import ConvertOptions, SavedTensorLedger, convert  # noqa: F401

@@ -252,25 +252,28 @@ def test_progress_bar_when_asked(saved, tmp_path, capsys):
 
 
 def test_sigterm_mid_write_removes_partial_dst(saved, tmp_path, cli, monkeypatch):
-    import os
+    """SIGTERM raised synchronously on the main thread at its third write (signal.raise_signal in the fault hook):
+    the handler runs right there on any machine load. (os.kill from a copying thread, as before, let the handler
+    run at a load-dependent point of the main thread.)"""
     import signal
+    import threading
 
-    import lmbp_convert.checkpoint.safetensors_io as sio
+    import lmbp_convert.checkpoint.fsops as fsops
 
     src = saved("llama")
     before = tree_hash(src)
-    real = sio._copy_range
-    calls = {"n": 0}
+    writes = []
 
-    def term(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
+    def term(op, path):
+        if op == "write" and threading.current_thread() is threading.main_thread():
+            writes.append(path)
+            if len(writes) == 3:
+                signal.raise_signal(signal.SIGTERM)
 
-    monkeypatch.setattr(sio, "_copy_range", term)
+    monkeypatch.setattr(fsops, "fault_hook", term)
     old = signal.getsignal(signal.SIGTERM)
     rc, _, err = cli(src, tmp_path / "dst")
+    assert len(writes) == 3  # the handler raised at once: no write after the signal
     assert rc == 143 and "terminated" in err and err.count("\n") == 1
     assert not (tmp_path / "dst").exists() and not leftovers(tmp_path) and tree_hash(src) == before
     assert signal.getsignal(signal.SIGTERM) == old  # the CLI restores the handler
@@ -293,3 +296,25 @@ def test_timm_use_ema(tmp_path, cli):
     with torch.no_grad():
         ref, got = ema(x), plain(x)
     assert ((ref - got).norm() / ref.norm()).item() <= 1e-5
+
+
+def test_prefetch_reads_files_in_order_up_to_the_budget(tmp_path, monkeypatch):
+    import os
+
+    import lmbp_convert.checkpoint.fsops as fsops
+
+    files = []
+    for i, size in enumerate((100, 300, 50)):
+        p = tmp_path / f"s{i}.safetensors"
+        p.write_bytes(b"x" * size)
+        files.append(p)
+    real = os.sendfile
+    reads = []
+
+    def sendfile(out_fd, in_fd, offset, count):
+        reads.append((os.fstat(in_fd).st_size, offset, count))
+        return real(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    fsops.prefetch([*files, tmp_path / "missing"], budget=250)
+    assert reads == [(100, 0, 100), (300, 0, 150)]  # in order; the second file up to the budget
