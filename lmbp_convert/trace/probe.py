@@ -1,6 +1,7 @@
 """Build a small input the model accepts, from its own config (HF) or pretrained_cfg (timm)."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -32,6 +33,14 @@ def _first(cfg: Any, *names: str, default=None):
     return default
 
 
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int, str]:
     """Return (probe, count, unit): the input, and how many tokens/images it holds (for per-token figures)."""
     device, dtype = _device_dtype(model)
@@ -48,7 +57,12 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int
         n = max(2, min(seq, max_pos))
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, vocab, (batch, n), generator=gen, device="cpu").to(device)
-        return {"input_ids": ids}, batch * n, "token"
+        probe = {"input_ids": ids}
+        if device.type == "meta" and getattr(cfg, "use_cache", None) is False and _accepts(model, "use_cache"):
+            # Without a cache, transformers checks the position ids for packed sequences, a data-dependent test a
+            # meta tensor cannot answer; a cache changes no module's consumers, so the meta trace asks for one.
+            probe["use_cache"] = True
+        return probe, batch * n, "token"
     if cfg is not None and main == "pixel_values":
         vcfg = getattr(cfg, "vision_config", None) or cfg
         size = _first(vcfg, "image_size", default=224)

@@ -311,3 +311,17 @@ def test_base_model_without_architectures(tmp_path, cli):
         ref, got = model(input_ids=ids).last_hidden_state, b(input_ids=ids).last_hidden_state
     assert rel_err(ref, got) <= 1e-5
     assert len(getattr(b.config, CONFIG_KEY)["folded_norms"]) == 4
+
+
+def test_checkpoint_saved_without_cache(tmp_path, cli):
+    """Fine-tuned checkpoints often say ``use_cache: false``; the meta trace must not depend on it (transformers
+    then checks position ids for packed sequences, which a meta tensor cannot answer), and DST keeps it."""
+    from ckpt_helpers import save_model
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    model = build_model("llama", use_cache=False)
+    save_model(model, src)
+    convert_dst(cli, src, dst)
+    assert json.loads((dst / "config.json").read_text())["use_cache"] is False
+    loaded = auto_class("llama").from_pretrained(dst).eval()
+    assert rel_err(logits(model), logits(loaded)) <= 1e-5
