@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from ._common import HAS_TRITON, TRITON_DTYPES, check_dtype, use_triton
 
 if HAS_TRITON:
@@ -216,6 +217,9 @@ def _act_torch(x: torch.Tensor, kind: str) -> torch.Tensor:
 def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The activation in x's own dtype via ATen's fused kernels (fp32 inside), one rounding, like the
     Triton path; quick_gelu has no fused kernel and is computed in fp32."""
+    native = cpu_native.act(x, kind)  # the native CPU kernel's values, as its forward with codes gives
+    if native is not None:
+        return native
     if kind == "gelu":
         # ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton kernel) give +inf.
         return F.gelu(x).masked_fill_(torch.isposinf(x), math.inf)
@@ -229,6 +233,9 @@ def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
 def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation in x's dtype, packed codes) on any device."""
     const = _CONSTANTS[(kind, bits)]
+    native = cpu_native.act_fwd(x, kind, bits, const.c_f32)  # one-pass CPU kernel; None where it does not apply
+    if native is not None:
+        return native
     if x.dtype == torch.float64:
         y = _act_torch(x, kind)
         thresholds = const.c
@@ -244,6 +251,9 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
 
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
+    native = cpu_native.act_bwd(grad, packed, bits, _SLOPE_TABLES[((kind, bits), torch.float32)])
+    if native is not None:
+        return native
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
     table = _SLOPE_TABLES[((kind, bits), compute)].to(grad.device)

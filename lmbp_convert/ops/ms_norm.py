@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from . import cpu_native
 from ._common import HAS_TRITON, autocast_dtype_for, check_dtype, use_triton
 
 if HAS_TRITON:
@@ -210,6 +211,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _fwd_torch(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype,
                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch forward, same contract as `_fwd_triton` (rstd is fp64 for fp64 inputs). ``chunk`` is ignored."""
+    native = cpu_native.norm_fwd(x, n, eps, is_rms, out_dtype)  # one-pass CPU kernel; None where it does not apply
+    if native is not None:
+        return native
     rows = x.numel() // n if n else 0  # n == 0 (an empty normalized_shape dim): nothing to normalise
     if not is_rms and rows and n and _compute_dtype(x.dtype) == torch.float32:
         # One fused ATen pass instead of ~8 elementwise ones; fp32 in, so the statistics are fp32 too (on CPU,
@@ -229,6 +233,9 @@ def _fwd_torch(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: tor
 def _bwd_torch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype,
                chunk: int | None = None) -> torch.Tensor:
     """PyTorch backward, same contract as `_bwd_triton`. ``chunk`` is ignored."""
+    native = cpu_native.norm_bwd(g, y, rstd, is_rms, x_dtype)
+    if native is not None:
+        return native
     cdt = _compute_dtype(x_dtype)
     rows = rstd.numel()
     n = y.numel() // rows if rows else 0
