@@ -201,14 +201,25 @@ static void act_fwd_impl(const T* x, T* y, uint8_t* packed, int64_t n, const flo
       const int64_t len = n - start < kBlock ? n - start : kBlock;
       const T* xb = x + start;
       T* yb = y + start;
-      // One loop: activation and code from the same register (measured faster than separate loops over
-      // the L1-resident block), then the block's codes packed from L1.
-      for (int64_t i = 0; i < len; ++i) {
-        float v = ld(xb, i);
-        st(yb, i, act<KIND>(v));
-        int32_t c = 0;
-        for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);  // NaN exceeds none
-        codes[i] = uint8_t(c);
+      // Activation and codes of the block, then its codes packed, all from L1. For the cheap activations
+      // (silu, quick_gelu) two loops are faster (each vectorises at full float width, where a fused loop runs
+      // at the width of the code bytes); for the erf/tanh ones one fused loop is (measured, AVX-512, 1 thread).
+      if (KIND == SILU || KIND == QUICK_GELU) {
+        for (int64_t i = 0; i < len; ++i) st(yb, i, act<KIND>(ld(xb, i)));
+        for (int64_t i = 0; i < len; ++i) {
+          float v = ld(xb, i);
+          int32_t c = 0;
+          for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);  // NaN exceeds none
+          codes[i] = uint8_t(c);
+        }
+      } else {
+        for (int64_t i = 0; i < len; ++i) {
+          float v = ld(xb, i);
+          st(yb, i, act<KIND>(v));
+          int32_t c = 0;
+          for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);
+          codes[i] = uint8_t(c);
+        }
       }
       const int64_t nb = divup(len, P);
       for (int64_t i = len; i < nb * P; ++i) codes[i] = 0;
