@@ -323,24 +323,6 @@ def _parse_size(s: str) -> int:
     return int(float(s[:-1] if mult > 1 else s) * mult)
 
 
-def steady_malloc() -> str:
-    """glibc: a fixed mmap threshold (32 MiB) and no heap trimming, so a freed activation's pages are reused
-    instead of being returned to the OS and faulted in again. Without it, whether an allocation page-faults
-    depends on the allocation history (glibc's dynamic threshold), which swings one op's time by 2-4× between
-    runs; with it every variant pays the same: faults for tensors over 32 MiB, none below. Returns a note."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        ok = libc is not None and libc.mallopt(-3, 32 * 2 ** 20) == 1 and libc.mallopt(-1, 2 ** 30) == 1
-    except (OSError, AttributeError):
-        ok = False
-    return ("malloc: glibc, mmap threshold fixed at 32 MiB, no trimming (steady page reuse)" if ok
-            else "malloc: default (mallopt unavailable)")
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -353,8 +335,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "the last dim is the row)")
     p.add_argument("--timer", choices=("auto", "thread", "wall"), default="auto",
                    help="auto: time.thread_time with one thread, time.perf_counter otherwise")
-    p.add_argument("--default-malloc", action="store_true",
-                   help="keep glibc's dynamic mmap threshold (page faults then depend on allocation history)")
     p.add_argument("--vs-torch-path", action="store_true",
                    help="CPU: also time each op's PyTorch path (native CPU kernels off)")
     p.add_argument("--bits", type=int, default=2, help="approx_act bits")
@@ -406,7 +386,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device(a.device)
     use_thread = a.timer == "thread" or (a.timer == "auto" and device.type == "cpu" and torch.get_num_threads() == 1)
     CLOCK = time.thread_time if use_thread else time.perf_counter
-    malloc_note = "malloc: default" if a.default_malloc or device.type != "cpu" else steady_malloc()
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_ops: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
@@ -467,7 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if device.type == "cpu":
         from lmbp_convert.ops import cpu_native
 
-        report.append(f"- CPU kernels: {cpu_native.status()}; {malloc_note}")
+        report.append(f"- CPU kernels: {cpu_native.status()}")
     report += [f"- note: {n}" for n in notes]
     report += ["", markdown_table(TIME_HEADER, time_rows(rows))]
     if pair_rows:
