@@ -12,11 +12,12 @@ Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and
 Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
 one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
 it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a dispatch mode or torch.compile tracing,
-an input autograd is recording, as in double backward; a dtype combination the kernels lack), and the caller then runs its PyTorch path: the kernels never see an
-input they are not correct for.
+an input autograd is recording as in double backward, a dtype combination the kernels lack), and the caller
+then runs its PyTorch path: the kernels never see an input they are not correct for.
 
 Threads: ``torch.get_num_threads()``, through the OpenMP runtime torch already loaded (one thread pool, with
-at::parallel_for's chunking and grain size).
+at::parallel_for's chunking and grain size); where torch's runtime is not GNU's libgomp the library is built
+without OpenMP (single-threaded) rather than load a second runtime.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -92,12 +92,21 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def _torch_uses_libgomp() -> bool:
+    """True when the OpenMP runtime in this process is GNU's (pip torch on Linux bundles libgomp.so.1)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            return "libgomp" in fh.read()
+    except OSError:
+        return False
+
+
 def _flag_sets(cxx: str) -> list[list[str]]:
     """Compiler flags to try, best first."""
     arch = ["-mcpu=native"] if platform.machine().lower() in ("arm64", "aarch64") else ["-march=native"]
     base = ["-O3", *arch, "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
     sets = []
-    if torch._C.has_openmp and sys.platform.startswith("linux"):
+    if torch._C.has_openmp and _torch_uses_libgomp():
         sets.append(base + ["-fopenmp"])  # links libgomp.so.1: the copy torch loaded (same soname) is reused
     sets.append(base)
     return sets
