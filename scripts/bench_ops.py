@@ -12,16 +12,22 @@ The ops exist to cut activation memory; this shows what that costs in time on th
 
 Timing: every run is forward (timed), then backward with ``torch.autograd.grad`` (timed) for the inputs and
 any trainable parameter (gated_mlp's down weight); op and reference runs alternate so drift hits both alike;
-the median of ``--runs`` runs after ``--warmup`` discarded ones. Usage::
+the median of ``--runs`` runs after ``--warmup`` discarded ones. Clock (``--timer``): ``time.thread_time`` with
+one thread (CPU time of this thread: other processes on the machine do not count), ``time.perf_counter``
+otherwise. On CPU, ``--vs-torch-path`` adds the op's own PyTorch path (native kernels off) as a reference, so the
+table shows the native kernels against both. Usage::
 
     python scripts/bench_ops.py                 # default sizes, CPU
     python scripts/bench_ops.py --quick         # tiny smoke run
     python scripts/bench_ops.py --device cuda --dtypes bf16 --out bench.md
+    python scripts/bench_ops.py --shapes 64x197x768,8x512x4096 --threads 1 --ops act,norm --kinds gelu,silu \
+        --vs-torch-path                         # the CPU targets of issue 13 (ViT-B / LLaMA-like activations)
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import platform
 import statistics
@@ -115,6 +121,17 @@ def _try_import(name: str):
         raise
 
 
+def _torch_path(impl: "Impl") -> "Impl":
+    """The same op with the native CPU kernels off: its PyTorch path."""
+    from lmbp_convert.ops import cpu_native
+
+    def fn(*xs):
+        with cpu_native.disabled():
+            return impl.fn(*xs)
+
+    return Impl(f"{impl.name.split(' (')[0]} PyTorch path", fn, impl.params)
+
+
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
@@ -124,24 +141,25 @@ def _leaf(shape: Sequence[int], dtype: torch.dtype, device: torch.device, scale:
 
 
 def act_cases(numel: int, row: int, dtype: torch.dtype, device: torch.device, bits: int,
-              kinds: Sequence[str]) -> tuple[list, list]:
+              kinds: Sequence[str], shape: Optional[tuple] = None) -> tuple[list, list]:
     mod = _try_import("lmbp_convert.ops.approx_act")
     if mod is None:
         return [], ["approx_act: lmbp_convert/ops/approx_act.py not found, activations skipped"]
-    shape = (numel // row, row)
+    shape = shape or (numel // row, row)
     cases = []
     for kind in kinds:
         ref_name, ref_fn = _TORCH_ACT[kind]
         op = Impl(f"approx_act {kind} ({bits}-bit)", lambda x, k=kind: mod.approx_act(x, kind=k, bits=bits))
         cases.append(Case(op, [Impl(ref_name, ref_fn)], lambda: [_leaf(shape, dtype, device, 3.0)],
-                          f"{shape[0]}x{shape[1]}"))
+                          "x".join(map(str, shape))))
     return cases, []
 
 
-def norm_cases(numel: int, row: int, dtype: torch.dtype, device: torch.device) -> tuple[list, list]:
+def norm_cases(numel: int, row: int, dtype: torch.dtype, device: torch.device,
+               shape: Optional[tuple] = None) -> tuple[list, list]:
     from lmbp_convert.ops.ms_norm import ms_layer_norm, ms_rms_norm
 
-    shape = (numel // row, row)
+    shape = shape or (numel // row, row)
     w = _frozen(torch.randn(row, device=device).to(dtype))
     b = _frozen(torch.randn(row, device=device).to(dtype))
     ln_op = Impl("ms_layer_norm", lambda x: ms_layer_norm(x, row, 1e-5))
@@ -151,7 +169,7 @@ def norm_cases(numel: int, row: int, dtype: torch.dtype, device: torch.device) -
     rms_refs = [Impl("F.rms_norm +weight", lambda x: F.rms_norm(x, (row,), w, 1e-6), [w]),
                 Impl("F.rms_norm", lambda x: F.rms_norm(x, (row,), None, 1e-6))]
     inputs = lambda: [_leaf(shape, dtype, device, 2.0)]  # noqa: E731
-    s = f"{shape[0]}x{shape[1]}"
+    s = "x".join(map(str, shape))
     return [Case(ln_op, ln_refs, inputs, s), Case(rms_op, rms_refs, inputs, s)], []
 
 
@@ -180,16 +198,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CLOCK = time.perf_counter  # set by main(): thread_time with one CPU thread
+
+
 def _one_run(impl: Impl, xs: list, g: torch.Tensor, device: torch.device) -> tuple[float, float]:
+    # Under autograd the backward of a CPU graph runs in this thread, so thread_time sees all of it.
     _sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     y = impl.fn(*xs)
     _sync(device)
-    t1 = time.perf_counter()
+    t1 = CLOCK()
     # Trainable parameters too: a training step needs their grads, and autograd would skip them otherwise.
     grads = torch.autograd.grad(y, list(xs) + [p for p in impl.params if p.requires_grad], g)
     _sync(device)
-    t2 = time.perf_counter()
+    t2 = CLOCK()
     del y, grads
     return t1 - t0, t2 - t1
 
@@ -308,6 +330,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--sizes", default="4M,16M", help="elements per activation, comma separated (K/M/G suffix)")
     p.add_argument("--dtypes", default="fp32,bf16", help=f"comma separated, from {','.join(DTYPES)}")
     p.add_argument("--row", type=int, default=4096, help="row length (the normalised / feature dim)")
+    p.add_argument("--shapes", default=None,
+                   help="activation shapes instead of --sizes/--row, e.g. 64x197x768,8x512x4096 (act and norm ops; "
+                        "the last dim is the row)")
+    p.add_argument("--timer", choices=("auto", "thread", "wall"), default="auto",
+                   help="auto: time.thread_time with one thread, time.perf_counter otherwise")
+    p.add_argument("--vs-torch-path", action="store_true",
+                   help="CPU: also time each op's PyTorch path (native CPU kernels off)")
     p.add_argument("--bits", type=int, default=2, help="approx_act bits")
     p.add_argument("--kinds", default=",".join(ACT_KINDS), help="approx_act kinds")
     p.add_argument("--ops", default=",".join(OP_GROUPS), help=f"op groups, from {','.join(OP_GROUPS)}")
@@ -328,6 +357,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if bad:
         p.error(f"--dtypes: unknown {bad}; choose from {list(DTYPES)}")
     a.dtype_list = [DTYPES[d.strip()] for d in a.dtypes.split(",") if d.strip()]
+    a.shape_list = []
+    if a.shapes:
+        try:
+            a.shape_list = [tuple(int(v) for v in s.lower().split("x")) for s in a.shapes.split(",") if s.strip()]
+        except ValueError:
+            p.error(f"--shapes: cannot parse {a.shapes!r}")
+        if any(not s or min(s) <= 0 for s in a.shape_list):
+            p.error("--shapes: dims must be positive")
     a.kind_list = [k.strip() for k in a.kinds.split(",") if k.strip()]
     if any(k not in ACT_KINDS for k in a.kind_list):
         p.error(f"--kinds: choose from {ACT_KINDS}")
@@ -343,9 +380,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = parse_args(argv)
+    global CLOCK
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
+    use_thread = a.timer == "thread" or (a.timer == "auto" and device.type == "cpu" and torch.get_num_threads() == 1)
+    CLOCK = time.thread_time if use_thread else time.perf_counter
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_ops: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
@@ -353,19 +393,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: list = []
     notes: list = []
     t_start = time.perf_counter()
+    # (numel, row, explicit shape or None) per size
+    sizes = [(math.prod(s), s[-1], s) for s in a.shape_list] or [(n, a.row, None) for n in a.size_list]
     for dtype in a.dtype_list:
-        for numel in a.size_list:
+        for numel, row, shape in sizes:
             cases = []
             if "act" in a.op_list:
-                c, n = act_cases(numel, a.row, dtype, device, a.bits, a.kind_list)
+                c, n = act_cases(numel, row, dtype, device, a.bits, a.kind_list, shape)
                 cases += c
                 notes += n
             if "norm" in a.op_list:
-                c, n = norm_cases(numel, a.row, dtype, device)
+                c, n = norm_cases(numel, row, dtype, device, shape)
                 cases += c
                 notes += n
-            if "gated" in a.op_list:
-                c, n = gated_cases(numel, a.row, dtype, device, a.mlp_out)
+            if a.vs_torch_path and device.type == "cpu":
+                for case in cases:
+                    case.refs.append(_torch_path(case.op))
+            if "gated" in a.op_list and shape is None:
+                c, n = gated_cases(numel, row, dtype, device, a.mlp_out)
                 cases += c
                 notes += n
             for case in cases:
@@ -378,8 +423,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       flush=True)
     pair_rows = []
     if "norm" in a.op_list:
+        numel, row, _ = sizes[-1]
         for dtype in a.dtype_list:
-            for op_name, ref_name, dt, shape, ob, rb in norm_pair_bytes(a.size_list[-1], a.row, dtype, device):
+            for op_name, ref_name, dt, shape, ob, rb in norm_pair_bytes(numel, row, dtype, device):
                 pair_rows.append((op_name, ref_name, dt, shape, fmt_bytes(ob), fmt_bytes(rb), f"{rb / ob:.2f}×"))
 
     notes = list(dict.fromkeys(notes))
@@ -388,13 +434,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "",
         f"- machine: {machine_line(device)}",
         f"- device: {device}; dtypes: {', '.join(DTYPE_NAMES[d] for d in a.dtype_list)}; "
-        f"elements per activation: {', '.join(str(s) for s in a.size_list)}; row length {a.row}; "
-        f"approx_act bits {a.bits}",
-        f"- timing: median of {a.runs} runs after {a.warmup} warm-up, op and torch runs interleaved; "
+        + (f"shapes: {a.shapes}; " if a.shape_list else
+           f"elements per activation: {', '.join(str(s) for s in a.size_list)}; row length {a.row}; ")
+        + f"approx_act bits {a.bits}",
+        f"- timing: median of {a.runs} runs after {a.warmup} warm-up, op and torch runs interleaved, "
+        f"{'time.thread_time' if CLOCK is time.thread_time else 'time.perf_counter'}; "
         f"backward = torch.autograd.grad on the output; target ≤ {TARGET_RATIO}× the torch op's fwd+bwd",
         "- saved: bytes autograd keeps for backward (SavedTensorLedger; parameters excluded); norm affines are "
         "frozen",
     ]
+    if device.type == "cpu":
+        from lmbp_convert.ops import cpu_native
+
+        report.append(f"- CPU kernels: {cpu_native.status()}")
     report += [f"- note: {n}" for n in notes]
     report += ["", markdown_table(TIME_HEADER, time_rows(rows))]
     if pair_rows:

@@ -40,6 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import cpu_native
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op
 from .activations import ACT_NAMES, ACTIVATIONS
@@ -211,6 +212,9 @@ def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The activation in x's own dtype via the table's ATen kernels (fp32 inside, fp64 for fp64), one rounding
     like the Triton path. gelu: ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton
     kernel) give +inf."""
+    native = cpu_native.act(x, kind)  # the native CPU kernel's values, as its forward with codes gives
+    if native is not None:
+        return native
     y = ACTIVATIONS[kind].torch_fwd(x)
     if kind == "gelu":
         y = y.masked_fill_(torch.isposinf(x), math.inf)
@@ -220,6 +224,9 @@ def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
 def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation in x's dtype, packed codes) on any device."""
     const = _CONSTANTS[(kind, bits)]
+    native = cpu_native.act_fwd(x, kind, bits, const.c_f32)  # one-pass CPU kernel; None where it does not apply
+    if native is not None:
+        return native
     y = _act_native(x, kind)
     # no fp32 copy of x: compare against thresholds moved onto x's own grid
     thresholds = const.c if x.dtype == torch.float64 else _THRESHOLDS[((kind, bits), x.dtype)]
@@ -266,6 +273,9 @@ def _capturing(device: torch.device) -> bool:
 
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
+    native = cpu_native.act_bwd(grad, packed, bits, _SLOPE_TABLES[((kind, bits), torch.float32)])
+    if native is not None:
+        return native
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
     table = _slope_table((kind, bits), compute, grad.device)

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from . import cpu_native
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2
 
@@ -233,6 +234,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def _fwd_torch(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype,
                chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch forward, same contract as `_fwd_triton` (rstd is fp64 for fp64 inputs). ``chunk`` is ignored."""
+    native = cpu_native.norm_fwd(x, n, eps, is_rms, out_dtype)  # one-pass CPU kernel; None where it does not apply
+    if native is not None:
+        return native
     rows = x.numel() // n if n else 0  # n == 0 (an empty normalized_shape dim): nothing to normalise
     if not is_rms and rows and n and _compute_dtype(x.dtype) == torch.float32:
         # One fused ATen pass instead of ~8 elementwise ones; fp32 in, so the statistics are fp32 too (on CPU,
@@ -252,6 +256,9 @@ def _fwd_torch(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: tor
 def _bwd_torch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype,
                chunk: int | None = None) -> torch.Tensor:
     """PyTorch backward, same contract as `_bwd_triton`. ``chunk`` is ignored."""
+    native = cpu_native.norm_bwd(g, y, rstd, is_rms, x_dtype)
+    if native is not None:
+        return native
     cdt = _compute_dtype(x_dtype)
     rows = rstd.numel()
     n = y.numel() // rows if rows else 0
@@ -261,8 +268,11 @@ def _bwd_torch(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: boo
         # bf16 model); otherwise (autocast: bf16 ŷ, fp32 x) the fused pass runs in fp32.
         wd = y.dtype if (g.dtype == y.dtype == x_dtype) else torch.float32
         g2, y2 = g.reshape(rows, n).to(wd), y.reshape(rows, n).to(wd)
-        zeros = torch.zeros(rows, 1, dtype=wd, device=y.device)
-        ones = torch.ones(rows, 1, dtype=wd, device=y.device)
+        # mean/rstd in the dtype ATen's own forward returns them in on this device: the input's on the CPU,
+        # fp32 (the accumulation type) on CUDA, where a bf16 pair is rejected.
+        sd = torch.float32 if y.is_cuda else wd
+        zeros = torch.zeros(rows, 1, dtype=sd, device=y.device)
+        ones = torch.ones(rows, 1, dtype=sd, device=y.device)
         dxh = torch.ops.aten.native_layer_norm_backward(g2, y2, [n], zeros, ones, None, None,
                                                          [True, False, False])[0]
         return (dxh.to(torch.float32) * rstd.reshape(rows, 1)).to(x_dtype).reshape(y.shape)

@@ -1,0 +1,374 @@
+"""Native CPU kernels for approx_act and the MS norms: loader and Python entry points.
+
+The PyTorch path costs ~10 passes over memory per approx-act forward and round-trips bf16 through fp32
+copies; ``csrc/cpu_ops.cpp`` does each direction in one pass, in fp32 registers, rounding once to the output
+dtype. It is plain C++ (no torch headers), compiled at first use with the host's C++ compiler for the host
+CPU (``-O3 -march=native``: AVX2, AVX-512, ...), cached on disk, and called through ctypes.
+
+Cache: ``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``, one build per (source, compiler,
+flags, torch version, CPU): a cache shared by different machines never runs code built for another CPU.
+Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and install atomically.
+
+Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
+one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
+it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a dispatch mode or torch.compile tracing,
+an input autograd is recording as in double backward, a dtype combination the kernels lack), and the caller
+then runs its PyTorch path: the kernels never see an input they are not correct for.
+
+Threads: ``torch.get_num_threads()``, through the OpenMP runtime torch already loaded (one thread pool, with
+at::parallel_for's chunking and grain size); where torch's runtime is not GNU's libgomp the library is built
+without OpenMP (single-threaded) rather than load a second runtime.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from .activations import ACTIVATIONS
+
+__all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd", "norm_bwd"]
+
+ENV_SWITCH = "LMBP_CPU_NATIVE"
+ENV_DIR = "LMBP_CPU_NATIVE_DIR"
+_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+_ABI_VERSION = 1
+_BUILD_TIMEOUT_S = 300
+
+_DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The C++ enum (csrc/cpu_ops.cpp) numbers the kinds with the shared activation table's codes; the byte-exact
+# tests against the PyTorch path catch any drift.
+_KIND_ID = {name: a.code for name, a in ACTIVATIONS.items()}
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_state = "unloaded"  # "unloaded" | "ready" | "off" (env switch) | "failed"
+_reason = ""
+_info: dict = {}
+_suspended = 0  # > 0 inside `disabled()`
+_thresholds_cache: dict = {}
+
+
+# --------------------------------------------------------------------------------------------- build
+def _build_root() -> Path:
+    root = os.environ.get(ENV_DIR)
+    if root:
+        return Path(root)
+    base = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not base:
+        from torch import _appdirs
+
+        base = _appdirs.user_cache_dir(appname="torch_extensions")
+    return Path(base) / "lmbp_convert_cpu"
+
+
+def _compiler() -> Optional[str]:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            keep = [ln for ln in fh.read().splitlines()
+                    if ln.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")]
+        return "\n".join(sorted(set(keep)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+
+
+def _torch_uses_libgomp() -> bool:
+    """True when the OpenMP runtime in this process is GNU's (pip torch on Linux bundles libgomp.so.1)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            return "libgomp" in fh.read()
+    except OSError:
+        return False
+
+
+def _flag_sets(cxx: str) -> list[list[str]]:
+    """Compiler flags to try, best first."""
+    arch = ["-mcpu=native"] if platform.machine().lower() in ("arm64", "aarch64") else ["-march=native"]
+    base = ["-O3", *arch, "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
+    sets = []
+    if torch._C.has_openmp and _torch_uses_libgomp():
+        sets.append(base + ["-fopenmp"])  # links libgomp.so.1: the copy torch loaded (same soname) is reused
+    sets.append(base)
+    return sets
+
+
+def _cache_key(cxx: str, flags: Sequence[str], source: bytes) -> str:
+    h = hashlib.sha256()
+    for part in (source, cxx.encode(), " ".join(flags).encode(), torch.__version__.encode(),
+                 _cpu_identity().encode(), platform.platform().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock across processes (POSIX); elsewhere the atomic install alone keeps builds safe."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *flags, str(_SOURCE), "-o", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{Path(cxx).name} failed: {last[:200]}")
+        os.replace(tmp, out)  # atomic: a concurrent reader sees no file or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    lib.lmbp_abi_version.argtypes, lib.lmbp_abi_version.restype = [], i32
+    lib.lmbp_act_fwd.argtypes = [p, p, p, i64, i32, i32, i32, p, i32]
+    lib.lmbp_act_bwd.argtypes = [p, p, p, i64, i32, i32, p, i32]
+    lib.lmbp_norm_fwd.argtypes = [p, p, p, i64, i64, f64, i32, i32, i32, i32]
+    lib.lmbp_norm_bwd.argtypes = [p, p, p, p, i64, i64, i32, i32, i32, i32]
+    for f in (lib.lmbp_act_fwd, lib.lmbp_act_bwd, lib.lmbp_norm_fwd, lib.lmbp_norm_bwd):
+        f.restype = i32
+
+
+def _build_and_load() -> ctypes.CDLL:
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    source = _SOURCE.read_bytes()
+    root = _build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in _flag_sets(cxx):
+        target = root / _cache_key(cxx, flags, source) / "lmbp_cpu_ops.so"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        built = False
+        try:
+            with _file_lock(target.parent / "lock"):
+                if not target.exists():
+                    _compile(cxx, flags, target)
+                    built = True
+            lib = ctypes.CDLL(str(target))
+            _declare(lib)
+            if lib.lmbp_abi_version() != _ABI_VERSION:
+                raise RuntimeError(f"{target} has ABI version {lib.lmbp_abi_version()}, expected {_ABI_VERSION}")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+            continue
+        _info.update(path=str(target), compiler=cxx, flags=" ".join(flags), built=built,
+                     seconds=time.perf_counter() - t0)
+        return lib
+    raise RuntimeError(errors[-1] if errors else "build failed")
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _state, _reason
+    with _lock:
+        if _state == "unloaded":
+            if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+                _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+            else:
+                try:
+                    _lib = _build_and_load()
+                    _state = "ready"
+                except Exception as e:  # any failure: the PyTorch path runs instead
+                    _state, _reason = "failed", str(e) or type(e).__name__
+                    warnings.warn(f"lmbp_convert: native CPU kernels unavailable ({_reason}); using the PyTorch "
+                                  f"path (set {ENV_SWITCH}=0 to skip the build)", RuntimeWarning, stacklevel=4)
+    return _lib
+
+
+def available() -> bool:
+    """True when the native kernels are built and loaded (builds them on first call)."""
+    return _load() is not None
+
+
+def status() -> str:
+    """One line: where the kernels come from, or why the PyTorch path runs."""
+    if _load() is not None:
+        return f"native ({_info.get('flags', '')}; {_info.get('path', '')})"
+    return f"PyTorch path ({_reason})"
+
+
+def build_info() -> dict:
+    """Library path, compiler, flags, whether this process compiled it and the seconds build + load took."""
+    _load()
+    return dict(_info)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the PyTorch path inside the block (tests and benchmarks compare the two)."""
+    global _suspended
+    _suspended += 1
+    try:
+        yield
+    finally:
+        _suspended -= 1
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """A dense CPU tensor whose memory the kernels may read directly."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
+            and not t.is_neg())
+
+
+def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
+    if _suspended or _state in ("off", "failed"):
+        return None
+    if torch._C._len_torch_dispatch_stack() > 0 or not all(_plain_cpu(t) for t in ts):
+        return None  # a dispatch mode (tracer, FLOP counter, fake tensors) must see every op
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None  # a result autograd must record (double backward): the PyTorch path's ops
+    return _lib if _state == "ready" else _load()
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _thresholds(values: Sequence[float]) -> ctypes.Array:
+    key = tuple(values)
+    arr = _thresholds_cache.get(key)
+    if arr is None:
+        arr = _thresholds_cache[key] = (ctypes.c_float * len(key))(*key)
+    return arr
+
+
+def act_fwd(x: torch.Tensor, kind: str, bits: int, thresholds_f32: Sequence[float]
+            ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(act(x) in x's dtype and shape, packed codes) as approx_act's ``_fwd_torch``, or None (not applicable)."""
+    if torch.compiler.is_compiling():  # dynamo traces the PyTorch path (no data pointers in a graph)
+        return None
+    dt = _DTYPE_ID.get(x.dtype)
+    if dt is None or x.numel() == 0 or len(thresholds_f32) != 2 ** bits - 1:
+        return None
+    lib = _ready(x)
+    if lib is None:
+        return None
+    xc = _contig(x)
+    n = xc.numel()
+    per_byte = 8 // (4 if bits == 3 else bits)
+    y = torch.empty(x.shape, dtype=x.dtype)
+    packed = torch.empty(-(-n // per_byte), dtype=torch.uint8)
+    rc = lib.lmbp_act_fwd(xc.data_ptr(), y.data_ptr(), packed.data_ptr(), n, dt, _KIND_ID[kind], bits,
+                          ctypes.addressof(_thresholds(thresholds_f32)), torch.get_num_threads())
+    return (y, packed) if rc == 0 else None
+
+
+def act(x: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
+    """The activation alone (no codes), the same values as :func:`act_fwd`'s, or None."""
+    if torch.compiler.is_compiling():
+        return None
+    dt = _DTYPE_ID.get(x.dtype)
+    if dt is None or x.numel() == 0:
+        return None
+    lib = _ready(x)
+    if lib is None:
+        return None
+    xc = _contig(x)
+    y = torch.empty(x.shape, dtype=x.dtype)
+    rc = lib.lmbp_act_fwd(xc.data_ptr(), y.data_ptr(), None, xc.numel(), dt, _KIND_ID[kind], 0, None,
+                          torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+def act_bwd(grad: torch.Tensor, packed: torch.Tensor, bits: int, byte_table: torch.Tensor) -> Optional[torch.Tensor]:
+    """grad * slope[code] in grad's dtype and shape, as approx_act's ``_bwd_torch``, or None.
+
+    ``byte_table``: fp32 [256, P], the P slopes each packed byte stands for.
+    """
+    if torch.compiler.is_compiling():  # dynamo traces the PyTorch path (no data pointers in a graph)
+        return None
+    dt = _DTYPE_ID.get(grad.dtype)
+    slot = 4 if bits == 3 else bits
+    n = grad.numel()
+    if (dt is None or n == 0 or packed.dtype != torch.uint8 or packed.numel() != -(-n // (8 // slot))
+            or byte_table.dtype != torch.float32 or tuple(byte_table.shape) != (256, 8 // slot)):
+        return None
+    lib = _ready(grad, packed, byte_table)
+    if lib is None:
+        return None
+    gc, pc, tc = _contig(grad), _contig(packed), _contig(byte_table)
+    dx = torch.empty(grad.shape, dtype=grad.dtype)
+    rc = lib.lmbp_act_bwd(gc.data_ptr(), pc.data_ptr(), dx.data_ptr(), n, dt, slot, tc.data_ptr(),
+                          torch.get_num_threads())
+    return dx if rc == 0 else None
+
+
+def norm_fwd(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype
+             ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(ŷ with x's shape in out_dtype, rstd (rows,) fp32) as ms_norm's ``_fwd_torch``, or None."""
+    if torch.compiler.is_compiling():  # dynamo traces the PyTorch path (no data pointers in a graph)
+        return None
+    dt, odt = _DTYPE_ID.get(x.dtype), _DTYPE_ID.get(out_dtype)
+    if dt is None or odt is None or n <= 0 or x.numel() == 0 or x.numel() % n:
+        return None
+    lib = _ready(x)
+    if lib is None:
+        return None
+    xc = _contig(x)
+    rows = xc.numel() // n
+    y = torch.empty(x.shape, dtype=out_dtype)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    rc = lib.lmbp_norm_fwd(xc.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, n, float(eps), int(is_rms), dt,
+                           odt, torch.get_num_threads())
+    return (y, rstd) if rc == 0 else None
+
+
+def norm_bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype
+             ) -> Optional[torch.Tensor]:
+    """dx with y's shape in x_dtype from the saved ŷ and rstd, as ms_norm's ``_bwd_torch``, or None."""
+    if torch.compiler.is_compiling():  # dynamo traces the PyTorch path (no data pointers in a graph)
+        return None
+    ydt, ddt = _DTYPE_ID.get(y.dtype), _DTYPE_ID.get(x_dtype)
+    rows = rstd.numel()
+    if (ydt is None or ddt is None or g.dtype != y.dtype or g.shape != y.shape or rstd.dtype != torch.float32
+            or rows == 0 or y.numel() == 0 or y.numel() % rows):
+        return None
+    lib = _ready(g, y, rstd)
+    if lib is None:
+        return None
+    gc, yc, rc_ = _contig(g), _contig(y), _contig(rstd)
+    dx = torch.empty(y.shape, dtype=x_dtype)
+    rc = lib.lmbp_norm_bwd(gc.data_ptr(), yc.data_ptr(), rc_.data_ptr(), dx.data_ptr(), rows, y.numel() // rows,
+                           int(is_rms), ydt, ddt, torch.get_num_threads())
+    return dx if rc == 0 else None
