@@ -249,8 +249,8 @@ def _slope_table_on(const: ApproxConstants, dtype: torch.dtype, device: torch.de
     shifts = torch.arange(0, 8, s, dtype=torch.int32, device=device)
     codes = (byte[:, None] >> shifts[None, :]) & ((1 << s) - 1)
     table = torch.zeros(codes.shape, dtype=dtype, device=device)
-    for j in range(1, len(const.slopes)):  # slope[code] = sum of a_j over j <= code: one step per threshold
-        table += (codes >= j).to(dtype) * const.a[j - 1]
+    for j in range(1, len(const.slopes)):  # the exact (fsum) slope of each code, rounded once: equal to the CPU table
+        table = torch.where(codes == j, const.slopes[j], table)
     return table
 
 
