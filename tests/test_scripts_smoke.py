@@ -94,12 +94,13 @@ def test_bench_rows_format(bench):
 # ------------------------------------------------------------------------------------------ gpu_check
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_gpu_check_fails_fast_without_cuda(gc):
-    t0 = time.perf_counter()
+    """It refuses before measuring anything: exit 2 and the one-line message (no wall-clock assertion: CI's
+    machine is shared, and the subprocess timeout is only a safety net)."""
     proc = subprocess.run([sys.executable, GPU_CHECK], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
     assert "no CUDA device available" in proc.stderr and proc.stderr.strip() == gc.NO_CUDA_MESSAGE
-    assert time.perf_counter() - t0 < 60
+    assert proc.stdout == ""
 
 
 def test_gpu_check_refuses_the_interpreter():
