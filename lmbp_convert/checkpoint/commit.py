@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
+import secrets
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -76,7 +77,13 @@ def make_workspace(dst: Path) -> Workspace:
     with _in_process:  # another thread of this process mending leftovers sees it only once locked
         try:
             fsops.at("mkdir", parent / f".{dst.name}.lmbp-tmp-")
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.lmbp-tmp-{os.getpid()}-", dir=parent))
+            while True:
+                tmp = sibling(dst, "tmp")
+                try:
+                    os.mkdir(tmp, 0o700)
+                    break
+                except FileExistsError:
+                    continue
         except OSError as exc:
             raise CheckpointError(f"cannot write DST {dst}: {exc.strerror or exc}") from exc
         ws = Workspace(dst, tmp)
@@ -85,8 +92,14 @@ def make_workspace(dst: Path) -> Workspace:
             ws.fds.append(fd)
     mask = os.umask(0)
     os.umask(mask)
-    os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it private; DST should look like any new directory
+    os.chmod(tmp, 0o777 & ~mask)  # made private above; DST should look like any new directory
     return ws
+
+
+def sibling(dst: Path, kind: str) -> Path:
+    """A new name ``.DST.lmbp-<kind>-<pid>-<8 random characters>`` beside DST: the only names that the mending
+    of leftovers ever touches."""
+    return parent_of(dst) / f".{dst.name}.lmbp-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _appeared(dst: Path) -> CheckpointError:
@@ -117,7 +130,7 @@ def commit(ws: Workspace, kind: str, force: bool) -> None:
         ws.committed = True
         fsops.fsync_dir(parent)
         return
-    old = Path(tempfile.mktemp(prefix=f".{dst.name}.lmbp-old-{os.getpid()}-", dir=parent))
+    old = sibling(dst, "old")
     fd = _lock(dst) if not os.path.islink(dst) else None  # the old DST stays marked alive while it is aside
     if fd is not None:
         ws.fds.append(fd)
@@ -145,6 +158,8 @@ def _real(p: Path) -> Path:
 
 def check_paths(kind: str, src: Path, dst: Path, force: bool, dry_run: bool) -> None:
     """Refuse DST = SRC, DST inside SRC (or SRC inside DST), an existing DST without force, an unwritable DST."""
+    if dst.name in ("", ".", ".."):  # no name of its own to rename a new DST to ("/", ".", "x/..")
+        raise CheckpointError(f"DST {dst} names no new entry in a directory; give DST a name, e.g. {dst}/folded")
     rs, rd = _real(src), _real(dst)
     if rs == rd:
         raise CheckpointError("DST is SRC: lmbp-convert never modifies SRC; choose another DST")
@@ -183,20 +198,47 @@ def preflight(kind: str, src: Path, dst: Path, force: bool, dry_run: bool,
 
 
 # -- leftovers of killed runs -------------------------------------------------------------------------------------
-def _alive(path: Path, pid: int | None) -> bool:
-    """Whether the run that made ``path`` may still be running."""
-    if pid is not None and pid != os.getpid():  # (this process: its live runs hold their flock)
+#: seconds of slack between a process's start time (clock ticks) and file time stamps (coarse on some file systems)
+_CLOCK_SLACK = 2.0
+
+
+def _process_start(pid: int) -> float | None:
+    """When process ``pid`` started (wall-clock seconds, from Linux's /proc), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(b")") + 2:].split()[19])  # field 22, starttime, in clock ticks since boot
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _alive(path: Path, pid: int, kind: str) -> bool:
+    """Whether the run that made ``path`` may still be running: it holds the sibling's flock, or its pid exists —
+    unless that process started after the sibling was last changed (a killed run's pid, reused by an unrelated
+    process: a run writes into its temporary directory, and renaming the old DST aside sets its ctime)."""
+    if pid != os.getpid():  # (this process: its live runs hold their flock)
         try:
             os.kill(pid, 0)
-            return True  # (or the pid was reused: leave it, it is reported)
+            exists = True
         except ProcessLookupError:
-            pass
+            exists = False
         except PermissionError:
-            return True
+            exists = True
         except OSError:
-            pass
+            exists = False
+        if exists:
+            try:
+                st = path.lstat()
+            except OSError:
+                return False
+            started = _process_start(pid)
+            changed = st.st_mtime if kind == "tmp" else st.st_ctime
+            if started is None or started <= changed + _CLOCK_SLACK:
+                return True
     if fcntl is None or os.path.islink(path):
-        return pid is None
+        return False
     fd = _lock(path)
     if fd is None:
         return os.path.lexists(path)  # held by a live run (on another host or pid namespace)
@@ -239,8 +281,10 @@ def _mend(dst: Path, dry_run: bool) -> str | None:
     parent = parent_of(dst)
     if not parent.is_dir():
         return None
-    pat = re.compile(rf"^\.{re.escape(dst.name)}\.lmbp-(tmp|old)-(?:(\d+)-)?[A-Za-z0-9_]+$")
-    found: list[tuple[str, Path, int | None]] = []
+    # exactly the names that sibling() gives (and tempfile gave before it): a user's
+    # ".DST.lmbp-old-notes" is none of ours
+    pat = re.compile(rf"^\.{re.escape(dst.name)}\.lmbp-(tmp|old)-(\d+)-[a-z0-9_]{{8}}$")
+    found: list[tuple[str, Path, int]] = []
     try:
         names = sorted(os.listdir(parent))
     except OSError:
@@ -248,10 +292,10 @@ def _mend(dst: Path, dry_run: bool) -> str | None:
     for name in names:
         m = pat.match(name)
         if m:
-            found.append((m.group(1), parent / name, int(m.group(2)) if m.group(2) else None))
+            found.append((m.group(1), parent / name, int(m.group(2))))
     if not found:
         return None
-    busy = [p for _, p, pid in found if _alive(p, pid)]
+    busy = [p for kind, p, pid in found if _alive(p, pid, kind)]
     olds = [p for kind, p, _ in found if kind == "old" and p not in busy]
     tmps = [p for kind, p, _ in found if kind == "tmp" and p not in busy]
     done: list[str] = []

@@ -161,7 +161,7 @@ def test_leftover_after_completed_replace_is_removed(saved, tmp_path, cli):
     """Killed after the second rename: DST is the new one and the old copy is stale."""
     dst = tmp_path / "dst"
     user_dir(dst)
-    stale = tmp_path / f".dst.lmbp-old-{dead_pid()}-abc123"
+    stale = tmp_path / f".dst.lmbp-old-{dead_pid()}-abc12345"
     shutil.copytree(dst, stale)
     rc, _, err = cli(saved("llama"), dst, "--force", "-q")
     assert rc == 0 and err.count("\n") == 1 and "removed 1 stale" in err and stale.name in err
@@ -174,9 +174,9 @@ def test_temp_dir_of_a_live_run_is_never_removed(saved, tmp_path, cli):
     import fcntl
 
     dst = tmp_path / "dst"
-    by_pid = tmp_path / f".dst.lmbp-tmp-{os.getppid()}-live01"  # another live process
-    by_lock = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-live02"
-    dead = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-dead03"
+    by_pid = tmp_path / f".dst.lmbp-tmp-{os.getppid()}-live0001"  # another live process
+    by_lock = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-live0002"
+    dead = tmp_path / f".dst.lmbp-tmp-{dead_pid()}-dead0003"
     for p in (by_pid, by_lock, dead):
         p.mkdir()
         (p / "model.safetensors").write_bytes(b"x" * 100)
