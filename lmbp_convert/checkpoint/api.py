@@ -162,6 +162,28 @@ def fold_rows(x: torch.Tensor, gamma: torch.Tensor, layout: str, r0: int, scratc
     return out
 
 
+def _finite_affine(t: torch.Tensor, a: Action, key: str) -> torch.Tensor:
+    """A norm's scale or shift must be finite to be folded: a NaN or inf there would be spread over whole rows or
+    columns of the following Linears (the source model's outputs are then non-finite anyway: a damaged
+    checkpoint, which the fold must not pass on as converted)."""
+    bad = int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+    if bad:
+        raise CheckpointError(f"{key} holds {bad} non-finite value(s) (NaN or inf): the checkpoint is damaged, and "
+                              f"folding norm {a.norm} would spread them into the following Linear layers; nothing "
+                              f"written (leave this norm unfolded with --exclude '{re.escape(a.norm)}')")
+    return t
+
+
+def _no_new_nonfinite(out: torch.Tensor, was_finite: torch.Tensor, a: Action, key: str) -> None:
+    """A fold may keep a non-finite value of the source weight, never make one from finite values (W·γ past the
+    largest value of the weight's dtype)."""
+    new = int((~torch.isfinite(out) & was_finite).sum())
+    if new:
+        raise CheckpointError(f"folding norm {a.norm} into {key} overflows {str(out.dtype).replace('torch.', '')}: "
+                              f"{new} value(s) would become inf or NaN; nothing written (leave this norm unfolded "
+                              f"with --exclude '{re.escape(a.norm)}')")
+
+
 class _Done:
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -186,8 +208,13 @@ class _Folder:
     def gamma(self, a: Action) -> torch.Tensor:
         k = (a.gamma, a.param)
         if k not in self._gamma:
-            self._gamma[k] = effective_scale(self.source.tensor(a.gamma), a.param)
+            self._gamma[k] = _finite_affine(effective_scale(self.source.tensor(a.gamma), a.param), a, a.gamma)
         return self._gamma[k]
+
+    def _may_overflow(self, a: Action) -> bool:
+        """Whether W·γ can leave the weight's range: not when every |γ| <= 1 (γ is finite, checked above)."""
+        g = self.gamma(a)
+        return bool(g.numel()) and bool(g.abs().max() > 1)
 
     def write(self, w: SafetensorsWriter, out_key: str, key: str, a: Action, on_bytes: Callable[[int], None]) -> None:
         """Write DST tensor ``out_key``, made from source tensor ``key`` by ``a``."""
@@ -202,10 +229,12 @@ class _Folder:
             # matrix-vector product split into row blocks may round differently), at the cost of one fp32 W
             weight = self.source.tensor(a.weight)
             bias = self.source.tensor(key)
-            beta = self.source.tensor(a.beta)
-            new_b = fold_affine(weight, bias, self.gamma(a), beta, a.layout)[1]
+            beta = _finite_affine(self.source.tensor(a.beta), a, a.beta)
+            new_b = fold_affine(weight, bias, self.gamma(a), beta, a.layout)[1].to(dtype)
+            rows_ok = torch.isfinite(weight).all(dim=1 if a.layout == "out_in" else 0)
+            _no_new_nonfinite(new_b, torch.isfinite(bias) & rows_ok, a, key)
             del weight
-            on_bytes(w.append(out_key, new_b.to(dtype)))
+            on_bytes(w.append(out_key, new_b))
         else:  # pragma: no cover - plan_disk only makes the kinds above
             raise RuntimeError(f"internal error: unknown action {a.kind!r}")
 
@@ -218,12 +247,20 @@ class _Folder:
         per_row = max(1, row_bytes // DTYPES[info.dtype][1])
         step = max(1, CHUNK_ELEMS // per_row)
         owns = self.source.owns_rows
+        check = self._may_overflow(a)
+        limit = torch.finfo(DTYPES[info.dtype][0]).max
 
         def job(i: int, r0: int, r1: int) -> torch.Tensor:
             scratch = self._scratch[i % 2]
             raw = scratch.get("raw", (r1 - r0) * row_bytes, torch.uint8) if owns else None
             x = self.source.rows(key, r0, r1, out=raw)
-            return fold_rows(x, g, a.layout, r0, scratch, in_place=owns)
+            out = fold_rows(x, g, a.layout, r0, scratch, in_place=owns)
+            if check and out.numel():  # a cheap bound first (NaN fails it too), the exact test only past it
+                lo, hi = torch.aminmax(out if out.dtype in (torch.float32, torch.float64) else
+                                       scratch.get("acc", out.numel(), torch.float32).view(out.shape))
+                if not (-limit <= float(lo) and float(hi) <= limit):
+                    _no_new_nonfinite(out, torch.isfinite(self.source.rows(key, r0, r1)), a, key)
+            return out
 
         pending: deque = deque()
         try:

@@ -68,9 +68,13 @@ def _quiet():
             lg.setLevel(lvl)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """The whole message on one line (a first line alone may be a bare heading, e.g. "Validation error for field
+    'x':"), cut at ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    if not text:
+        return type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 # -- Hugging Face -----------------------------------------------------------------------------------------------

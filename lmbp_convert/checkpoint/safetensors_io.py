@@ -53,20 +53,30 @@ class Entry:
 class SafetensorsFile:
     """The validated header of one safetensors file. Reading opens the file read-only; nothing is mapped."""
 
-    def __init__(self, path: Path, label: str | None = None) -> None:
+    def __init__(self, path: Path, label: str | None = None, fd: int | None = None) -> None:
+        """``fd``: an open descriptor of the file to read the header from (the one the data will be read through,
+        so that a file replaced on disk after planning cannot pair this header with another file's bytes)."""
         self.path = Path(path)
         self.label = label or self.path.name
         try:
-            size = self.path.stat().st_size
-            with open(self.path, "rb") as f:
-                head = f.read(8)
+            own = fd is None
+            if own:
+                fd = os.open(self.path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, 8, 0)
                 if len(head) < 8:
                     raise CheckpointError(f"{self.label} is truncated or not a safetensors file ({size} bytes)")
                 n = int.from_bytes(head, "little")
                 if n > _MAX_HEADER or 8 + n > size:
                     raise CheckpointError(f"{self.label} is truncated or corrupt (header of {n} bytes in a file "
                                           f"of {size} bytes)")
-                raw = f.read(n)
+                raw = os.pread(fd, n, 8)
+                if len(raw) < n:
+                    raise CheckpointError(f"{self.label} is truncated (unexpected end of file)")
+            finally:
+                if own:
+                    os.close(fd)
         except OSError as exc:
             raise CheckpointError(f"cannot read {self.label}: {exc.strerror or exc}") from exc
         try:
@@ -88,6 +98,8 @@ class SafetensorsFile:
                 b, e = int(b), int(e)
             except (TypeError, KeyError, ValueError) as exc:
                 raise CheckpointError(f"{self.label} is corrupt (bad header entry for {key!r})") from exc
+            if not isinstance(dtype, str):
+                raise CheckpointError(f"{self.label} is corrupt (dtype of {key!r} is not a string: {dtype!r})")
             if any(s < 0 for s in shape) or not 0 <= b <= e:
                 raise CheckpointError(f"{self.label} is corrupt (bad shape or offsets for {key!r})")
             if dtype in DTYPES and e - b != math.prod(shape) * DTYPES[dtype][1]:

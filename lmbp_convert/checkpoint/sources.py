@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,21 +90,27 @@ class SafetensorsSource(Source):
         super().__init__(root, shards, label)
         self.files: dict[str, SafetensorsFile] = {}
         self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
-        for s in shards:
-            f = SafetensorsFile(root / s, label=s)
-            self.files[s] = f
-            self.shard_metadata[s] = dict(f.metadata)
-            for e in f.entries.values():
-                key = rename(e.key) if rename else e.key
-                self._add(TensorInfo(key, s, e.dtype, e.shape, e.nbytes, e.key, e.start))
+        try:
+            for s in shards:
+                # opened once, now: the data is read through the descriptor whose header was checked, also if the
+                # file is replaced on disk (re-saved) while the conversion runs
+                try:
+                    self._fds[s] = os.open(root / s, os.O_RDONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read {s}: {exc.strerror or exc}") from exc
+                f = SafetensorsFile(root / s, label=s, fd=self._fds[s])
+                self.files[s] = f
+                self.shard_metadata[s] = dict(f.metadata)
+                for e in f.entries.values():
+                    key = rename(e.key) if rename else e.key
+                    self._add(TensorInfo(key, s, e.dtype, e.shape, e.nbytes, e.key, e.start))
+        except BaseException:
+            self.close()
+            raise
 
     def fd(self, shard: str) -> int:
-        """A read-only descriptor of ``shard`` (shared: reads are positional, so threads may use it at once)."""
-        with self._lock:
-            if shard not in self._fds:
-                self._fds[shard] = os.open(self.root / shard, os.O_RDONLY)
-            return self._fds[shard]
+        """The read-only descriptor of ``shard`` (shared: reads are positional, so threads may use it at once)."""
+        return self._fds[shard]
 
     def tensor(self, key: str) -> torch.Tensor:
         i = self.infos[key]

@@ -1,0 +1,224 @@
+"""Hostile inputs around DST and the fold that once got past the CLI: names that look like our leftovers but are a
+user's, a killed run's pid reused by an unrelated process, a DST with no name of its own, and norm affines that are
+non-finite or make the folded weights overflow. Each fails on the code before its fix."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_helpers import leftovers, tree_hash
+from safetensors.torch import load_file, save_file
+
+from lmbp_convert.checkpoint.commit import mend_leftovers, preflight
+from lmbp_convert.checkpoint.errors import CheckpointError
+
+
+def dead_pid() -> int:
+    p = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+# -- leftovers ----------------------------------------------------------------------------------------------------
+def test_user_entries_named_like_leftovers_are_never_touched(tmp_path):
+    """Only the exact names a run gives its siblings (pid and 8 random characters) are leftovers: a user's
+    ".dst.lmbp-old-notes" was restored as DST (DST missing) or deleted (DST present)."""
+    dst = tmp_path / "dst"
+    theirs = [tmp_path / ".dst.lmbp-old-notes", tmp_path / ".dst.lmbp-tmp-backup",
+              tmp_path / f".dst.lmbp-old-{dead_pid()}-my_notes_v2", tmp_path / f".dst.lmbp-tmp-{dead_pid()}-ab.cdefg"]
+    for p in theirs:
+        p.mkdir()
+        (p / "mine.txt").write_text("a user's file")
+    before = tree_hash(tmp_path)
+    for present in (False, True):
+        if present:
+            dst.mkdir()
+            before = tree_hash(tmp_path)
+        assert mend_leftovers(dst) is None
+        assert tree_hash(tmp_path) == before and dst.exists() == present
+
+
+def test_leftover_of_a_killed_run_whose_pid_was_reused_is_removed(tmp_path):
+    """The killed run's pid now belongs to an unrelated process that started after the leftover was last written:
+    the leftover is stale (before: "left 1 in use by a running lmbp-convert", forever). A live process that
+    started before the leftover was written (our parent) still protects it."""
+    dst = tmp_path / "dst"
+    hour_ago = time.time() - 3600
+    reused = subprocess.Popen(["cat"], stdin=subprocess.PIPE)  # alive, started now
+    try:
+        stale = tmp_path / f".dst.lmbp-tmp-{reused.pid}-abcd1234"
+        live = tmp_path / f".dst.lmbp-tmp-{os.getppid()}-abcd5678"
+        for p in (stale, live):
+            p.mkdir()
+            (p / "model.safetensors").write_bytes(b"x" * 64)
+        os.utime(stale, (hour_ago, hour_ago))  # last written an hour ago, by the run that was killed
+        note = mend_leftovers(dst)
+    finally:
+        reused.stdin.close()
+        reused.wait()
+    assert not stale.exists() and live.exists(), note
+    assert "removed 1 stale temporary output" in note and stale.name in note and "left 1 in use" in note, note
+
+
+@pytest.mark.parametrize("spelling", [".", "..", "sub/..", "/"])
+def test_dst_without_a_name_of_its_own_is_refused_before_converting(tmp_path, monkeypatch, spelling):
+    """DST "." or "x/.." cannot be renamed into place: before, the whole conversion ran and the commit then failed
+    with "Device or resource busy" (or, with SRC beside it, a confusing "SRC inside DST")."""
+    src = tmp_path / "src"
+    src.mkdir()
+    work = tmp_path / "elsewhere"
+    (work / "sub").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    with pytest.raises(CheckpointError, match="names no new entry"):
+        preflight("hf", src, Path(spelling), force=True, dry_run=False)
+
+
+# -- non-finite values --------------------------------------------------------------------------------------------
+def _edit_tensors(src: Path, edit) -> None:
+    """Apply ``edit(name, tensor) -> tensor | None`` to every tensor of every shard of ``src`` (in place)."""
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(shard)
+        changed = False
+        for k, t in tensors.items():
+            new = edit(k, t)
+            if new is not None:
+                tensors[k], changed = new, True
+        if changed:
+            save_file(tensors, shard, metadata={"format": "pt"})
+
+
+@pytest.fixture
+def src16(saved, tmp_path) -> Path:
+    path = tmp_path / "src"
+    shutil.copytree(saved("llama", torch.float16), path)
+    return path
+
+
+def _expect_refused(cli, src: Path, dst: Path, match: str) -> None:
+    before = tree_hash(src)
+    rc, out, err = cli(src, dst, "-q")
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in out + err, (rc, err)
+    assert match in err, err
+    assert tree_hash(src) == before and not os.path.lexists(dst) and not leftovers(dst.parent)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_norm_weight_is_refused(cli, src16, tmp_path, value):
+    """A NaN/inf γ would be spread over a whole column of each following Linear; before, DST was written with
+    NaN weights and exit 0."""
+    def damage(k, t):
+        if k == "model.layers.0.post_attention_layernorm.weight":
+            t = t.clone()
+            t[3] = value
+            return t
+        return None
+
+    _edit_tensors(src16, damage)
+    _expect_refused(cli, src16, tmp_path / "dst", "model.layers.0.post_attention_layernorm.weight holds 1 "
+                                                  "non-finite value(s)")
+
+
+def test_fold_that_overflows_the_weight_dtype_is_refused(cli, src16, tmp_path):
+    """Finite γ and W whose product passes float16's largest value (65504): before, the folded weight held inf
+    where the source was finite, and the run said it converted."""
+    def big(k, t):
+        if k == "model.layers.0.input_layernorm.weight":
+            return torch.full_like(t, 300.0)
+        if k == "model.layers.0.self_attn.k_proj.weight":
+            t = t.clone()
+            t[1, 2] = 400.0  # 400 * 300 = 120000 > 65504
+            return t
+        return None
+
+    _edit_tensors(src16, big)
+    _expect_refused(cli, src16, tmp_path / "dst", "folding norm model.layers.0.input_layernorm into "
+                                                  "model.layers.0.self_attn.k_proj.weight overflows float16: 1 value")
+
+
+def test_non_finite_source_weight_is_passed_on_not_refused(cli, src16, tmp_path):
+    """The rule is about what the fold makes: a NaN the source Linear already holds stays where it was (the
+    source model computes with it too), and large γ that stays in range is folded."""
+    def edit(k, t):
+        if k == "model.layers.0.input_layernorm.weight":
+            return torch.full_like(t, 30.0)  # |γ| > 1: the overflow test runs, finds nothing
+        if k == "model.layers.0.self_attn.q_proj.weight":
+            t = t.clone()
+            t[0, 0] = float("nan")
+            return t
+        return None
+
+    _edit_tensors(src16, edit)
+    dst = tmp_path / "dst"
+    rc, _, err = cli(src16, dst, "-q")
+    assert rc == 0, err
+    out = {}
+    for shard in dst.glob("*.safetensors"):
+        out.update(load_file(shard))
+    q = out["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.isnan(q[0, 0]) and torch.isfinite(q).sum() == q.numel() - 1
+    assert json.loads((dst / "config.json").read_text())["lmbp_convert"]["folded_norms"]
+
+
+# -- inputs that changed or lie -----------------------------------------------------------------------------------
+@pytest.fixture
+def src32(saved, tmp_path) -> Path:
+    path = tmp_path / "src"
+    shutil.copytree(saved("llama"), path)
+    return path
+
+
+def test_shard_replaced_on_disk_after_planning_is_read_as_planned(cli, src32, tmp_path, monkeypatch):
+    """SRC re-saved (each shard atomically replaced, with a longer header) between planning and writing: before,
+    the planned offsets were read from the new files — garbage weights, or a bogus error. Now the data comes
+    through the descriptors whose headers were checked: DST is the conversion of SRC as it was planned."""
+    import lmbp_convert.checkpoint.api as api
+
+    pristine = tmp_path / "pristine"
+    shutil.copytree(src32, pristine)
+    rc, _, err = cli(pristine, tmp_path / "expected", "-q")
+    assert rc == 0, err
+    real = api.write_into
+
+    def resave_then_write(prep, out_dir, progress=False):
+        for p in sorted(src32.glob("model-*.safetensors")):
+            new = {k: v + 1 for k, v in load_file(p).items()}
+            save_file(new, p.with_suffix(".new"), metadata={"format": "pt", "pad": "x" * 40})
+            os.replace(p.with_suffix(".new"), p)
+        return real(prep, out_dir, progress)
+
+    monkeypatch.setattr(api, "write_into", resave_then_write)
+    rc, _, err = cli(src32, tmp_path / "dst", "-q")
+    assert rc == 0, err
+    assert tree_hash(tmp_path / "dst") == tree_hash(tmp_path / "expected")
+
+
+def test_header_dtype_that_is_not_a_string_is_corrupt(cli, src32, tmp_path):
+    """Before: "internal error: TypeError: unhashable type: 'list'"."""
+    p = sorted(src32.glob("model-*.safetensors"))[0]
+    raw = p.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["dtype"] = ["F32"]
+    blob = json.dumps(header).encode()
+    blob += b" " * ((-len(blob)) % 8)
+    p.write_bytes(len(blob).to_bytes(8, "little") + blob + raw[8 + n:])
+    _expect_refused(cli, src32, tmp_path / "dst", f"{p.name} is corrupt (dtype of {key!r} is not a string")
+
+
+def test_config_error_spanning_lines_is_told_whole_on_one_line(cli, src32, tmp_path):
+    """transformers' validation errors start with a bare heading line; before, only "Validation error for field
+    'num_hidden_layers':" was shown, without what was wrong."""
+    cfg = json.loads((src32 / "config.json").read_text())
+    cfg["num_hidden_layers"] = "two"
+    (src32 / "config.json").write_text(json.dumps(cfg))
+    before = tree_hash(src32)
+    rc, _, err = cli(src32, tmp_path / "dst", "-q")
+    assert rc == 1 and err.count("\n") == 1 and "config.json is invalid" in err, err
+    assert "'two'" in err or "int" in err, err  # the reason, not only the heading
+    assert tree_hash(src32) == before and not (tmp_path / "dst").exists()
