@@ -11,6 +11,7 @@ Torch-free: only the standard library.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import secrets
@@ -76,7 +77,7 @@ def make_workspace(dst: Path) -> Workspace:
     parent = parent_of(dst)
     with _in_process:  # another thread of this process mending leftovers sees it only once locked
         try:
-            fsops.at("mkdir", parent / f".{dst.name}.lmbp-tmp-")
+            fsops.at("mkdir", parent / f".{_stem(dst)}.lmbp-tmp-")
             while True:
                 tmp = sibling(dst, "tmp")
                 try:
@@ -96,10 +97,26 @@ def make_workspace(dst: Path) -> Workspace:
     return ws
 
 
+_STEM_BYTES = 200  # DST names up to this long appear whole in the siblings' names; the rest fit NAME_MAX (255)
+
+
+def _stem(dst: Path) -> str:
+    """DST's name as its siblings carry it: whole, or for a name too long to take the suffixes, a prefix plus a
+    hash of the whole name (so that a DST name of up to 255 bytes still gets its siblings)."""
+    name = dst.name
+    raw = os.fsencode(name)
+    if len(raw) <= _STEM_BYTES:
+        return name
+    cut = name
+    while len(os.fsencode(cut)) > _STEM_BYTES - 9:
+        cut = cut[:-1]
+    return f"{cut}~{hashlib.sha256(raw).hexdigest()[:8]}"
+
+
 def sibling(dst: Path, kind: str) -> Path:
     """A new name ``.DST.lmbp-<kind>-<pid>-<8 random characters>`` beside DST: the only names that the mending
     of leftovers ever touches."""
-    return parent_of(dst) / f".{dst.name}.lmbp-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    return parent_of(dst) / f".{_stem(dst)}.lmbp-{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _appeared(dst: Path) -> CheckpointError:
@@ -283,7 +300,7 @@ def _mend(dst: Path, dry_run: bool) -> str | None:
         return None
     # exactly the names that sibling() gives (and tempfile gave before it): a user's
     # ".DST.lmbp-old-notes" is none of ours
-    pat = re.compile(rf"^\.{re.escape(dst.name)}\.lmbp-(tmp|old)-(\d+)-[a-z0-9_]{{8}}$")
+    pat = re.compile(rf"^\.{re.escape(_stem(dst))}\.lmbp-(tmp|old)-(\d+)-[a-z0-9_]{{8}}$")
     found: list[tuple[str, Path, int]] = []
     try:
         names = sorted(os.listdir(parent))

@@ -222,3 +222,23 @@ def test_config_error_spanning_lines_is_told_whole_on_one_line(cli, src32, tmp_p
     assert rc == 1 and err.count("\n") == 1 and "config.json is invalid" in err, err
     assert "'two'" in err or "int" in err, err  # the reason, not only the heading
     assert tree_hash(src32) == before and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("name", ["d" * 255, "é" * 127], ids=["ascii255", "utf8-254"])
+def test_dst_name_of_full_length_converts_replaces_and_mends(cli, saved, tmp_path, name):
+    """A DST name of up to NAME_MAX (255 bytes) is valid: before, ".DST.lmbp-tmp-..." was too long to create and
+    the run failed after planning ("File name too long"). Long names' siblings carry a prefix and a hash."""
+    from lmbp_convert.checkpoint.commit import _stem
+
+    dst = tmp_path / name
+    rc, _, err = cli(saved("llama"), dst, "-q")
+    assert rc == 0 and (dst / "config.json").exists(), err
+    rc, _, err = cli(saved("llama"), dst, "-q", "--force")
+    assert rc == 0 and not leftovers(tmp_path), err
+    stale = tmp_path / f".{_stem(dst)}.lmbp-tmp-{dead_pid()}-abcd1234"
+    stale.mkdir()
+    note = mend_leftovers(dst)
+    assert note and "removed 1 stale" in note and not stale.exists()
+    other = tmp_path / ("d" * 254 + "e")  # another long name: never takes the first one's siblings
+    stale.mkdir()
+    assert mend_leftovers(other) is None and stale.exists()
