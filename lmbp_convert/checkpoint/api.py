@@ -73,6 +73,8 @@ def _other_files(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
             skipped.append((p.name, "weights in another format, not converted"))
         elif p.is_file():
             copies.append(p.name)
+        else:  # a FIFO, socket, device or dangling link: never read (a FIFO would block), but said
+            skipped.append((p.name, "not a regular file"))
     return copies, skipped
 
 

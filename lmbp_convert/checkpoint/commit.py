@@ -158,8 +158,9 @@ def commit(ws: Workspace, kind: str, force: bool) -> None:
         try:
             fsops.rename_noreplace(old, dst)
         except FileExistsError:
-            raise CheckpointError(f"DST {dst} was re-created by another process during the replace; the previous "
-                                  f"DST is kept at {old}") from exc
+            raise CheckpointError(f"DST {dst} was re-created by another process during the replace and is left as "
+                                  f"it is; the previous DST, which --force was replacing, is at {old} until the next "
+                                  f"run on {dst} removes it") from exc
         except OSError as exc2:
             raise CheckpointError(f"cannot put the previous DST back after a failed replace ({exc2.strerror or exc2});"
                                   f" it is kept at {old} (the next run on {dst} restores it)") from exc

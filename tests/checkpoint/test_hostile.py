@@ -242,3 +242,14 @@ def test_dst_name_of_full_length_converts_replaces_and_mends(cli, saved, tmp_pat
     other = tmp_path / ("d" * 254 + "e")  # another long name: never takes the first one's siblings
     stale.mkdir()
     assert mend_leftovers(other) is None and stale.exists()
+
+
+def test_src_entries_that_are_not_regular_files_are_reported_not_dropped(cli, src32, tmp_path):
+    """A FIFO or a dangling link among SRC's top-level files was neither copied nor mentioned in the plan."""
+    os.mkfifo(src32 / "events.fifo")
+    (src32 / "vocab.txt").symlink_to(tmp_path / "nowhere")
+    rc, out, err = cli(src32, tmp_path / "dst")
+    assert rc == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("not copied:"))
+    assert "events.fifo (not a regular file)" in line and "vocab.txt (not a regular file)" in line, out
+    assert not (tmp_path / "dst" / "events.fifo").exists()
