@@ -125,6 +125,9 @@ def hf_model_class(raw: dict, cfg) -> tuple[Callable[..., nn.Module], str]:
     import transformers
 
     archs = raw.get("architectures")
+    if archs is not None and not isinstance(archs, list):
+        raise CheckpointError(f"config.json is invalid: \"architectures\" is a JSON {type(archs).__name__}, not a list "
+                              f"of model class names (got {archs!r})")
     if archs:
         name = archs[0]
         cls = getattr(transformers, name, None) if isinstance(name, str) else None

@@ -253,3 +253,11 @@ def test_src_entries_that_are_not_regular_files_are_reported_not_dropped(cli, sr
     line = next(ln for ln in out.splitlines() if ln.startswith("not copied:"))
     assert "events.fifo (not a regular file)" in line and "vocab.txt (not a regular file)" in line, out
     assert not (tmp_path / "dst" / "events.fifo").exists()
+
+
+def test_architectures_that_is_not_a_list_is_named_as_such(cli, src32, tmp_path):
+    """A string "LlamaForCausalLM" was read letter by letter: "has no model class 'L'"."""
+    cfg = json.loads((src32 / "config.json").read_text())
+    cfg["architectures"] = "LlamaForCausalLM"
+    (src32 / "config.json").write_text(json.dumps(cfg))
+    _expect_refused(cli, src32, tmp_path / "dst", "\"architectures\" is a JSON str, not a list of model class names")
