@@ -164,6 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 where = f" ({exc.filename})" if exc.filename else ""
                 _err(f"I/O error while converting to {args.dst}: {exc.strerror or exc}{where}; {outcome}")
             return 1
+        except MemoryError:
+            done = bool(planned) and planned[0].committed
+            _err(f"out of memory while converting to {args.dst}; "
+                 + (f"{args.dst} is complete and in place" if done else "no DST written"))
+            return 1
         except Exception as exc:  # a bug, not a bad input: still one line unless asked
             if args.debug:
                 raise

@@ -328,13 +328,17 @@ def _mend(dst: Path, dry_run: bool) -> str | None:
                     f"restored the previous DST from {newest.name}")
     stale = olds + tmps
     if stale:
-        size = sum(_size(p) for p in stale)
-        names_ = ", ".join(p.name for p in stale)
-        if not dry_run:
-            for p in stale:
-                fsops.remove_tree(p)
-        done.append(f"{verb}remove {len(stale)} stale temporary output(s) ({_fmt(size)}: {names_})" if dry_run
-                    else f"removed {len(stale)} stale temporary output(s) ({_fmt(size)}: {names_})")
+        sizes = {p: _size(p) for p in stale}
+        kept = [] if dry_run else [p for p in stale if not fsops.remove_tree(p)]
+        gone = [p for p in stale if p not in kept]
+        size = sum(sizes[p] for p in gone)
+        names_ = ", ".join(p.name for p in gone)
+        if gone:
+            done.append(f"{verb}remove {len(gone)} stale temporary output(s) ({_fmt(size)}: {names_})" if dry_run
+                        else f"removed {len(gone)} stale temporary output(s) ({_fmt(size)}: {names_})")
+        if kept:
+            done.append(f"could not remove {', '.join(p.name for p in kept)} (a mount point or an entry this user "
+                        "cannot remove is inside; remove it by hand)")
     if busy:
         done.append(f"left {len(busy)} in use by a running lmbp-convert ({', '.join(p.name for p in busy)})")
     return f"found leftovers of an interrupted lmbp-convert beside {dst}: " + "; ".join(done)

@@ -10,6 +10,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -134,16 +135,67 @@ def copy_file(src: Path, dst: Path) -> None:
     fsync_file(dst)
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a file, link or directory tree; what cannot be removed stays (the caller reports it)."""
+def remove_tree(path: Path) -> bool:
+    """Remove a file, link or directory tree, never crossing into another file system (a mount point inside an
+    old DST, e.g. a bind-mounted data set, keeps its contents) and never following links. What cannot be removed
+    stays; returns whether ``path`` is gone (the caller reports what stays)."""
     at("remove", path)
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
+    if not (os.path.isdir(path) and not os.path.islink(path)):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError:
+            return False
+        return True
+    try:
+        dev = os.lstat(path).st_dev
+    except OSError:
+        return not os.path.lexists(path)
+    root = os.path.realpath(path)
+    mounts = _mount_points_under(root)  # bind mounts of the same file system keep st_dev: listed by the kernel
+    stack: list[tuple[str, bool]] = [(root, False)]  # (directory, its entries already removed)
+    while stack:
+        d, emptied = stack.pop()
+        if emptied:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+            continue
+        stack.append((d, True))
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    if e.stat(follow_symlinks=False).st_dev == dev and e.path not in mounts:
+                        stack.append((e.path, False))
+                    # else: a mount point: neither entered nor removed
+                else:
+                    os.unlink(e.path)
+            except OSError:
+                pass
+    return not os.path.lexists(path)
+
+
+def _mount_points_under(root: str) -> set[str]:
+    """Mount points strictly below ``root`` (Linux: /proc/self/mountinfo; empty where unknown)."""
+    out: set[str] = set()
+    prefix = os.fsencode(root).rstrip(b"/") + b"/"
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4:
+                    mp = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+                    if mp.startswith(prefix):
+                        out.add(os.fsdecode(mp))
+    except OSError:
+        pass
+    return out
 
 
 def prefetch(paths: list[Path], budget: int) -> None:

@@ -261,3 +261,58 @@ def test_architectures_that_is_not_a_list_is_named_as_such(cli, src32, tmp_path)
     cfg["architectures"] = "LlamaForCausalLM"
     (src32 / "config.json").write_text(json.dumps(cfg))
     _expect_refused(cli, src32, tmp_path / "dst", "\"architectures\" is a JSON str, not a list of model class names")
+
+
+_BIND_AND_MEND = """
+import os, subprocess, sys
+from pathlib import Path
+from lmbp_convert.checkpoint.commit import mend_leftovers
+root, old = Path(sys.argv[1]), Path(sys.argv[2])
+subprocess.run(["mount", "--bind", str(root / "data"), str(old / "sub")], check=True)
+print(mend_leftovers(root / "dst"))
+print(sorted(os.listdir(root / "data")))
+"""
+
+
+def test_removing_an_old_dst_never_empties_a_file_system_mounted_inside(tmp_path):
+    """A bind mount inside the DST that --force replaces (a data set mounted into an output directory): the old
+    copy's removal went into the mount and deleted the data set's files. Now nothing below a mount point is
+    touched, the rest is removed, and the note says what stays. Runs in a private mount namespace (unshare)."""
+    (tmp_path / "dst").mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "precious.txt").write_text("a user's data set")
+    old = tmp_path / f".dst.lmbp-old-{dead_pid()}-abcd1234"
+    (old / "sub").mkdir(parents=True)
+    (old / "model.safetensors").write_text("old weights")
+    (old / "link").symlink_to(data)
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    probe = subprocess.run(["unshare", "-Urm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no user and mount namespaces here")
+    proc = subprocess.run(["unshare", "-Urm", sys.executable, "-c", _BIND_AND_MEND, str(tmp_path), str(old)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    note, listing = proc.stdout.strip().splitlines()
+    assert listing == "['precious.txt']" and (data / "precious.txt").read_text() == "a user's data set"
+    assert f"could not remove {old.name}" in note and "mount point" in note, note
+    assert sorted(os.listdir(old)) == ["sub"]  # the rest of the old copy is gone
+
+
+def test_out_of_memory_while_writing_is_one_clear_line(cli, src32, tmp_path, monkeypatch):
+    """Before: "internal error: MemoryError (run with --debug for a traceback)", as if it were a bug."""
+    import lmbp_convert.checkpoint.fsops as fsops
+
+    calls = []
+
+    def oom(op, path):
+        calls.append(op)
+        if op == "write" and calls.count("write") == 3:
+            raise MemoryError()
+
+    monkeypatch.setattr(fsops, "fault_hook", oom)
+    _expect_refused(cli, src32, tmp_path / "dst", f"out of memory while converting to {tmp_path / 'dst'}; no DST "
+                                                  "written")
