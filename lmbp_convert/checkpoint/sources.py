@@ -155,18 +155,30 @@ class BinSource(Source):
         super().__init__(root, shards, label)
         self._select = select
         self._cache: OrderedDict[str, dict[str, torch.Tensor]] = OrderedDict()
-        for s in shards:
-            sd = self._load(s)
-            for key, t in sd.items():
-                code = TORCH_TO_CODE.get(t.dtype)
-                if code is None:
-                    raise CheckpointError(f"{s}: tensor {key!r} has dtype {t.dtype}, which safetensors cannot store")
-                self._add(TensorInfo(key, s, code, tuple(t.shape), t.numel() * t.element_size(), key))
-            self._cache.clear()  # keep one shard mapped at a time while cataloguing
+        self._fds: dict[str, int] = {}
+        try:
+            for s in shards:
+                if os.path.isdir("/proc/self/fd"):  # later loads read this very file, also if SRC is re-saved
+                    try:
+                        self._fds[s] = os.open(root / s, os.O_RDONLY)
+                    except OSError as exc:
+                        raise CheckpointError(f"cannot read {s}: {exc.strerror or exc}") from exc
+                sd = self._load(s)
+                for key, t in sd.items():
+                    code = TORCH_TO_CODE.get(t.dtype)
+                    if code is None:
+                        raise CheckpointError(f"{s}: tensor {key!r} has dtype {t.dtype}, which safetensors cannot "
+                                              "store")
+                    self._add(TensorInfo(key, s, code, tuple(t.shape), t.numel() * t.element_size(), key))
+                self._cache.clear()  # keep one shard mapped at a time while cataloguing
+        except BaseException:
+            self.close()
+            raise
 
     def _load(self, shard: str) -> dict[str, torch.Tensor]:
         if shard not in self._cache:
-            obj = torch_load(self.root / shard, shard)
+            fd = self._fds.get(shard)
+            obj = torch_load(Path(f"/proc/self/fd/{fd}") if fd is not None else self.root / shard, shard)
             self._cache[shard] = self._select(obj, shard)
             while len(self._cache) > 2:  # the shard being written plus one being read from
                 self._cache.popitem(last=False)
@@ -182,6 +194,9 @@ class BinSource(Source):
 
     def close(self) -> None:
         self._cache.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def _flat_state_dict(obj: Any, label: str) -> dict[str, torch.Tensor]:

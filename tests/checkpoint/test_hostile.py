@@ -316,3 +316,30 @@ def test_out_of_memory_while_writing_is_one_clear_line(cli, src32, tmp_path, mon
     monkeypatch.setattr(fsops, "fault_hook", oom)
     _expect_refused(cli, src32, tmp_path / "dst", f"out of memory while converting to {tmp_path / 'dst'}; no DST "
                                                   "written")
+
+
+def test_bin_shard_replaced_after_planning_is_read_as_planned(cli, saved, tmp_path, monkeypatch):
+    """The same race for pytorch_model.bin: its tensors were loaded again at write time from whatever file then
+    had the name (the catalogue is made shard by shard and dropped)."""
+    import lmbp_convert.checkpoint.api as api
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(saved("llama") / "config.json", src / "config.json")
+    sd = {}
+    for p in saved("llama").glob("*.safetensors"):
+        sd.update(load_file(p))
+    torch.save(sd, src / "pytorch_model.bin")
+    rc, _, err = cli(src, tmp_path / "expected", "-q")
+    assert rc == 0, err
+    real = api.write_into
+
+    def resave_then_write(prep, out_dir, progress=False):
+        torch.save({k: v + 1 for k, v in sd.items()}, src / "new.bin")
+        os.replace(src / "new.bin", src / "pytorch_model.bin")
+        return real(prep, out_dir, progress)
+
+    monkeypatch.setattr(api, "write_into", resave_then_write)
+    rc, _, err = cli(src, tmp_path / "dst", "-q")
+    assert rc == 0, err
+    assert tree_hash(tmp_path / "dst") == tree_hash(tmp_path / "expected")
