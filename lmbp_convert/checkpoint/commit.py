@@ -340,5 +340,7 @@ def _mend(dst: Path, dry_run: bool) -> str | None:
             done.append(f"could not remove {', '.join(p.name for p in kept)} (a mount point or an entry this user "
                         "cannot remove is inside; remove it by hand)")
     if busy:
-        done.append(f"left {len(busy)} in use by a running lmbp-convert ({', '.join(p.name for p in busy)})")
+        done.append(f"left {len(busy)} in use by a run that may still be alive (its process exists or holds the "
+                    f"sibling's lock; remove by hand once no lmbp-convert runs on {dst.name}): "
+                    f"{', '.join(p.name for p in busy)}")
     return f"found leftovers of an interrupted lmbp-convert beside {dst}: " + "; ".join(done)
