@@ -24,7 +24,9 @@ a .safetensors file: load it with timm.create_model(NAME, checkpoint_path=DST).
 
 Folds that a plain checkpoint cannot express (the affine would have to be re-applied on another branch at run
 time, e.g. post-LN encoders; a Linear without a bias to take the norm's shift; a tied head without --untie) are
-skipped with their reason; convert() still handles them at load time.
+skipped with their reason; convert() still handles them at load time. A norm whose scale or shift holds NaN or inf,
+or whose fold would overflow the weight's dtype, stops the run (exit 1, nothing written; --exclude it to go on);
+non-finite values that SRC's Linear weights already hold are kept as they are.
 
 DST is written into a hidden sibling (.DST.lmbp-tmp-*), fsync'ed, and renamed into place only when complete. An
 existing DST is never replaced without --force, also one that appears while the conversion runs (of two runs to
