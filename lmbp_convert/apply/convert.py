@@ -135,6 +135,14 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     rewrite is checked on the probe against the original outputs and rolled back if it changes them. The
     report is returned with ``return_report=True`` and kept as ``model.lmbp_report``.
     """
+    # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
+    # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
+    with torch.inference_mode(False):
+        return _convert(model, options, probe, return_report, overrides)
+
+
+def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
+             overrides: dict[str, Any]):
     t0 = time.perf_counter()
     opt, probe = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
