@@ -22,7 +22,7 @@ from ..trace.probe import make_probe
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
-                     run_probe)
+                     float_tensors, run_probe)
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk.
 CONFIG_KEY = "lmbp_convert"
@@ -203,6 +203,9 @@ def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: Conv
     if report.verification == CANNOT_VERIFY:
         why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
                "probe?): nothing to compare, the rewrites are unchecked")
+        if not float_tensors(reference):
+            why = (f"the model's output ({type(reference).__name__}) holds no floating-point tensor in a tensor, "
+                   "dict, list, tuple or dataclass: nothing to compare, the rewrites are unchecked")
         report.notes.append(why)
         warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 
