@@ -142,3 +142,18 @@ def test_forward_hook_on_a_module_returning_the_norm_output_refuses_the_fold():
     with pytest.raises(NothingToConvertError, match="d has forward pre-hooks"):
         convert(bare, probe=torch.randn(2, 8))
     assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8), return_report=True)[1].swapped
+
+
+@pytest.mark.xfail(strict=True, reason="open hole (reported): hidden_states of output_hidden_states=True calls hold "
+                                       "folded norms' outputs without their affine; the trace never asks for them")
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_output_hidden_states_match_the_original(family):
+    model = hf("llama") if family == "llama" else hf("bert", head="cls")
+    model.eval()
+    ref = copy.deepcopy(model)
+    probe, _, _ = make_probe(model)
+    convert(model)
+    with torch.no_grad():
+        got, want = model(**probe, output_hidden_states=True), ref(**probe, output_hidden_states=True)
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
