@@ -144,7 +144,7 @@ def test_forward_hook_on_a_module_returning_the_norm_output_refuses_the_fold():
     assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8), return_report=True)[1].swapped
 
 
-@pytest.mark.xfail(strict=True, reason="open hole (reported): hidden_states of output_hidden_states=True calls hold "
+@pytest.mark.xfail(strict=True, reason="open (README states it): hidden_states of output_hidden_states=True calls hold "
                                        "folded norms' outputs without their affine; the trace never asks for them")
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_output_hidden_states_match_the_original(family):
