@@ -97,6 +97,13 @@ def _key(module_name: str, attr: str) -> str:
     return f"{module_name}.{attr}" if module_name else attr
 
 
+def _require_finite(t: torch.Tensor, what: str) -> None:
+    """A NaN or inf in what export divides by or writes is a diverged model, never a checkpoint to save."""
+    if not bool(torch.isfinite(t).all()):
+        raise ExportError(f"{what} holds NaN or inf values (a diverged or corrupted model): refusing to write a "
+                          "checkpoint computed from it")
+
+
 def _unfold_scale(w: torch.Tensor, gamma: torch.Tensor, layout: str) -> torch.Tensor:
     """W'·diag(1/γ) in float64; a zero γ is only allowed where W' is zero too."""
     zero = gamma == 0
@@ -182,12 +189,15 @@ def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable
 def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: float) -> None:
     """Norm keeps γ, β (re-applied elsewhere): unfold them out of its Linears."""
     gamma = effective_scale(norm.weight, fold.param).to(torch.float64)
+    _require_finite(gamma, f"the scale γ of {fold.name}")
     beta = norm.bias.detach().to(torch.float64) if isinstance(getattr(norm, "bias", None), torch.Tensor) else None
+    if beta is not None:
+        _require_finite(beta, f"the shift β of {fold.name}")
     for t, lname, lin in targets:
         wk, bk = _key(lname, "weight"), _key(lname, "bias")
         w_fold = lin.weight.detach().to(torch.float64)
         w = _unfold_scale(w_fold, gamma.to(w_fold.device), t.layout)
-        sd[wk] = w.to(lin.weight.dtype)
+        sd[wk] = _finite_as(w, lin.weight, f"{wk} (unfolded: W'/γ)")
         b = lin.bias.detach().to(torch.float64) if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
         if beta is not None and b is not None and getattr(fold, "beta", "fold") == "fold":
             b = b - _matvec(w, beta.to(w.device), t.layout)
@@ -196,12 +206,23 @@ def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: floa
                 _require_small(b, lin.bias.detach().to(torch.float64).norm(), rtol, lname)
             sd.pop(bk, None)
         elif b is not None:
-            sd[bk] = b.to(lin.bias.dtype)
+            sd[bk] = _finite_as(b, lin.bias, f"{bk} (unfolded: b' − W·β)")
+
+
+def _finite_as(value: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tensor:
+    """``value`` rounded to ``like``'s dtype; an error where that is non-finite (overflow of W'/γ in fp16, or a
+    non-finite input) unless the model's own tensor is non-finite at the same place."""
+    out = value.to(like.dtype)
+    if bool((~torch.isfinite(out) & torch.isfinite(like.detach())).any()):
+        raise ExportError(f"{what} is NaN or inf in {str(like.dtype).replace('torch.', '')} (a tiny γ makes W'/γ "
+                          "overflow, or the model holds non-finite values): a plain checkpoint cannot hold this "
+                          "model's function")
+    return out
 
 
 def _require_small(residual: torch.Tensor, scale: torch.Tensor, rtol: float, what: str) -> None:
     rel = float(residual.norm() / scale.clamp_min(1e-30))
-    if rel > rtol:
+    if not rel <= rtol:  # NaN (a non-finite bias or weight) is never small
         raise ExportError(f"{what}: the fold gave this bias-less Linear a bias that no plain checkpoint can hold "
                           f"(relative residual {rel:.1e} > {rtol:.0e}); the converted model has drifted from "
                           "the plain architecture during training. Save it with its own state_dict and rebuild "
@@ -226,14 +247,14 @@ def _move_added_bias(sd: dict, fold, norm_name: str, norm: nn.Module, targets: l
     _require_small(a @ beta - y, y.norm(), rtol,
                    ", ".join(n for _, n, _ in added))
     old = norm.bias.detach().to(torch.float64)
-    sd[bias_key] = (old + beta.to(old.device)).to(norm.bias.dtype)
+    sd[bias_key] = _finite_as(old + beta.to(old.device), norm.bias, bias_key)
     for t, lname, lin in targets:
         if t.adds_bias:
             sd.pop(_key(lname, "bias"), None)
         elif isinstance(getattr(lin, "bias", None), torch.Tensor):
             w = lin.weight.detach().to(torch.float64)
             b = lin.bias.detach().to(torch.float64) - _matvec(w, beta.to(w.device), t.layout)
-            sd[_key(lname, "bias")] = b.to(lin.bias.dtype)
+            sd[_key(lname, "bias")] = _finite_as(b, lin.bias, _key(lname, "bias"))
 
 
 def _untied_tie_flags(model: nn.Module) -> list[Any]:

@@ -41,7 +41,7 @@ class ConversionReport:
         if self.verification == "not run":
             return "verification: not run" + (f" ({self.notes[0]})" if self.notes else "")
         if self.verification == "cannot verify":
-            return "verification: CANNOT VERIFY (" + next((n for n in self.notes if "non-finite" in n or "NaN" in n),
+            return "verification: CANNOT VERIFY (" + next((n for n in self.notes if "nothing to compare" in n),
                                                          "nothing finite to compare") + ")"
         err = "n/a" if self.relative_error is None else f"{self.relative_error:.2e}"
         line = (f"verification: {'passed' if self.verification == 'passed' else 'FAILED'}; relative output error "

@@ -39,7 +39,8 @@ def main() -> None:
           f"{n / 1e9:.2f} B params, {args.dtype} (built in {t_build:.1f} s)")
     print(f"trace + plan alone: {t_plan:.2f} s")
     print(f"convert() total (trace, plan, rewrite, verify): {t_convert:.2f} s")
-    print(f"verified: {report.verified}, relative error {report.relative_error:.2e}; "
+    err = "n/a" if report.relative_error is None else f"{report.relative_error:.2e}"
+    print(f"verification: {report.verification}, relative error {err}; "
           f"{len(report.plan.norm_folds)} norms, {len(report.plan.gated_mlps)} gated MLPs, "
           f"{len(report.plan.act_swaps)} activations")
 

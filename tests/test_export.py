@@ -201,3 +201,34 @@ def test_unreported_reapplied_norm_is_refused():
     object.__setattr__(model, "lmbp_report", type(model.lmbp_report)(type(model.lmbp_report.plan)()))
     with pytest.raises(ExportError, match="no conversion report describes"):
         plain_state_dict(model)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_gamma_is_refused_not_written(value):
+    """A NaN/inf γ of a re-applied norm would be divided out of its Linears: NaN weights, written silently."""
+    model = hf("bert", head="cls")
+    convert(model)
+    norm = model.bert.encoder.layer[1].attention.output.LayerNorm
+    assert isinstance(norm.weight, nn.Parameter)
+    with torch.no_grad():
+        norm.weight[0] = value
+    with pytest.raises(ExportError, match="NaN or inf"):
+        plain_state_dict(model)
+
+
+def test_tiny_gamma_overflowing_the_dtype_is_refused():
+    """W'/γ with γ = 1e-6 overflows fp16: an inf weight is not the converted model's function."""
+    model = hf("bert", head="cls").half()
+    convert(model)
+    norm = model.bert.encoder.layer[1].attention.output.LayerNorm
+    with torch.no_grad():
+        norm.weight[0] = 1e-7
+    with pytest.raises(ExportError, match="NaN or inf in float16"):
+        plain_state_dict(model)
+
+
+def test_nan_residual_is_not_small():
+    from lmbp_convert.export import _require_small
+
+    with pytest.raises(ExportError, match="relative residual nan"):
+        _require_small(torch.tensor([float("nan")]), torch.tensor(1.0), 1e-4, "head")

@@ -22,7 +22,7 @@ from ..trace.probe import make_probe
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
-                     run_probe)
+                     float_tensors, run_probe)
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk.
 CONFIG_KEY = "lmbp_convert"
@@ -135,6 +135,14 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     rewrite is checked on the probe against the original outputs and rolled back if it changes them. The
     report is returned with ``return_report=True`` and kept as ``model.lmbp_report``.
     """
+    # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
+    # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
+    with torch.inference_mode(False):
+        return _convert(model, options, probe, return_report, overrides)
+
+
+def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
+             overrides: dict[str, Any]):
     t0 = time.perf_counter()
     opt, probe = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
@@ -195,6 +203,9 @@ def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: Conv
     if report.verification == CANNOT_VERIFY:
         why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
                "probe?): nothing to compare, the rewrites are unchecked")
+        if not float_tensors(reference):
+            why = (f"the model's output ({type(reference).__name__}) holds no floating-point tensor in a tensor, "
+                   "dict, list, tuple or dataclass: nothing to compare, the rewrites are unchecked")
         report.notes.append(why)
         warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 

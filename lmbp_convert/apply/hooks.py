@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..fold import apply_affine, shift_of
+from ..trace.containers import children, has_child, replace_child
 from ..trace.tracer import wants_tuple
 
 
@@ -49,16 +50,10 @@ def _replace(obj: Any, path: list, fn) -> Any:
     if not path:
         return fn(obj) if isinstance(obj, torch.Tensor) else obj
     key, rest = path[0], path[1:]
-    if isinstance(obj, dict):
-        if key in obj:
-            obj[key] = _replace(obj[key], rest, fn)
+    if not has_child(obj, key):
         return obj
-    if isinstance(obj, (list, tuple)) and isinstance(key, int) and key < len(obj):
-        items = list(obj)
-        items[key] = _replace(items[key], rest, fn)
-        return type(obj)(items) if isinstance(obj, list) else (
-            type(obj)(*items) if hasattr(obj, "_fields") else tuple(items))
-    return obj
+    value = dict(children(obj))[key]
+    return replace_child(obj, key, _replace(value, rest, fn))
 
 
 class ReapplyOutput:

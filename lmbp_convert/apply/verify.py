@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..trace.containers import children
 from ..trace.tracer import call_model
 
 PASSED = "passed"
@@ -26,13 +27,15 @@ def _float_tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         if obj.is_floating_point():
             out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _float_tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
+    else:
+        for _, v in children(obj):
             _float_tensors(v, out)
     return out
+
+
+def float_tensors(obj: Any) -> list[torch.Tensor]:
+    """Every floating-point tensor of a model output, in a fixed order."""
+    return _float_tensors(obj, [])
 
 
 def default_rtol(model: nn.Module) -> float:

@@ -30,6 +30,11 @@ def code_bytes(numel: int, bits: int) -> int:
     return math.ceil(numel * slot / 8)
 
 
+def _foreign(hook) -> bool:
+    """A hook the user (or another library) registered, not one of this package's re-apply hooks."""
+    return not type(getattr(hook, "__self__", hook)).__module__.startswith("lmbp_convert")
+
+
 class Planner:
     def __init__(self, model: nn.Module, graph: Graph, roles: dict[str, Role], options: ConvertOptions):
         self.model = model
@@ -253,6 +258,10 @@ class Planner:
                         sites[key].paths.append(p)
             else:
                 sites[key] = site
+        watched = self._watched_by_user_hooks(name, seen, sites)
+        if watched:
+            return self._skip(name, mod, f"{watched}, which would see the normalised tensor without its affine "
+                                         "(folded into the next Linears); remove the hook or exclude this norm")
         n, nbytes = _bytes(self.g, node.inputs[0])
         rows = n // d
         predicted = nbytes + (rows * 4 if nr.kind == "layer" else 0)
@@ -265,6 +274,29 @@ class Planner:
             NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
                      list(targets.values()), list(sites.values()), sorted(set(caveats)), predicted, beta=beta)
         )
+
+    def _watched_by_user_hooks(self, norm: str, affine_less: set[int], sites: dict) -> str | None:
+        """A user's hook that sees a tensor the fold leaves without the affine (the norm's output on its way to the
+        folded Linears): a forward pre-hook on a module it enters (an attention block, a dropout) unless the affine
+        is re-applied at that very input (that re-apply runs first), or a forward/backward hook on a module that
+        returns it. Verification cannot see an observing hook, so such a fold is refused."""
+        reapplied = {(s.module, s.position, s.keyword) for s in sites.values() if s.kind == "module_input"}
+        calls = [(n.target, n.info["slots"], n.outputs) for n in self.g.nodes if n.kind == "module"]
+        calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
+                  for sc in self.g.scopes if sc.module]
+        for mname, slots, outputs in calls:
+            mod = self.modules.get(mname)
+            if mod is None or mname == norm:
+                continue
+            pre = [h for h in mod._forward_pre_hooks.values() if _foreign(h)]
+            if pre and any((mname, pos, kw) not in reapplied for t in affine_less for pos, kw in slots.get(t, [])):
+                return f"{mname} has forward pre-hooks registered"
+            post = [k for k, hooks in (("forward hooks", mod._forward_hooks), ("backward hooks", mod._backward_hooks),
+                                       ("backward pre-hooks", mod._backward_pre_hooks))
+                    if any(_foreign(h) for h in hooks.values())]
+            if post and affine_less.intersection(outputs):
+                return f"{mname} returns the norm's output and has {' and '.join(post)} registered"
+        return None
 
     def _reapply_small_readers(self, out: int, targets: dict[str, LinearTarget],
                                target_inputs: dict[str, tuple[Node, int, int]], others: list) -> list[str]:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from .containers import children
 from .graph import ArgSlot, Graph, Node, ScopeCall, TensorInfo
 
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
@@ -52,11 +53,8 @@ class _Tracer(TorchFunctionMode):
     def _tensors_in(self, obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
         if isinstance(obj, torch.Tensor):
             out.append(obj)
-        elif isinstance(obj, (list, tuple)):
-            for o in obj:
-                self._tensors_in(o, out)
-        elif isinstance(obj, dict):
-            for o in obj.values():
+        else:
+            for _, o in children(obj):
                 self._tensors_in(o, out)
         return out
 
@@ -168,12 +166,8 @@ def _output_paths(obj: Any, path: tuple = ()) -> list[tuple[tuple, torch.Tensor]
     if isinstance(obj, torch.Tensor):
         return [(path, obj)]
     found: list[tuple[tuple, torch.Tensor]] = []
-    if isinstance(obj, dict):  # ModelOutput is an OrderedDict
-        for k, v in obj.items():
-            found += _output_paths(v, path + (k,))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            found += _output_paths(v, path + (i,))
+    for k, v in children(obj):  # ModelOutput is an OrderedDict: its paths are field names
+        found += _output_paths(v, path + (k,))
     return found
 
 

@@ -1,0 +1,159 @@
+"""Hostile uses of convert(): ambient modes, odd output containers, hooks that only observe."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lmbp_convert import convert
+from lmbp_convert.errors import NothingToConvertError
+from lmbp_convert.trace.probe import make_probe
+from tiny_models import hf
+
+
+def test_convert_inside_inference_mode_leaves_a_trainable_model():
+    """Folded weights made under ``torch.inference_mode()`` would be inference tensors: training then fails
+    with "Inference tensors cannot be saved for backward"."""
+    model = hf("llama")
+    with torch.inference_mode():
+        convert(model)
+    assert model.lmbp_report.verified, str(model.lmbp_report)
+    assert not any(p.is_inference() for p in model.parameters())
+    assert not any(b.is_inference() for b in model.buffers())
+    ids = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class _DataclassHead(nn.Module):
+    """Returns its final norm's output (also fed to the head) in a dataclass field, not a ModelOutput."""
+
+    def __init__(self, frozen: bool = False):
+        super().__init__()
+        self.a, self.n, self.h = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+        self.out_cls = _FrozenOut if frozen else _Out
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            self.n.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+            self.n.bias.copy_(torch.randn(16, generator=gen))
+
+    def forward(self, x):
+        h = self.n(self.a(x))
+        return self.out_cls(self.h(h), h)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenOut:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_dataclass_output_fields_are_traced_verified_and_get_the_affine_back(frozen):
+    """Before: the trace did not see the returned norm output inside the dataclass (so no re-apply: hidden off
+    by ~2) and verification found no tensor to compare ("cannot verify" blaming NaN outputs)."""
+    torch.manual_seed(0)
+    model = _DataclassHead(frozen).eval()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "cannot verify" warning
+        _, rep = convert(model, probe=x, return_report=True)
+    assert rep.verification == "passed" and rep.verified, str(rep)
+    with torch.no_grad():
+        got, want = model(x), ref(x)
+    torch.testing.assert_close(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+class _NoFloatOutput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.h = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.h(self.act(self.a(x))).argmax(-1)  # integer output: nothing to compare
+
+
+def test_output_without_float_tensors_cannot_verify_and_says_why():
+    model = _NoFloatOutput()
+    with pytest.warns(UserWarning, match="holds no floating-point tensor"):
+        _, rep = convert(model, probe=torch.randn(2, 8), return_report=True)
+    assert rep.verification == "cannot verify" and rep.verified is None
+    assert "holds no floating-point tensor" in str(rep) and "NaN" not in str(rep)
+
+
+def test_pre_hooks_on_blocks_that_receive_a_norm_output_refuse_that_fold():
+    """A forward pre-hook on ``self_attn`` / ``mlp`` (activation capture, steering) sees the norm's output: with
+    the affine folded into q/k/v it would silently see x̂ instead of γ·x̂ (an observing hook passes verification)."""
+    model = hf("llama").eval()
+    probe, _, _ = make_probe(model)
+    seen = {}
+    for name in ("model.layers.0.self_attn", "model.layers.1.mlp"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, kwargs, n=name: seen.__setitem__(n, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True)
+    with torch.no_grad():
+        model(**probe)
+    before = dict(seen)
+    _, rep = convert(model, return_report=True)
+    skips = {s.name: s.reason for s in rep.plan.skips}
+    assert "forward pre-hooks" in skips["model.layers.0.input_layernorm"], str(rep)
+    assert "forward pre-hooks" in skips["model.layers.1.post_attention_layernorm"], str(rep)
+    assert "model.layers.1.input_layernorm" in rep.swapped  # unwatched norms are still converted
+    with torch.no_grad():
+        model(**probe)
+    for name, value in before.items():
+        torch.testing.assert_close(seen[name], value, rtol=1e-5, atol=1e-5)
+
+
+class _DropoutBetween(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.n, self.d, self.h = nn.Linear(8, 16), nn.LayerNorm(16), nn.Dropout(0.0), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.n.weight.uniform_(0.5, 1.5)
+            self.n.bias.normal_()
+
+    def forward(self, x):
+        return self.h(self.d(self.n(self.a(x))))
+
+
+def test_forward_hook_on_a_module_returning_the_norm_output_refuses_the_fold():
+    torch.manual_seed(0)
+    model = _DropoutBetween()
+    model.d.register_forward_hook(lambda m, args, out: None)  # observes x̂ vs γ·x̂ + β
+    with pytest.raises(NothingToConvertError, match="d returns the norm's output and has forward hooks"):
+        convert(model, probe=torch.randn(2, 8))
+    assert isinstance(model.n, nn.LayerNorm)
+    bare = _DropoutBetween()
+    bare.d.register_forward_pre_hook(lambda m, args: None)
+    with pytest.raises(NothingToConvertError, match="d has forward pre-hooks"):
+        convert(bare, probe=torch.randn(2, 8))
+    assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8), return_report=True)[1].swapped
+
+
+@pytest.mark.xfail(strict=True, reason="open (README states it): hidden_states of output_hidden_states=True calls hold "
+                                       "folded norms' outputs without their affine; the trace never asks for them")
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_output_hidden_states_match_the_original(family):
+    model = hf("llama") if family == "llama" else hf("bert", head="cls")
+    model.eval()
+    ref = copy.deepcopy(model)
+    probe, _, _ = make_probe(model)
+    convert(model)
+    with torch.no_grad():
+        got, want = model(**probe, output_hidden_states=True), ref(**probe, output_hidden_states=True)
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
