@@ -204,7 +204,7 @@ def train(m: nn.Module, args, row: dict) -> None:
                 "first_loss": float(losses[0]) if losses else None, **_mem(dev)})
     if row.get("peak") is not None and row.get("static") is not None:
         row["peak_over_static"] = row["peak"] - row["static"]
-    del opt, losses
+    opt = losses = None  # free the optimizer state now (step() keeps the cells, not the values)
     _free()
 
 

@@ -783,7 +783,7 @@ def measure_copy_gbps(runs: int = 10) -> float:
     src = torch.empty(2 ** 30, dtype=torch.uint8, device=DEVICE)
     dst = torch.empty_like(src)
     t = time_device(lambda: dst.copy_(src), runs, 2, None)
-    del src, dst
+    src = dst = None  # free the buffers (the lambda keeps the cells, not the tensors)
     torch.cuda.empty_cache()
     return gbps(2 * 2 ** 30, t)
 
@@ -824,7 +824,7 @@ def bench_variants(args: argparse.Namespace, deadline: float, skipped: list) -> 
                 t = time_device(lambda v=v: A._bwd_triton(g, packed, bits, "gelu", variant=v), args.runs,
                                 args.warmup, flush)
                 out.append(VariantResult("bwd", v, DTYPE_NAMES[dtype], numel, t, bwd_bytes))
-            del x, g, packed
+            x = g = packed = None  # free before the next size (the lambdas keep the cells)
             torch.cuda.empty_cache() if torch.device(DEVICE).type == "cuda" else None
             print(f"  approx_act variants {DTYPE_NAMES[dtype]} {size_label(numel)} done "
                   f"({time.perf_counter() - START:.0f} s)", flush=True)

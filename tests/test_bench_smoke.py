@@ -11,6 +11,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs the benchmark scripts end to end
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 

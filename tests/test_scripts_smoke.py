@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # runs the scripts in subprocesses
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "scripts", "bench_ops.py")
 GPU_CHECK = os.path.join(ROOT, "scripts", "gpu_check.py")

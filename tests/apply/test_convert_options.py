@@ -28,6 +28,7 @@ def test_keyword_contradicting_an_explicit_option_is_a_type_error():
         convert(model, bitz=4)
     with pytest.raises(TypeError, match="unknown conversion option"):
         convert(model, ConvertOptions(), bitz=4)
+    assert_same(model, before, "refused keywords")
     convert(model, ConvertOptions(bits=3, exclude="classifier"), bits=3, exclude=["classifier"], norms=False)  # same values
     assert model.lmbp_report.plan.act_swaps[0].bits == 3
 

@@ -75,6 +75,7 @@ def _bert():
     return model, lambda: model.bert.encoder.layer[1].intermediate.dense.weight
 
 
+@pytest.mark.slow  # one conversion per forward of the model
 @pytest.mark.parametrize("family", ["llama", "bert"])  # pre-LN decoder; post-LN encoder (re-apply hooks)
 def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     """One Linear's fold is wrong, so convert() runs every kind of forward it has: the trace, the verification

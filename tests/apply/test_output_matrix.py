@@ -103,6 +103,7 @@ def _plain_timm(ref, sd):
     return fresh.eval()
 
 
+@pytest.mark.slow  # every family, every output kind
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_outputs_equal_the_unconverted_model(name, tmp_path):
     build, kw = BUILDS[name]

@@ -127,6 +127,7 @@ def dead_pid() -> int:
     return int(p.stdout)
 
 
+@pytest.mark.slow  # kills a converter process
 def test_kill_between_the_two_renames_is_mended_by_the_next_run(saved, tmp_path, cli):
     """A real crash (os._exit) right after the old DST went aside: DST is missing, both siblings are left. The next
     run restores the old DST, removes the temporary one, and says so in one line."""
@@ -237,6 +238,7 @@ sys.exit(main([src, dst, "-q"]))
 """
 
 
+@pytest.mark.slow  # two converter processes
 def test_two_processes_racing_for_one_new_dst_one_wins(saved, tmp_path):
     """Two real processes, each held at its final rename until the other has reached its own: a flock that the
     parent takes for each and hands over (pass_fds) is released by its process at the commit point, and the

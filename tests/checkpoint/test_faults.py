@@ -18,7 +18,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 from ckpt_helpers import build_model, leftovers, save_model, tree_hash
 
 import lmbp_convert.checkpoint.fsops as fsops
@@ -69,6 +68,7 @@ def _state(p: Path) -> dict | None:
     return tree_hash(p) if p.exists() else None
 
 
+@pytest.mark.slow  # one conversion per injected fault
 @pytest.mark.parametrize("scenario", ["hf-new", "hf-force", "timm-force"])
 def test_every_file_system_change_fails_safely(tiny, tmp_path, cli, monkeypatch, scenario):
     from test_streaming import timm_cli_args

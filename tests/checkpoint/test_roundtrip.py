@@ -87,6 +87,7 @@ def converted(saved, tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # loads every converted checkpoint
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
     src, dst, out = converted(arch, untie)
@@ -150,6 +151,7 @@ def test_dst_layout_metadata_and_files(converted, arch, untie):
         assert rec["untied"], "folding into the tied head needs its own tensor"
 
 
+@pytest.mark.slow  # converts every checkpoint twice
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_convert_on_dst_swaps_without_folding_again(converted, arch, untie):
     _, dst, _ = converted(arch, untie)

@@ -12,6 +12,8 @@ import torch
 from lmbp_convert import SavedTensorLedger, convert
 from tiny_models import hf
 
+pytestmark = pytest.mark.slow  # torch.compile of whole models: minutes on 2 cores
+
 B, T, STEPS = 2, 16, 3
 GPT2 = dict(n_layer=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
@@ -19,7 +21,7 @@ GPT2 = dict(n_layer=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 def _steps(model, fwd, ids):
     """STEPS SGD steps; (losses, ledger of the last forward)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    losses, led = [], None
+    losses = []
     model.train()
     for _ in range(STEPS):
         with SavedTensorLedger(model) as led:

@@ -18,6 +18,8 @@ from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from tiny_models import hf, timm_swin, timm_vit
 
+pytestmark = pytest.mark.slow  # trains, saves and reloads every family
+
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name → (builder, convert kwargs, parameters to freeze during "fine-tuning", plain loader)

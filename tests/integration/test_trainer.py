@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import Trainer, TrainingArguments  # noqa: E402
 
+pytestmark = pytest.mark.slow  # transformers Trainer runs
+
 
 class _Rows(torch.utils.data.Dataset):
     """A tiny in-memory dataset of fixed-length token rows."""

@@ -353,6 +353,7 @@ def test_saved_bytes_lora_everywhere():
 # ------------------------------------------------------------------------------------------------------
 # torch.compile, repr, validation
 # ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # torch.compile of the module
 @pytest.mark.parametrize("case", ["llama-silu-bias", "phi3-fused"])
 def test_torch_compile_matches_eager(case):
     make, act = CASES[case]

@@ -4,6 +4,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torch.compile in a fresh Python process
+
 SCRIPT = textwrap.dedent("""
     import torch
     from lmbp_convert.ops.approx_act import approx_act

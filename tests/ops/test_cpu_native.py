@@ -226,6 +226,7 @@ _FALLBACK_CHECK = """
 """
 
 
+@pytest.mark.slow  # fresh Python process
 def test_env_switch_turns_it_off_without_a_notice():
     proc = _run(_FALLBACK_CHECK, LMBP_CPU_NATIVE="0")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -233,6 +234,7 @@ def test_env_switch_turns_it_off_without_a_notice():
     assert count == "0" and "PyTorch path (LMBP_CPU_NATIVE=0)" in status
 
 
+@pytest.mark.slow  # fresh Python process
 def test_no_compiler_falls_back_with_one_notice(tmp_path):
     proc = _run(_FALLBACK_CHECK, CXX=str(tmp_path / "no-such-compiler"), LMBP_CPU_NATIVE_DIR=str(tmp_path / "c"))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -241,6 +243,7 @@ def test_no_compiler_falls_back_with_one_notice(tmp_path):
     assert "\n" not in line and "using the PyTorch path" in line
 
 
+@pytest.mark.slow  # fresh Python process
 def test_failing_build_falls_back_with_one_notice(tmp_path):
     fake = tmp_path / "fake-cxx"
     fake.write_text("#!/bin/sh\necho 'fake-cxx: error: cannot compile' >&2\nexit 1\n")
@@ -252,6 +255,7 @@ def test_failing_build_falls_back_with_one_notice(tmp_path):
     assert not list((tmp_path / "c").rglob("*.so"))  # nothing half-built left behind
 
 
+@pytest.mark.slow  # fresh Python processes
 def test_cached_build_is_reused_across_processes():
     info = N.build_info()
     proc = _run("from lmbp_convert.ops import cpu_native as N; i = N.build_info(); print(i['path'], i['built'])")

@@ -101,6 +101,7 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------------------------------------- the JSON
+@pytest.mark.slow  # refits the constants
 def test_json_matches_a_fresh_fit():
     """Re-fit a few entries (fast ones; the generator, scripts/fit_constants.py, does all 16)."""
     table = _table()["constants"]

@@ -101,6 +101,7 @@ SM90_SCRIPT = """
 """
 
 
+@pytest.mark.slow  # compiles every kernel variant
 def test_every_kernel_compiles_for_sm90():
     """Real compiles (Triton to PTX and cubin) of each kernel and variant; the interpreter accepts things the
     compiler rejects. The split/join variants read 16 bytes per load in bf16 (the tl.sum tile reads 8); the

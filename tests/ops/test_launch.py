@@ -88,6 +88,7 @@ LAUNCH_SCRIPT = """
 """
 
 
+@pytest.mark.slow  # compiles Triton kernels
 @needs_triton
 def test_cached_launch_matches_tritons_own_launch():
     assert "ok" in _run(LAUNCH_SCRIPT)
@@ -118,6 +119,7 @@ COMPILE_SCRIPT = """
 """
 
 
+@pytest.mark.slow  # torch.compile of every op
 @needs_triton
 def test_compile_traces_every_op_down_to_its_triton_kernels():
     """fullgraph=True; forward and backward graphs hold the kernels themselves (inductor can emit the launches

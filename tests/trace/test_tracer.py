@@ -27,13 +27,54 @@ def test_records_leaf_modules_ops_and_scopes():
     assert g.root_outputs  # the logits
 
 
+# Tiny configs (tests/tiny_models.py): probe batch 2 x 8 tokens, hidden 64, 4 heads; LLaMA has 2 KV heads
+# (k/v width 32) and a 172-wide gated MLP, GPT-2 and BERT a 256-wide MLP; vocab 128.
+_EXPECTED_SHAPES = {  # module -> (input shapes, output shapes) the trace must record
+    "llama": {
+        "model.layers.0.input_layernorm": ([(2, 8, 64)], [(2, 8, 64)]),
+        "model.layers.0.self_attn.k_proj": ([(2, 8, 64)], [(2, 8, 32)]),
+        "model.layers.0.mlp.gate_proj": ([(2, 8, 64)], [(2, 8, 172)]),
+        "model.layers.0.mlp.act_fn": ([(2, 8, 172)], [(2, 8, 172)]),
+        "model.layers.1.mlp.down_proj": ([(2, 8, 172)], [(2, 8, 64)]),
+        "lm_head": ([(2, 8, 64)], [(2, 8, 128)]),
+    },
+    "gpt2": {
+        "transformer.h.0.ln_1": ([(2, 8, 64)], [(2, 8, 64)]),
+        "transformer.h.0.attn.c_attn": ([(2, 8, 64)], [(2, 8, 192)]),
+        "transformer.h.0.mlp.c_fc": ([(2, 8, 64)], [(2, 8, 256)]),
+        "transformer.h.1.mlp.c_proj": ([(2, 8, 256)], [(2, 8, 64)]),
+        "lm_head": ([(2, 8, 64)], [(2, 8, 128)]),
+    },
+    "bert": {
+        "embeddings.LayerNorm": ([(2, 8, 64)], [(2, 8, 64)]),
+        "encoder.layer.0.intermediate.dense": ([(2, 8, 64)], [(2, 8, 256)]),
+        "encoder.layer.1.output.dense": ([(2, 8, 256)], [(2, 8, 64)]),
+        "pooler.dense": ([(2, 64)], [(2, 64)]),  # the first token only
+    },
+}
+_ROOT_OUTPUT_SHAPES = {"llama": [(2, 8, 128)], "gpt2": [(2, 8, 128)], "bert": [(2, 8, 64), (2, 64)]}
+
+
+def _module_shapes(g):
+    def shapes(tids):
+        return [g.tensors[t].shape for t in tids]
+
+    return [(n.target, shapes(n.inputs), shapes(n.outputs)) for n in g.nodes if n.kind == "module"]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_traces_on_meta_device(arch):
+    head = "base" if arch == "bert" else "causal"
     with torch.device("meta"):
-        model = hf(arch, head="base" if arch == "bert" else "causal")
+        model = hf(arch, head=head)
     g = _trace(model)
     assert sum(n.kind == "module" for n in g.nodes) > 5
-    assert all(t.shape is not None for t in g.tensors.values())
+    recorded = {target: (ins, outs) for target, ins, outs in _module_shapes(g)}
+    for name, shapes in _EXPECTED_SHAPES[arch].items():
+        assert recorded[name] == shapes, name
+    assert sorted(g.tensors[t].shape for t in g.root_outputs) == sorted(_ROOT_OUTPUT_SHAPES[arch])
+    # Every leaf call records what a real forward on CPU records: meta shapes are the true shapes.
+    assert _module_shapes(g) == _module_shapes(_trace(hf(arch, head=head)))
 
 
 def test_probe_errors_are_actionable():
