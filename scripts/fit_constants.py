@@ -16,14 +16,11 @@ import argparse
 import json
 import math
 import re
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # runnable from a fresh clone without installing the package
-    sys.path.insert(0, str(ROOT))
+from lmbp_convert.ops import fit as fitmod  # the installed package (pip install -e .)
 
-from lmbp_convert.ops import fit as fitmod  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "lmbp_convert" / "data" / "approx_constants.json"
 BITS = (1, 2, 3, 4)

@@ -1,21 +1,25 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine (one H200): kernel checks, the speed benchmark, the QLoRA flow; 7-8 minutes.
+# One command for a CUDA machine (one H200): the CUDA tests, kernel bandwidth, the speed benchmark, the QLoRA flow;
+# 7-8 minutes.
 #
 #   bash scripts/gpu_run.sh            # logs and JSON into $OUT (default build/gpu_run/)
 #   GPU_RUN_DRY=1 bash scripts/gpu_run.sh   # print the commands only (the tests check their arguments)
 #
 # Parts, each under its own `timeout`, none stopping the others when it fails or runs out of time:
-#   1. scripts/gpu_check.py   Triton kernels vs the PyTorch path, bandwidth (cap 190 s with --fast, else 70 s)
-#   2. scripts/bench_speed.py --gpu   ViT-B/16 LoRA r4 bs64 (eager, compile, reduce-overhead) and the
-#      LLaMA-7B slice (eager, torch.compile, Liger-Kernel, converted, converted + compile); img/s, tokens/s,
-#      peak memory, GPU busy fraction (cap 200 s, or 260 s next to the short gpu_check)
-#   3. scripts/bench_qlora.py   lmbp-convert → 4-bit load → convert() → LoRA → steps vs plain QLoRA, on a
-#      0.84 B LLaMA-shaped model (TinyLlama's width, 16 layers) (cap 90 s)
-# GPU_RUN_PARTS="bench_speed" (any of gpu_check bench_speed bench_qlora) reruns only those parts.
-# Files in $OUT (7; the device tool returns at most 8): summary.txt (machine, packages, each part's exit),
-# gpu_check.log, gpu_check.md, bench_speed.log, bench_gpu.json, bench_qlora.log, bench_qlora.json.
+#   1. cuda_tests   pytest tests/ops/test_cuda.py with compiled kernels: every Triton kernel vs the PyTorch path,
+#      the public ops on CUDA (bytes, autocast sharing), CUDA graphs, torch.compile (cap 150 s)
+#   2. kernels      python -m benchmarks.kernels: per-kernel GB/s next to torch's kernels, approx_act kernel
+#      variants (cap 50 s)
+#   3. bench_speed  python -m benchmarks.speed --gpu: ViT-B/16 LoRA r4 bs64 (eager, compile, reduce-overhead) and
+#      the LLaMA-7B slice (eager, torch.compile, Liger-Kernel, converted, converted + compile); img/s, tokens/s,
+#      peak memory, GPU busy fraction (cap 190 s)
+#   4. bench_qlora  python -m benchmarks.qlora: lmbp-convert → 4-bit load → convert() → LoRA → steps vs plain
+#      QLoRA, on a 0.84 B LLaMA-shaped model (TinyLlama's width, 16 layers) (cap 90 s)
+# GPU_RUN_PARTS="bench_speed" (any of cuda_tests kernels bench_speed bench_qlora) reruns only those parts.
+# Files in $OUT (8; the device tool returns at most 8): summary.txt (machine, packages, each part's exit),
+# cuda_tests.log, kernels.log, kernels.md, bench_speed.log, bench_gpu.json, bench_qlora.log, bench_qlora.json.
 #
-# Packages the H200 image lacks (bitsandbytes for part 3, liger-kernel for part 2's Liger row) travel as wheels.
+# Packages the H200 image lacks (bitsandbytes for part 4, liger-kernel for part 3's Liger row) travel as wheels.
 # Once, in the root of the checkout the device tool sends (about 45 MB; the tree may carry 64 MiB in all):
 #
 #   echo /.whl/ >> .git/info/exclude
@@ -81,35 +85,26 @@ if [ "$DRY" != "1" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-# The parts share 7-8 minutes of caps. gpu_check.py is the ops' own check: where it has --fast (pytest of the
-# CUDA-only tests, bandwidth, kernel variants; it budgets itself 180 s) it gets 190 s and bench_speed 200 s;
-# else a short check + bandwidth run gets 70 s and bench_speed 260 s. bench_speed's own budget skips rows it
-# could not finish (eager rows of both models run first); the QLoRA flow gets 90 s.
-if grep -q -- '"--fast"' scripts/gpu_check.py; then
-    GC_CAP=190
-    GC_ARGS="--fast --sizes 16M,64M"
-    BS_CAP=200
-else
-    GC_CAP=70
-    GC_ARGS="--dtypes bf16,fp32 --bench-dtypes bf16 --sizes 16M,64M --runs 10 --budget-s 60 --bench-reserve-s 30"
-    BS_CAP=260
-fi
-PARTS="${GPU_RUN_PARTS:-gpu_check bench_speed bench_qlora}"  # e.g. GPU_RUN_PARTS=bench_speed to rerun one
+# The parts share 8 minutes of caps. bench_speed's own budget skips rows it could not finish (eager rows of both
+# models run first).
+PARTS="${GPU_RUN_PARTS:-cuda_tests kernels bench_speed bench_qlora}"  # e.g. GPU_RUN_PARTS=bench_speed to rerun one
 
 for p in $PARTS; do
     case $p in
-        gpu_check)
-            # shellcheck disable=SC2086
-            part gpu_check "$GC_CAP" "$PY" scripts/gpu_check.py $GC_ARGS ;;
+        cuda_tests)  # conftest.py turns Triton's interpreter on unless told otherwise
+            part cuda_tests 150 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
+                tests/ops/test_cuda.py ;;
+        kernels)
+            part kernels 50 "$PY" -m benchmarks.kernels --dtypes bf16 --sizes 16M,64M --runs 10 --budget-s 40 ;;
         bench_speed)
-            part bench_speed "$BS_CAP" "$PY" scripts/bench_speed.py --gpu --modes bf16 \
+            part bench_speed 190 "$PY" -m benchmarks.speed --gpu --modes bf16 \
                 --sections vit_lora,llama_slice --no-checkpointing --repeats 10 --warmup 3 \
-                --budget-s $(( BS_CAP - 12 )) --json "$OUT/bench_gpu.json" ;;
+                --budget-s 178 --json "$OUT/bench_gpu.json" ;;
         bench_qlora)
-            part bench_qlora 90 "$PY" scripts/bench_qlora.py --layers 16 --seq 1024 --batch 4 --steps 8 \
+            part bench_qlora 90 "$PY" -m benchmarks.qlora --layers 16 --seq 1024 --batch 4 --steps 8 \
                 --warmup 2 --json "$OUT/bench_qlora.json" ;;
         *)
-            echo "unknown part $p (gpu_check, bench_speed, bench_qlora)" ;;
+            echo "unknown part $p (cuda_tests, kernels, bench_speed, bench_qlora)" ;;
     esac
 done
 

@@ -307,14 +307,14 @@ def _check_triton(t: torch.Tensor, what: str) -> None:
 
 
 #: Kernel variants: name -> (VARIANT constexpr, elements per program, num_warps). All write the same layout;
-#: scripts/gpu_check.py times each and prints the fastest. "sum" packs with tl.sum over a [BLOCK, P] tile (the
+#: benchmarks/kernels.py times each and prints the fastest. "sum" packs with tl.sum over a [BLOCK, P] tile (the
 #: original kernel); "split" loads a flat tile (vector loads) and packs with reshape + tl.split; "lanes" loads
 #: the P lanes of a byte as P strided vectors, so one thread owns a whole byte (no cross-thread reduction).
 FWD_VARIANTS = {"sum": (0, 2048, 4), "split": (1, 4096, 8), "lanes": (2, 4096, 8)}
 #: backward: "tile" (original: [BLOCK, P] tile, codes by broadcast shift), "gather" (flat tile; each element
 #: reads its own code byte, L1-resident), "join" (unpacks the P lanes in registers and interleaves with tl.join).
 BWD_VARIANTS = {"tile": (0, 2048, 4), "gather": (1, 4096, 8), "join": (2, 4096, 8)}
-# Defaults from scripts/gpu_check.py's "approx_act variants" table on an H200 (torch 2.11, Triton 3.6): the
+# Defaults from benchmarks/kernels.py's "approx_act variants" table on an H200 (torch 2.11, Triton 3.6): the
 # tl.sum tile was fastest forward in all four cells (bf16/fp32 x 16M/64M, by 3-5 %); backward variants were
 # within 3 % of each other.
 FWD_VARIANT = "sum"

@@ -61,7 +61,7 @@ TARGETS = [("llama", 0.30), ("timm_vit", 0.30), ("vit", 0.30), ("bert", 0.20)]
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
 def test_saved_bytes_reduction(family, target, mode):
     # BERT with eager attention: CPU's SDPA math fallback upcasts bf16 attention to fp32 copies that no GPU
-    # kernel keeps, which would make the CPU count unrepresentative (both variants are in scripts/ benchmarks).
+    # kernel keeps, which would make the CPU count unrepresentative (both variants are in the benchmarks/ package).
     model = FAMILIES[family]() if family != "bert" else hf("bert", head="cls", attn_implementation="eager")
     if mode == "bf16":
         model = model.to(torch.bfloat16)

@@ -1,10 +1,12 @@
 """CUDA-only checks of the ops (skipped without a GPU, and under Triton's interpreter).
 
-Run on a GPU machine with compiled kernels (scripts/gpu_check.py does this first):
+Run on a GPU machine with compiled kernels (scripts/gpu_run.sh does this first):
 
     TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_cuda.py
 
-Compiled Triton kernels against the PyTorch path on the same device (every op, kind, variant and dtype), the
+Compiled Triton kernels against the PyTorch path on the same device (every op, kind, variant and dtype; short,
+non-power-of-2, max fused and looped norm rows; strided inputs), the public ops end to end on CUDA (dispatch to
+the kernels, autograd, saved bytes, norm → Linear sharing under autocast), the
 lean cached launch against Triton's own launch, CUDA-graph capture of eager steps (nothing allocated through a
 cache miss or uploaded from the host inside the ops during capture), and torch.compile with inductor, default and
 ``mode="reduce-overhead"``, on converted models in train mode.
@@ -16,6 +18,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tolerances import tol
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1",
@@ -59,8 +62,35 @@ def test_approx_act_kernels_match_torch_path(kind, dtype):
             y_ref, packed_ref = A._fwd_torch(x, kind, bits)
             assert torch.equal(packed, packed_ref), (name, bits)
             torch.testing.assert_close(y, y_ref, **tol(dtype))
+            torch.testing.assert_close(y, _TORCH_ACT[kind](x.float()).to(dtype), **tol(dtype))  # the exact act
             g = torch.randn_like(x)
             _same_rounding(A._bwd_triton(g, packed, bits, kind), A._bwd_torch(g, packed, bits, kind))
+
+
+_TORCH_ACT = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "silu": F.silu,
+              "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ("gelu", "gelu_tanh", "silu", "quick_gelu"))
+def test_approx_act_op_on_cuda_matches_cpu_and_saves_only_codes(kind, dtype):
+    """The public op dispatches to the kernels; values and gradient equal the same op on CPU (its PyTorch path),
+    and it keeps only the packed codes for backward."""
+    from lmbp_convert import SavedTensorLedger
+    from lmbp_convert.ops import approx_act as A
+
+    x = _randn(64, 1000, dtype=dtype, scale=3.0).requires_grad_(True)
+    g = _randn(64, 1000, dtype=dtype)
+    assert A.use_triton(x)
+    with SavedTensorLedger() as ledger:
+        y = A.approx_act(x, kind, 2)
+    (dx,) = torch.autograd.grad(y, x, g)
+    xc = x.detach().cpu().requires_grad_(True)
+    yc = A.approx_act(xc, kind, 2)
+    (dxc,) = torch.autograd.grad(yc, xc, g.cpu())
+    torch.testing.assert_close(y.cpu(), yc, **tol(dtype))
+    torch.testing.assert_close(dx.cpu(), dxc, **tol(dtype, "bwd"))
+    assert ledger.bytes == A.packed_nbytes(x.numel(), 2)
 
 
 @pytest.mark.parametrize("bits", (1, 2, 3))
@@ -85,7 +115,10 @@ def test_approx_act_every_variant_matches_torch_path(bits, dtype):
 def test_ms_norm_kernels_match_torch_path(is_rms, dtype):
     from lmbp_convert.ops import ms_norm as N
 
-    for rows, n, chunk in ((37, 33, None), (8, 4096, None), (4, 16384, None), (3, 20000, None), (5, 300, 64)):
+    # tiny, typical, non-power-of-2, the max fused row (16384), looped rows just past it / long / odd, and the
+    # looped kernel forced on a short row
+    for rows, n, chunk in ((37, 33, None), (16, 768, None), (8, 4096, None), (6, 5120, None), (4, 16384, None),
+                           (3, 16385, None), (3, 20000, None), (2, 65536 + 7, None), (5, 300, 64)):
         x = _randn(rows, n, dtype=dtype, scale=2.0) + 0.5
         for out_dtype in {dtype, torch.bfloat16}:
             y, r = N._fwd_triton(x, n, 1e-5, is_rms, out_dtype, chunk=chunk)
@@ -95,6 +128,76 @@ def test_ms_norm_kernels_match_torch_path(is_rms, dtype):
         g = torch.randn_like(x)
         dx = N._bwd_triton(g, y_ref, r_ref, is_rms, dtype, chunk=chunk)
         torch.testing.assert_close(dx, N._bwd_torch(g, y_ref, r_ref, is_rms, dtype), **tol(dtype, "bwd"))
+
+
+@pytest.mark.parametrize("is_rms", (False, True))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ms_norm_kernels_read_strided_rows(is_rms, dtype):
+    """Rows that are a slice of a wider tensor are read in place."""
+    from lmbp_convert.ops import ms_norm as N
+
+    xs, gs = _randn(9, 1100, dtype=dtype, scale=2.0)[:, 13:1013], _randn(9, 1100, dtype=dtype)[:, 50:1050]
+    y, r = N._fwd_triton(xs, 1000, 1e-5, is_rms, dtype)
+    y_ref, r_ref = N._fwd_torch(xs, 1000, 1e-5, is_rms, dtype)
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    torch.testing.assert_close(r, r_ref, rtol=1e-5, atol=1e-6)
+    dx = N._bwd_triton(gs, y_ref, r_ref, is_rms, dtype)
+    torch.testing.assert_close(dx, N._bwd_torch(gs, y_ref, r_ref, is_rms, dtype), **tol(dtype, "bwd"))
+
+
+@pytest.mark.parametrize("n", (4096, 20000))
+@pytest.mark.parametrize("is_rms", (False, True))
+def test_ms_norm_op_on_cuda_matches_torch_norm(is_rms, n):
+    """The public op (fused and looped kernel) against torch's own norm, values and input gradient (fp32)."""
+    from lmbp_convert.ops import ms_norm as N
+
+    eps = 1e-6 if is_rms else 1e-5
+    x = (_randn(6, n, scale=2.0) + 0.3).requires_grad_(True)
+    g = _randn(6, n)
+    assert N.use_triton(x)
+    y = (N.ms_rms_norm if is_rms else N.ms_layer_norm)(x, n, eps)
+    (dx,) = torch.autograd.grad(y, x, g)
+    xr = x.detach().requires_grad_(True)
+    yr = F.rms_norm(xr, (n,), eps=eps) if is_rms else F.layer_norm(xr, (n,), eps=eps)
+    (dxr,) = torch.autograd.grad(yr, xr, g)
+    torch.testing.assert_close(y, yr, **tol(torch.float32))
+    torch.testing.assert_close(dx, dxr, **tol(torch.float32, "bwd"))
+
+
+@pytest.mark.parametrize("is_rms", (False, True))
+def test_ms_norm_shares_its_output_with_the_next_linear_under_autocast(is_rms):
+    """norm → Linear under bf16 autocast on CUDA keeps one activation storage (the norm's bf16 output, which the
+    Linear saves as its input) plus the fp32 rstd: the pair keeps what the norm alone keeps."""
+    from lmbp_convert import SavedTensorLedger
+    from lmbp_convert.ops import ms_norm as N
+
+    fn = N.ms_rms_norm if is_rms else N.ms_layer_norm
+    lin = torch.nn.Linear(1024, 256, device=DEV)
+    x = _randn(64, 1024).requires_grad_(True)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        with SavedTensorLedger(lin) as alone:
+            y = fn(x, 1024)
+        with SavedTensorLedger(lin) as pair:
+            out = lin(fn(x, 1024))
+    assert y.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+    assert alone.bytes == pair.bytes == y.numel() * 2 + 64 * 4
+
+
+@pytest.mark.parametrize("act", ("silu", "gelu", "gelu_tanh"))
+def test_gated_mlp_op_on_cuda_matches_eager(act, monkeypatch):
+    """The fused gated MLP op against the eager maths Linear(act(g)·u): output and every gradient (fp32)."""
+    from lmbp_convert.ops import gated_mlp as G
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    fa = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}[act]
+    g, u = _randn(64, 512, scale=2.0).requires_grad_(True), _randn(64, 512).requires_grad_(True)
+    w, b = (_randn(128, 512) * 512 ** -0.5).requires_grad_(True), _randn(128).requires_grad_(True)
+    dy = _randn(64, 128)
+    out = G.gated_mlp(g, u, w, b, act)
+    ref = F.linear(fa(g) * u, w, b)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    for a, e in zip(torch.autograd.grad(out, (g, u, w, b), dy), torch.autograd.grad(ref, (g, u, w, b), dy)):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

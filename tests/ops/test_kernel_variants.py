@@ -105,7 +105,7 @@ SM90_SCRIPT = """
 def test_every_kernel_compiles_for_sm90():
     """Real compiles (Triton to PTX and cubin) of each kernel and variant; the interpreter accepts things the
     compiler rejects. The split/join variants read 16 bytes per load in bf16 (the tl.sum tile reads 8); the
-    default forward is nevertheless the tl.sum tile, which the H200 measured fastest (scripts/gpu_check.py)."""
+    default forward is nevertheless the tl.sum tile, which the H200 measured fastest (benchmarks/kernels.py)."""
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(SM90_SCRIPT)], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode == 0, res.stderr[-4000:]

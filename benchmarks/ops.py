@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Forward + backward time and saved-for-backward bytes of each lmbp op next to the torch op it replaces.
 
 The ops exist to cut activation memory; this shows what that costs in time on the device you run it on
@@ -17,10 +16,10 @@ one thread (CPU time of this thread: other processes on the machine do not count
 otherwise. On CPU, ``--vs-torch-path`` adds the op's own PyTorch path (native kernels off) as a reference, so the
 table shows the native kernels against both. Usage::
 
-    python scripts/bench_ops.py                 # default sizes, CPU
-    python scripts/bench_ops.py --quick         # tiny smoke run
-    python scripts/bench_ops.py --device cuda --dtypes bf16 --out bench.md
-    python scripts/bench_ops.py --shapes 64x197x768,8x512x4096 --threads 1 --ops act,norm --kinds gelu,silu \
+    python -m benchmarks.ops                 # default sizes, CPU
+    python -m benchmarks.ops --quick         # tiny smoke run
+    python -m benchmarks.ops --device cuda --dtypes bf16 --out bench.md
+    python -m benchmarks.ops --shapes 64x197x768,8x512x4096 --threads 1 --ops act,norm --kinds gelu,silu \
         --vs-torch-path                         # the CPU targets of issue 13 (ViT-B / LLaMA-like activations)
 """
 from __future__ import annotations
@@ -36,18 +35,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:  # run from a checkout without installing
-    sys.path.insert(0, _ROOT)
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+from benchmarks import common as C
+from benchmarks.common import DTYPE_NAMES, DTYPES, fmt_bytes, markdown_table
 
-from lmbp_convert.memory import SavedTensorLedger  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 #: The issue's budget: each op at most this many times the torch op's forward+backward time.
 TARGET_RATIO = 1.2
 ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
@@ -193,34 +187,26 @@ def gated_cases(numel: int, row: int, dtype: torch.dtype, device: torch.device, 
 
 
 # -------------------------------------------------------------------------------------------- timing
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 CLOCK = time.perf_counter  # set by main(): thread_time with one CPU thread
 
 
 def _one_run(impl: Impl, xs: list, g: torch.Tensor, device: torch.device) -> tuple[float, float]:
     # Under autograd the backward of a CPU graph runs in this thread, so thread_time sees all of it.
-    _sync(device)
+    C.sync(str(device))
     t0 = CLOCK()
     y = impl.fn(*xs)
-    _sync(device)
+    C.sync(str(device))
     t1 = CLOCK()
     # Trainable parameters too: a training step needs their grads, and autograd would skip them otherwise.
     grads = torch.autograd.grad(y, list(xs) + [p for p in impl.params if p.requires_grad], g)
-    _sync(device)
+    C.sync(str(device))
     t2 = CLOCK()
     del y, grads
     return t1 - t0, t2 - t1
 
 
 def saved_bytes(impl: Impl, xs: list) -> int:
-    with SavedTensorLedger(impl.params) as ledger:
-        y = impl.fn(*xs)
-    del y
-    return ledger.bytes
+    return C.ledger_bytes(lambda: impl.fn(*xs), impl.params)
 
 
 def measure(case: Case, device: torch.device, warmup: int, runs: int) -> list:
@@ -267,19 +253,8 @@ def norm_pair_bytes(numel: int, row: int, dtype: torch.dtype, device: torch.devi
 
 
 # -------------------------------------------------------------------------------------------- report
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 def machine_line(device: torch.device) -> str:
-    parts = [f"CPU: {cpu_model()}", f"{os.cpu_count()} cores", f"torch threads {torch.get_num_threads()}",
+    parts = [f"CPU: {C.cpu_name()}", f"{os.cpu_count()} cores", f"torch threads {torch.get_num_threads()}",
              f"torch {torch.__version__}", f"python {platform.python_version()}"]
     if hasattr(os, "getloadavg"):  # other work on the cores skews CPU timings; say how much there was
         parts.append("load avg %.1f/%.1f/%.1f" % os.getloadavg())
@@ -291,16 +266,6 @@ def machine_line(device: torch.device) -> str:
 def fmt_ms(s: float) -> str:
     ms = s * 1e3
     return f"{ms:.3f}" if ms < 1 else f"{ms:.2f}" if ms < 100 else f"{ms:.0f}"
-
-
-def fmt_bytes(n: int) -> str:
-    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB" if n >= 2 ** 10 else f"{n} B"
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 TIME_HEADER = ("op", "vs torch op", "dtype", "shape", "fwd ms op / torch", "bwd ms op / torch",
@@ -315,12 +280,6 @@ def time_rows(rows: Sequence[Row]) -> list:
                     f"{r.ratio:.2f}×", "yes" if r.ratio <= TARGET_RATIO else "**no**",
                     f"{fmt_bytes(r.op_saved)} / {fmt_bytes(r.ref_saved)}"))
     return out
-
-
-def _parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if mult > 1 else s) * mult)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -350,13 +309,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.quick:
         a.sizes, a.dtypes, a.runs, a.warmup, a.row, a.mlp_out = "64K", "fp32", 2, 1, 1024, 64
     try:
-        a.size_list = [_parse_size(s) for s in a.sizes.split(",") if s.strip()]
+        a.size_list = [C.parse_size(s) for s in a.sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--sizes: cannot parse {a.sizes!r}")
-    bad = [d for d in a.dtypes.split(",") if d.strip() not in DTYPES]
-    if bad:
-        p.error(f"--dtypes: unknown {bad}; choose from {list(DTYPES)}")
-    a.dtype_list = [DTYPES[d.strip()] for d in a.dtypes.split(",") if d.strip()]
+    a.dtype_list = C.parse_dtypes(p, a.dtypes)
     a.shape_list = []
     if a.shapes:
         try:
@@ -387,7 +343,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     use_thread = a.timer == "thread" or (a.timer == "auto" and device.type == "cpu" and torch.get_num_threads() == 1)
     CLOCK = time.thread_time if use_thread else time.perf_counter
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_ops: --device cuda but no CUDA device is available", file=sys.stderr)
+        print("benchmarks.ops: --device cuda but no CUDA device is available", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     rows: list = []

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts (bench_memory.py, bench_speed.py, bench_all.py).
+"""What the benchmarks share: model families, machine description, timing loop, byte ledger, table writers.
 
 Models are built from configs with random weights and no network: on the ``meta`` device first, then
 ``to_empty`` and a cheap random init (norm gains drawn from U(0.5, 1.5) so the affine the converter folds is
@@ -16,7 +16,8 @@ Embedding, final norm and head cancel; what is left is exactly what one block ke
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import ctypes
+import gc
 import json
 import logging
 import os
@@ -25,16 +26,17 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
 
+import torch
+from torch import nn
+
+#: The checkout's root: default output folders (docs/, build/) and the working directory of subprocesses.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if importlib.util.find_spec("lmbp_convert") is None and ROOT not in sys.path:  # a checkout, not installed
-    sys.path.insert(0, ROOT)  # (an installed or PYTHONPATH copy wins: benchmark another branch's package)
-
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 MiB = 2 ** 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 #: The paper's analytic activation-memory reductions (arXiv 2406.16282): ReGELU2 + MS-LN on ViT,
 #: ReSiLU2 + MS-RMSNorm on LLaMA (its LLaMA figure predates this project's memory-sharing gated MLP).
 PAPER_REDUCTION = {"vit": 39.47, "llama": 29.19}
@@ -105,6 +107,13 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def ram_gib() -> Optional[float]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def machine(device: str = "cpu") -> str:
     """One line naming the hardware and software a figure was measured on."""
     import transformers
@@ -112,12 +121,41 @@ def machine(device: str = "cpu") -> str:
     sw = f"torch {torch.__version__}, transformers {transformers.__version__}"
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), {sw}"
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-        mem_s = f", {mem:.0f} GiB RAM"
-    except (ValueError, OSError, AttributeError):
-        mem_s = ""
+    mem = ram_gib()
+    mem_s = "" if mem is None else f", {mem:.0f} GiB RAM"
     return f"CPU {cpu_name()}, {torch.get_num_threads()} threads{mem_s}, {sw}"
+
+
+def free(reset_dynamo: bool = False) -> None:
+    """Collect, and hand freed heap back to the OS (other processes share the machine's memory)."""
+    if reset_dynamo and "torch._dynamo" in sys.modules:  # compiled graphs hold on to the modules they traced
+        torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def err(e: BaseException) -> str:
+    """An exception as one short line, for a result row that failed."""
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
+
+
+def cuda_mem(device: str) -> dict:
+    """Allocated and peak CUDA memory (empty off CUDA)."""
+    if not device.startswith("cuda"):
+        return {}
+    return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
 
 
 def quiet() -> None:
@@ -267,15 +305,24 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- memory
-def saved_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
-    """Exact saved-for-backward bytes of one forward (SavedTensorLedger; parameters and weight casts excluded)."""
+def ledger_bytes(fn: Callable[[], object], params=None) -> int:
+    """Exact saved-for-backward bytes of ``fn()`` (``lmbp_convert.SavedTensorLedger``: unique storages kept for
+    backward; the parameters of ``params``, a module or a list, and their autocast casts excluded)."""
     from lmbp_convert import SavedTensorLedger
 
-    with SavedTensorLedger(model) as led:
-        with autocast_ctx(str(x.device), autocast):
-            out = forward(fam, model, x)
+    with SavedTensorLedger(params) as led:
+        out = fn()
     del out
     return led.bytes
+
+
+def saved_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
+    """Exact saved-for-backward bytes of one forward of the family's model."""
+    def fwd():
+        with autocast_ctx(str(x.device), autocast):
+            return forward(fam, model, x)
+
+    return ledger_bytes(fwd, model)
 
 
 def per_block_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
@@ -302,7 +349,7 @@ def warm_up(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool, back
 # ------------------------------------------------------------------------------------------- timing
 def sync(device: str) -> None:
     if device.startswith("cuda"):
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
 
 
 def step_fn(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> Callable[[], None]:
@@ -318,17 +365,24 @@ def step_fn(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> C
 
 
 def time_interleaved(steps: dict[str, Callable[[], None]], repeats: int, warmup: int = 1,
-                     device: str = "cpu") -> dict[str, list[float]]:
-    """Seconds per call of each step, runs interleaved (so drift hits all alike), warm-up runs dropped."""
+                     device: str = "cpu", clock: Callable[[], float] = time.perf_counter, inner: int = 1,
+                     around: Optional[Callable[[str], ContextManager]] = None) -> dict[str, list[float]]:
+    """Seconds per call of each step over ``repeats`` rounds, the steps interleaved within each round (A/B/A/B:
+    drift and other load hit all alike), ``warmup`` rounds dropped. ``clock``: ``time.thread_time`` with one
+    thread counts only this thread's CPU time (others' load on a shared machine does not); ``inner`` calls per
+    timed sample for sub-millisecond steps; ``around(name)`` is a context entered outside the timed region."""
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(warmup + repeats):
         for k, fn in steps.items():
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
+            with around(k) if around is not None else contextlib.nullcontext():
+                sync(device)
+                t0 = clock()
+                for _ in range(inner):
+                    fn()
+                sync(device)
+                dt = clock() - t0
             if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
+                times[k].append(dt / inner)
     return times
 
 
@@ -341,6 +395,33 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def parse_dtypes(parser, s: str, flag: str = "--dtypes") -> list:
+    """'bf16,fp32' -> [torch.bfloat16, torch.float32]; an unknown name is the parser's error."""
+    names = [d.strip() for d in s.split(",") if d.strip()]
+    bad = [d for d in names if d not in DTYPES]
+    if bad:
+        parser.error(f"{flag}: unknown {bad}; choose from {list(DTYPES)}")
+    return [DTYPES[d] for d in names]
+
+
+def parse_size(s: str) -> int:
+    """'16M' -> 16 * 2**20 elements (K/M/G suffixes)."""
+    s = s.strip().upper()
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def size_label(n: int) -> str:
+    for unit, m in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def fmt_bytes(n: int) -> str:
+    return f"{n / 2 ** 20:.1f} MiB" if n >= 2 ** 20 else f"{n / 2 ** 10:.1f} KiB" if n >= 2 ** 10 else f"{n} B"
 
 
 def mib(n: Optional[float]) -> str:

@@ -1,11 +1,10 @@
-#!/usr/bin/env python
 """Saved-for-backward bytes per transformer block, converted next to the alternatives, and how they grow.
 
-    python scripts/bench_memory.py                      # full shapes, CPU, ~10 min on 2 cores
-    python scripts/bench_memory.py --tiny --no-compile  # smoke run, seconds
-    python scripts/bench_memory.py --json build/bench/memory.json --plot docs
+    python -m benchmarks.memory                      # full shapes, CPU, ~10 min on 2 cores
+    python -m benchmarks.memory --tiny --no-compile  # smoke run, seconds
+    python -m benchmarks.memory --json build/bench/memory.json --plot docs
 
-Blocks (shapes in _bench_common.py): a LLaMA-7B decoder block (seq 512), a ViT-B/16 block at 224 px
+Blocks (shapes in common.py): a LLaMA-7B decoder block (seq 512), a ViT-B/16 block at 224 px
 (197 tokens), a BERT-base encoder block (seq 512), batch 1, each in bf16 weights and in bf16 autocast with
 fp32 weights. For each, the bytes one block keeps between forward and backward (exact: SavedTensorLedger,
 unique storages, parameters and autocast weight copies excluded; per block = L blocks minus L - 1), for:
@@ -18,12 +17,12 @@ unique storages, parameters and autocast weight copies excluded; per block = L b
     torch.compile            each block compiled (inductor); the min-cut partitioner picks what to save
     converted + compile      the converted model, each block compiled
     eager attention          HF models with attn_implementation="eager" (keeps the fp32 softmax matrix)
-    Liger-Kernel             Triton/CUDA only: measured by ``bench_speed.py --gpu`` on a CUDA machine
+    Liger-Kernel             Triton/CUDA only: measured by ``python -m benchmarks.speed --gpu`` on a CUDA machine
 
 Do compiled graphs show their saved tensors to the ledger? Yes: AOTAutograd's compiled function saves its
 activations with ``ctx.save_for_backward``, which ``saved_tensors_hooks`` see (the ledger also skips the
-bf16 weight copies a compiled autocast graph saves). ``bench_speed.py --gpu`` cross-checks the ledger against
-``torch.cuda.memory_allocated`` for eager and compiled models.
+bf16 weight copies a compiled autocast graph saves). ``python -m benchmarks.speed --gpu`` cross-checks the ledger
+against ``torch.cuda.memory_allocated`` for eager and compiled models.
 
 Scaling: per-block bytes of original and converted against sequence length (LLaMA-7B block, BERT-base block,
 the latter also with eager attention) and batch (LLaMA-7B block, ViT-B/16 block), bf16 weights.
@@ -32,16 +31,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
-import gc
 import os
 import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as C  # noqa: E402
-import torch  # noqa: E402
+import torch
+
+from benchmarks import common as C
 
 V_ORIG = "original"
 V_CONV = "converted"
@@ -61,19 +58,6 @@ SEQS_TINY = {"llama": (16, 32, 64), "bert": (16, 32, 64)}
 BATCHES_TINY = {"llama": (1, 2, 4), "vit": (1, 2, 4)}
 #: Sequence length of the LLaMA batch sweep at full shapes (keeps it to about half a minute on 2 cores).
 BATCH_SWEEP_SEQ = 256
-
-
-def _free() -> None:
-    """Collect, and hand freed heap back to the OS (other processes share this machine's memory)."""
-    if "torch._dynamo" in sys.modules:  # compiled graphs hold on to the modules they were traced from
-        torch._dynamo.reset()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _compiled_bytes(fam, model, x, autocast: bool) -> tuple[int, dict]:
@@ -143,18 +127,18 @@ def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool
     if compile_ and "m" in conv:
         add(V_CONV_COMPILE, lambda: _compiled_bytes(fam, conv["m"], x, ac))
     conv.clear()
-    _free()
+    C.free(reset_dynamo=True)
     if fam.name == "llama":
         def paper():
             m = convert(copy.deepcopy(base), gated_mlp=False)
             return C.per_block_bytes(fam, m, x, ac)
 
         add(V_PAPER, paper)
-        _free()
+        C.free(reset_dynamo=True)
     if compile_:
         add(V_COMPILE, lambda: _compiled_bytes(fam, base, x, ac))
     base = None  # free it before the eager-attention models are built
-    _free()
+    C.free(reset_dynamo=True)
     if fam.hf:
         eager = {}
 
@@ -168,7 +152,7 @@ def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool
         add(V_EAGER, eager_orig)
         add(V_EAGER_CONV, eager_conv)
         eager.clear()
-        _free()
+        C.free(reset_dynamo=True)
     if device == "cpu":
         rows.append({"family": fam.name, "label": fam.label, "mode": mode, "variant": V_LIGER, "bytes": None,
                      "note": LIGER_CPU_NOTE})
@@ -208,7 +192,7 @@ def measure_scaling(tiny: bool, device: str = "cpu", log=print) -> list[dict]:
                 log(f"  scaling {fam0.label:<10} {attn:<5} {axis}={v:<5} {b0 / C.MiB:9.2f} → {b1 / C.MiB:9.2f} MiB"
                     f"  ({C.pct(b1, b0)})")
             del orig, conv
-            _free()
+            C.free(reset_dynamo=True)
     return rows
 
 

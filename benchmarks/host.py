@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Host time of the ops' CUDA path, measured on any CPU: the kernels are compiled, their launches are no-ops.
 
 On a GPU a converted training step of a mid-sized model is bound by host time: the Python launchers, Triton's
 argument specialisation and cache lookup, autograd plumbing. This measures exactly that part, without a GPU,
-through scripts/_triton_stub.py (Triton's real launcher on a stub libcuda; CPU tensors, tiny shapes):
+through benchmarks/triton_stub.py (Triton's real launcher on a stub libcuda; CPU tensors, tiny shapes):
 
 1. Per op, forward + backward per call, µs: ours (approx GELU / SiLU, MS-LayerNorm, MS-RMSNorm, gated MLP;
    and the MSLayerNorm / ApproxActivation modules a converted model calls) against the native op it replaces (F.gelu, F.silu, F.layer_norm and F.rms_norm with their frozen affine,
@@ -20,9 +19,9 @@ Timing: ``time.thread_time`` (this thread's CPU time, so other processes on a sh
 one thread, A/B rounds interleaved in one process, medians; results are ratios and differences. Measures the
 installed lmbp_convert, whatever its launch path. Usage::
 
-    python scripts/bench_host.py                # both parts, about a minute
-    python scripts/bench_host.py --quick        # smoke run
-    python scripts/bench_host.py --json host.json --parts ops
+    python -m benchmarks.host                # both parts, about a minute
+    python -m benchmarks.host --quick        # smoke run
+    python -m benchmarks.host --json host.json --parts ops
 """
 from __future__ import annotations
 
@@ -33,12 +32,12 @@ import sys
 import time
 from typing import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as C  # noqa: E402
-import _triton_stub as stub  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks import common as C
+from benchmarks import triton_stub as stub
 
 #: Issue 13's targets: per op, ours ≤ native + 10 µs (fwd+bwd); the ViT-B LoRA proxy ≤ 1.05× the original.
 OP_BUDGET_US = 10.0
@@ -48,7 +47,6 @@ OP_SHAPE = (4, 64, 172)
 #: The proxy's ViT: timm ViT-B/16's 12 blocks and module structure at width 96 (12 heads of 8), 32 px (5 tokens).
 PROXY_VIT = dict(depth=12, embed_dim=96, num_heads=12, mlp_ratio=4.0, img_size=32, num_classes=10)
 PROXY_BATCH = 2
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------------------------- timing
@@ -58,17 +56,9 @@ def rounds_us(fns: dict[str, tuple[Callable[[], None], bool]], rounds: int, inne
 
     ``fns``: name -> (fn, triton): ``triton`` runs it with the ops on their (stubbed) Triton path.
     """
-    out: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(warmup + rounds):
-        for name, (fn, triton) in fns.items():
-            with stub.triton_path(triton):
-                t0 = time.thread_time()
-                for _ in range(inner):
-                    fn()
-                dt = time.thread_time() - t0
-            if r >= warmup:
-                out[name].append(dt / inner * 1e6)
-    return out
+    ts = C.time_interleaved({k: fn for k, (fn, _) in fns.items()}, rounds, warmup, clock=time.thread_time,
+                            inner=inner, around=lambda k: stub.triton_path(fns[k][1]))
+    return {k: [t * 1e6 for t in v] for k, v in ts.items()}
 
 
 def launches_per_call(fn: Callable[[], None], calls: int = 3) -> float:
@@ -143,7 +133,7 @@ def bench_ops(dtype: torch.dtype, rounds: int, inner: int, log=print) -> list[di
                "within_budget": mo - mn <= OP_BUDGET_US}
         if row["launches"] == 0:
             raise RuntimeError(f"{op}: no Triton launch: the op did not take its Triton path, so this would time "
-                               "the PyTorch path; update scripts/_triton_stub.py for the ops' dispatch")
+                               "the PyTorch path; update benchmarks/triton_stub.py for the ops' dispatch")
         rows.append(row)
         log(f"  {op:<30} {mo:8.1f} µs vs {native:<24} {mn:8.1f} µs  +{mo - mn:6.1f} µs  ×{mo / mn:.2f}  "
             f"({row['launches']:.0f} launches)")
@@ -210,7 +200,7 @@ def host_tables(data: dict) -> str:
     if data.get("skipped"):
         return f"Not measured: {data['skipped']}."
     parts = [f"Host time of the CUDA path with kernel launches stubbed ({data.get('stub_mode')}, sm_"
-             f"{data.get('arch')}; `python scripts/bench_host.py`): {data.get('machine')}, 1 thread, "
+             f"{data.get('arch')}; `python -m benchmarks.host`): {data.get('machine')}, 1 thread, "
              f"`time.thread_time`, median of {data.get('rounds')} interleaved rounds. Native GELU and RMSNorm "
              "read high on a CPU (ATen's CPU GELU kernel has a fixed cost of tens of µs; F.rms_norm is composite "
              "there, fused on CUDA): F.silu and F.layer_norm are the cleaner references."]
@@ -239,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
     ap.add_argument("--parts", default="ops,vit", help="ops, vit or both")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "fp16"))
+    ap.add_argument("--dtype", default="bf16", choices=tuple(C.DTYPES))
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 25, quick 2)")
     ap.add_argument("--arch", type=int, default=90, help="compile target, e.g. 90 (H100/H200)")
     ap.add_argument("--python-launch", action="store_true",
@@ -263,7 +253,7 @@ def run(args, log=print) -> dict:
         st = stub.activate(arch=args.arch, native=False if args.python_launch else None)
     except Exception as e:  # no Triton (e.g. macOS), or TRITON_INTERPRET set: nothing to measure here
         data["skipped"] = f"{type(e).__name__}: {e}"
-        log(f"bench_host: not measured ({data['skipped']})")
+        log(f"benchmarks.host: not measured ({data['skipped']})")
         if args.json:
             C.write_json(args.json, data)
         return data
@@ -273,7 +263,7 @@ def run(args, log=print) -> dict:
     t0 = time.perf_counter()
     if "ops" in args.part_list:
         log(f"# per op, fwd + bwd, µs per call ({args.dtype}, {st.mode})")
-        data["ops"] = bench_ops(DTYPES[args.dtype], args.rounds, 10 if args.quick else 200, log)
+        data["ops"] = bench_ops(C.DTYPES[args.dtype], args.rounds, 10 if args.quick else 200, log)
         if args.json:
             C.write_json(args.json, data)
     if "vit" in args.part_list:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark ``lmbp-convert`` on a multi-GB LLaMA-layout sharded checkpoint: throughput vs a plain copy, peak RSS.
 
 The checkpoint is random bf16 written straight with safetensors (no model is built), with a LlamaForCausalLM
@@ -8,9 +7,9 @@ also with an fsync of every file, as lmbp-convert makes DST durable before renam
 in a subprocess whose own peak RSS is read with ``os.wait4`` (through a tiny launcher process). The CLI reports how long planning and writing took,
 so the streaming rate is shown apart from the fixed start-up (Python imports of torch and transformers).
 
-    python scripts/bench_checkpoint.py            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
-    python scripts/bench_checkpoint.py --small    # a quick smoke run (~60 MB)
-    python scripts/bench_checkpoint.py --cold     # SRC read from the device (the CLI prefetches it meanwhile)
+    python -m benchmarks.checkpoint            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
+    python -m benchmarks.checkpoint --small    # a quick smoke run (~60 MB)
+    python -m benchmarks.checkpoint --cold     # SRC read from the device (the CLI prefetches it meanwhile)
 """
 from __future__ import annotations
 
@@ -29,6 +28,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from benchmarks import common as C
 
 
 def llama_tensors(hidden: int, inter: int, layers: int, vocab: int, kv_heads: int, heads: int):
@@ -140,7 +141,7 @@ print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys
 def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, str, str]:
     """(seconds, exit code, peak RSS in bytes, stdout, stderr) of ``python -m lmbp_convert ARGS`` in a child
     process, from this checkout or ``repo``."""
-    repo = repo or Path(__file__).resolve().parents[1]
+    repo = repo or Path(C.ROOT)
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _LAUNCHER, sys.executable, "-m", "lmbp_convert", *args],
@@ -173,20 +174,9 @@ def spot_check(src: Path, dst: Path) -> float:
 
 
 def machine() -> list[tuple[str, str]]:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 2**30
-    except (ValueError, OSError):
-        mem = float("nan")
-    return [("cpu", f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"),
-            ("memory", f"{mem:.1f} GiB"), ("os", platform.platform()),
+    mem = C.ram_gib()
+    return [("cpu", f"{C.cpu_name()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"),
+            ("memory", f"{mem:.1f} GiB" if mem else "?"), ("os", platform.platform()),
             ("python / torch", f"{platform.python_version()} / {torch.__version__}")]
 
 

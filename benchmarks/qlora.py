@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """The QLoRA flow, run for real: fold on disk, load in 4 bits, convert, LoRA, train; against plain QLoRA.
 
-    python scripts/bench_qlora.py                       # CUDA + bitsandbytes; ~1.1 B LLaMA-shaped model
-    python scripts/bench_qlora.py --tiny --no-quant --device cpu     # smoke run of the same flow, no 4-bit
+    python -m benchmarks.qlora                       # CUDA + bitsandbytes; ~1.1 B LLaMA-shaped model
+    python -m benchmarks.qlora --tiny --no-quant --device cpu     # smoke run of the same flow, no 4-bit
 
 Flow (the README's reason for the checkpoint CLI):
   0. a LLaMA-shaped causal LM built from a config (default TinyLlama-1.1B's shape: hidden 2048, intermediate
@@ -22,7 +21,6 @@ missing for the 4-bit run.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import shutil
 import subprocess
@@ -32,31 +30,26 @@ import time
 import traceback
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as C  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
+
+from benchmarks import common as C
 
 V_BASE, V_OURS = "QLoRA", "lmbp-convert + QLoRA"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _err(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
-
-
 def problem(args) -> Optional[str]:
     """Why the run cannot start (None when it can)."""
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        return "bench_qlora: no CUDA device (use --device cpu --no-quant for a smoke run of the flow)"
+        return "benchmarks.qlora: no CUDA device (use --device cpu --no-quant for a smoke run of the flow)"
     if not args.no_quant:
         if not args.device.startswith("cuda"):
-            return "bench_qlora: 4-bit loading needs CUDA (or pass --no-quant)"
+            return "benchmarks.qlora: 4-bit loading needs CUDA (or pass --no-quant)"
         try:
             import bitsandbytes  # noqa: F401
         except Exception as e:
-            return f"bench_qlora: bitsandbytes is not importable ({_err(e)}); install it or pass --no-quant"
+            return f"benchmarks.qlora: bitsandbytes is not importable ({C.err(e)}); install it or pass --no-quant"
     return None
 
 
@@ -83,7 +76,7 @@ def build_source(args, path: str) -> dict:
                      f"{args.heads} heads ({args.kv_heads} KV), vocab {args.vocab}; {params / 1e9:.2f} B params, "
                      "random weights, bf16"}
     del m
-    _free()
+    C.free()
     return info
 
 
@@ -111,18 +104,6 @@ def fold_on_disk(src: str, dst: str) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"lmbp-convert failed ({p.returncode}): {out['cli_tail']}")
     return out
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _mem(device: str) -> dict:
-    if not device.startswith("cuda"):
-        return {}
-    return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
 
 
 def load(path: str, args) -> nn.Module:
@@ -197,15 +178,15 @@ def train(m: nn.Module, args, row: dict) -> None:
     C.sync(dev)
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    row["static"] = _mem(dev).get("allocated")
+    row["static"] = C.cuda_mem(dev).get("allocated")
     times = C.time_interleaved({"s": step}, args.steps, 0, dev)["s"]
     med = C.median(times)
     row.update({"step_s": med, "tokens_s": args.batch * args.seq / med, "steps_s": [round(t, 4) for t in times],
-                "first_loss": float(losses[0]) if losses else None, **_mem(dev)})
+                "first_loss": float(losses[0]) if losses else None, **C.cuda_mem(dev)})
     if row.get("peak") is not None and row.get("static") is not None:
         row["peak_over_static"] = row["peak"] - row["static"]
     opt = losses = None  # free the optimizer state now (step() keeps the cells, not the values)
-    _free()
+    C.free()
 
 
 def variant(name: str, path: str, args, do_convert: bool) -> dict:
@@ -217,7 +198,7 @@ def variant(name: str, path: str, args, do_convert: bool) -> dict:
     t0 = time.perf_counter()
     m = load(path, args)
     row["load_s"] = round(time.perf_counter() - t0, 1)
-    row["loaded_bytes"] = _mem(args.device).get("allocated")
+    row["loaded_bytes"] = C.cuda_mem(args.device).get("allocated")
     if do_convert:
         t0 = time.perf_counter()
         _, rep = convert(m, return_report=True)
@@ -228,7 +209,7 @@ def variant(name: str, path: str, args, do_convert: bool) -> dict:
     row["trainable_params"] = sum(p.numel() for p in m.parameters() if p.requires_grad)
     train(m, args, row)
     del m
-    _free()
+    C.free()
     return row
 
 
@@ -260,7 +241,7 @@ def run(args, log=print) -> dict:
                        f"the loaded model)" if row.get("peak") is not None else "")
                     + (f"  [{row['convert_report']}]" if "convert_report" in row else ""))
             except Exception as e:
-                row["error"] = _err(e)
+                row["error"] = C.err(e)
                 log(f"  {name}: FAILED {row['error']}")
                 traceback.print_exc()
             data["rows"].append(row)

@@ -1,20 +1,19 @@
-#!/usr/bin/env python
 """Step time of converted vs original models, convert() time vs model size, and a GPU mode.
 
-    python scripts/bench_speed.py                  # CPU: step time + convert() scaling, ~5 min on 2 cores
-    python scripts/bench_speed.py --tiny           # smoke run
-    python scripts/bench_speed.py --gpu            # CUDA machine, one command, <= 8 min on one H200
+    python -m benchmarks.speed                  # CPU: step time + convert() scaling, ~5 min on 2 cores
+    python -m benchmarks.speed --tiny           # smoke run
+    python -m benchmarks.speed --gpu            # CUDA machine, one command, <= 8 min on one H200
 
 CPU step time: forward + loss + backward (no optimizer), median of ``--repeats`` runs after ``--warmup``
 discarded ones, variants interleaved so drift hits all alike: original, converted (the ops' PyTorch path, as
 on every non-CUDA device), and per-block checkpointing of the original. Two blocks of each family (shapes in
-_bench_common.py; LLaMA at seq 256 here to keep the run short), bf16 weights and bf16 autocast.
+common.py; LLaMA at seq 256 here to keep the run short), bf16 weights and bf16 autocast.
 
 convert() scaling: LLaMA-shaped causal LMs from ~60 M to ~1.1 B parameters (fp32, random weights): trace +
 plan alone and the whole convert() (trace, plan, rewrite, verify).
 
 GPU mode (``--gpu``; exits with status 2 at once when CUDA is not available; ``scripts/gpu_run.sh`` runs it
-together with the kernel checks and the QLoRA flow):
+together with the CUDA tests, the kernel bandwidth and the QLoRA flow):
   1. ViT-B/16 LoRA r4 (qkv; head trained), batch 64, 224 px, bf16 autocast, AdamW: img/s,
      torch.cuda.max_memory_allocated and the GPU's busy fraction (kernel time from torch.profiler over the
      unprofiled step time), original vs converted, eager, torch.compile (per block) and
@@ -25,7 +24,7 @@ together with the kernel checks and the QLoRA flow):
      wheel when not installed), converted (Triton kernels), converted + compile, and checkpointing; plus a
      cross-check of the byte ledger against torch.cuda.memory_allocated.
   3. ViT-B/16 and BERT-base blocks: per-block bytes, original / converted / Liger LayerNorm.
-  4. Per-kernel bandwidth: scripts/gpu_check.py --skip-check (its bench part), if time is left.
+  4. Per-kernel bandwidth: benchmarks/kernels.py, if time is left.
 ``--sections`` picks and orders the sections. The eager rows of 1 and 2 run first, then their compiled rows,
 then CUDA graphs, so a time budget (``--budget-s``) that runs out skips the least essential rows. Every row is
 guarded: a failure is recorded with its error and the run goes on. Results: JSON (``--json``, default
@@ -35,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import os
 import subprocess
 import sys
@@ -43,12 +41,12 @@ import time
 import traceback
 from typing import Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _bench_common as C  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-NO_CUDA = ("bench_speed --gpu: no CUDA device available (torch.cuda.is_available() is False); run it on a CUDA "
+from benchmarks import common as C
+
+NO_CUDA = ("benchmarks.speed --gpu: no CUDA device available (torch.cuda.is_available() is False); run it on a CUDA "
            "machine, or drop --gpu for the CPU benchmark.")
 V_ORIG, V_CONV, V_CKPT, V_LIGER = "original", "converted", "checkpointing", "Liger-Kernel"
 V_COMPILE, V_CONV_COMPILE = "torch.compile", "converted + compile"
@@ -59,17 +57,6 @@ CPU_REPEAT_X = {"llama": 1, "vit": 3, "bert": 3}
 #: convert() scaling sizes: (hidden, intermediate, layers, vocab); the last is TinyLlama-1.1B's shape.
 CONVERT_SIZES = [(512, 1376, 8, 32000), (1024, 2752, 16, 32000), (1536, 4096, 20, 32000), (2048, 5632, 22, 32000)]
 CONVERT_SIZES_TINY = [(64, 172, 2, 256), (128, 344, 2, 256)]
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _err(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
 # ============================================================================================ CPU
@@ -95,7 +82,7 @@ def cpu_step_times(fam: C.Family, mode: str, repeats: int, warmup: int, log=prin
         log(f"  {fam.label:<10} {mode:<8} {v:<14} {m:8.3f} s/step (best {min(ts):.3f})  ×{m / t0:.3f} "
             f"(best ×{min(ts) / b0:.3f})")
     del orig, conv, ckpt
-    _free()
+    C.free()
     return rows
 
 
@@ -136,7 +123,7 @@ def convert_scaling(sizes, log=print) -> list[dict]:
         log(f"  convert() LLaMA h{h} i{i} L{n}: {params / 1e6:7.0f} M params  trace+plan {t_plan:5.2f} s  "
             f"convert {t_conv:5.2f} s  verified {rep.verified}")
         del m, rep
-        _free()
+        C.free()
     return rows
 
 
@@ -158,20 +145,8 @@ def gpu_problem(device: str) -> Optional[str]:
     if not torch.cuda.is_available():
         return NO_CUDA
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return "bench_speed --gpu: TRITON_INTERPRET=1 is set (Triton would interpret on the CPU); unset it."
+        return "benchmarks.speed --gpu: TRITON_INTERPRET=1 is set (Triton would interpret on the CPU); unset it."
     return None
-
-
-def _mem(device: str) -> dict:
-    if not device.startswith("cuda"):
-        return {}
-    return {"allocated": torch.cuda.memory_allocated(), "peak": torch.cuda.max_memory_allocated()}
-
-
-def _reset_peak(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
 
 
 def liger_llama(model: nn.Module) -> str:
@@ -264,7 +239,7 @@ def _busy(row: dict, step: Callable[[], None], device: str) -> None:
     try:
         k = gpu_kernel_ms(step, device)
     except Exception as e:  # the profiler is optional: the throughput figures stand without it
-        row["busy_error"] = _err(e)
+        row["busy_error"] = C.err(e)
         return
     if k is not None:
         row["gpu_kernel_ms"] = k
@@ -298,7 +273,7 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
     """One variant, start to end inside this frame, so nothing of it outlives the measurement."""
     from lmbp_convert import SavedTensorLedger
 
-    base = _mem(device).get("allocated", 0)
+    base = C.cuda_mem(device).get("allocated", 0)
     m = _vit_lora_model(fam, device, tiny, convert_)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
     x = C.make_input(fam, torch.float32, device)
@@ -329,11 +304,11 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
                 logits = m(x)
         row["saved_bytes"] = led.bytes
         del logits, led
-    _reset_peak(device)
-    row["static"] = _mem(device).get("allocated", 0)
+    C.reset_peak(device)
+    row["static"] = C.cuda_mem(device).get("allocated", 0)
     times = C.time_interleaved({"s": step}, steps, 0, device)["s"]
     med = C.median(times)
-    row.update({"img_s": fam.batch / med, "step_s": med, **_mem(device)})
+    row.update({"img_s": fam.batch / med, "step_s": med, **C.cuda_mem(device)})
     if "peak" in row:
         row["peak_over_baseline"] = row["peak"] - base
         row["peak_over_static"] = row["peak"] - row["static"]
@@ -361,7 +336,7 @@ def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, l
             out["rows"].append({"variant": variant, "skipped": "time budget"})
             on_row()
             continue
-        _free()
+        C.free()
         try:
             row = _vit_lora_variant(fam, device, tiny, variant, steps, warmup, conv, mode)
             log(f"  ViT-B/16 LoRA {variant:<38} {row['img_s']:8.1f} img/s (median step)  peak "
@@ -371,14 +346,14 @@ def vit_lora(device: str, tiny: bool, steps: int, warmup: int, budget: Budget, l
                 + (f"  ({row['graphs']} graphs, {row['graph_breaks']} breaks, warm-up {row['warmup_s']} s)"
                    if "graphs" in row else ""))
         except Exception as e:
-            row = {"variant": variant, "error": _err(e)}
+            row = {"variant": variant, "error": C.err(e)}
             log(f"  ViT-B/16 LoRA {variant}: FAILED {row['error']}")
             traceback.print_exc()
         finally:
             dynamo.reset()
         out["rows"].append(row)
         on_row()
-        _free()
+        C.free()
     return out
 
 
@@ -394,7 +369,7 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
 
     dtype, ac = C.mode_dtype(mode), mode == "autocast"
     row: dict = {"mode": mode, "variant": variant}
-    base = _mem(device).get("allocated", 0)
+    base = C.cuda_mem(device).get("allocated", 0)
     m = C.build(fam, dtype, device)
     if variant in (V_CONV, V_CONV_COMPILE):
         convert(m)
@@ -432,11 +407,11 @@ def _llama_variant(fam: C.Family, device: str, mode: str, variant: str, steps: i
         if ac:  # autocast keeps its bf16 weight copies alive until the autocast region closes
             row["autocast_cache_bytes"] = _linear_weight_bytes_bf16(m)
         del y, led
-    _reset_peak(device)
-    static = _mem(device).get("allocated", 0)
+    C.reset_peak(device)
+    static = C.cuda_mem(device).get("allocated", 0)
     times = C.time_interleaved({"s": step}, steps, 0, device)["s"]
     med = C.median(times)
-    row.update({"step_s": med, "tokens_s": fam.batch * fam.seq / med, **_mem(device)})
+    row.update({"step_s": med, "tokens_s": fam.batch * fam.seq / med, **C.cuda_mem(device)})
     if "peak" in row:
         row["peak_over_static"] = row["peak"] - static
         row["peak_over_baseline"] = row["peak"] - base
@@ -467,7 +442,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
                 on_row()
                 continue
             snap = _ModuleSnapshot(modeling_llama)  # Liger patches the module's globals
-            _free()
+            C.free()
             try:
                 row = _llama_variant(fam, device, mode, variant, steps, warmup)
                 log(f"  LLaMA slice {mode:<8} {variant:<20} {row['tokens_s']:9.0f} tok/s  block "
@@ -476,7 +451,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
                        f" over weights)  ledger {row['ledger_bytes'] / C.MiB:.1f} vs allocator "
                        f"{row['alloc_delta_bytes'] / C.MiB:.1f} MiB" if "peak" in row else ""))
             except Exception as e:
-                row = {"mode": mode, "variant": variant, "error": _err(e)}
+                row = {"mode": mode, "variant": variant, "error": C.err(e)}
                 log(f"  LLaMA slice {mode} {variant}: FAILED {row['error']}")
                 if not isinstance(e, ImportError):  # a missing package (Liger) needs no traceback
                     traceback.print_exc()
@@ -487,7 +462,7 @@ def llama_slice(device: str, tiny: bool, modes, steps: int, warmup: int, budget:
                 dynamo.reset()
             out["rows"].append(row)
             on_row()
-            _free()
+            C.free()
     return out
 
 
@@ -517,29 +492,26 @@ def gpu_blocks(device: str, tiny: bool, modes, budget: Budget, log=print) -> dic
                     log(f"  {fam.label:<10} {mode:<8} {variant:<14} {row['block_bytes'] / C.MiB:8.2f} MiB per block")
                     del m
                 except Exception as e:
-                    row["error"] = _err(e)
+                    row["error"] = C.err(e)
                     log(f"  {fam.label} {mode} {variant}: FAILED {row['error']}")
                 out["rows"].append(row)
-                _free()
+                C.free()
     return out
 
 
 def kernel_bandwidth(budget: Budget, log=print) -> dict:
-    """The bench part of scripts/gpu_check.py (per-kernel GB/s next to torch's kernels), in a subprocess."""
+    """benchmarks/kernels.py (per-kernel GB/s next to torch's kernels), in a subprocess."""
     left = budget.left - 10
     if left < 45:
         return {"skipped": "time budget"}
-    script = os.path.join(C.ROOT, "scripts", "gpu_check.py")
-    if not os.path.exists(script):
-        return {"skipped": "scripts/gpu_check.py not found"}
     out_md = os.path.join(os.environ.get("OUT") or "/tmp", "gpu_kernels.md")
-    cmd = [sys.executable, script, "--skip-check", "--bench-dtypes", "bf16", "--sizes", "64M", "--runs", "10",
-           "--budget-s", str(int(left - 15)), "--bench-reserve-s", str(int(left - 20)), "--out", out_md]
+    cmd = [sys.executable, "-m", "benchmarks.kernels", "--dtypes", "bf16", "--sizes", "64M", "--runs", "10",
+           "--skip-variants", "--budget-s", str(int(left - 15)), "--out", out_md]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     try:
         p = subprocess.run(cmd, cwd=C.ROOT, env=env, capture_output=True, text=True, timeout=left)
     except subprocess.TimeoutExpired:
-        return {"error": "gpu_check.py timed out"}
+        return {"error": "benchmarks.kernels timed out"}
     table = "\n".join(line for line in p.stdout.splitlines() if line.startswith("|"))
     log(table)
     return {"returncode": p.returncode, "table": table, "stderr_tail": p.stderr[-1500:]}
@@ -612,7 +584,7 @@ def gpu_run(args, log=print) -> dict:
             part = fn()
         except Exception as e:  # the phase failed as a whole: keep its section's earlier rows
             part = data.setdefault(name, {})
-            part.setdefault("errors", []).append(_err(e))
+            part.setdefault("errors", []).append(C.err(e))
             traceback.print_exc()
         data[name] = part
         part["seconds"] = round(part.get("seconds", 0) + time.perf_counter() - t0, 1)
@@ -714,12 +686,12 @@ def gpu_tables(g: dict) -> str:
             parts.append(f"{name}: phases that failed as a whole: " + "; ".join(map(str, g[name]["errors"])))
     q = g.get("qlora")
     if q and q.get("rows"):
-        import bench_qlora
+        from benchmarks import qlora as bench_qlora
 
         parts.append(bench_qlora.table(q))
     k = g.get("kernels", {})
     if k.get("table"):
-        parts.append("**Per-kernel bandwidth** (scripts/gpu_check.py, bf16, 64M elements)\n\n" + k["table"])
+        parts.append("**Per-kernel bandwidth** (`python -m benchmarks.kernels`, bf16, 64M elements)\n\n" + k["table"])
     elif k:
         parts.append(f"Per-kernel bandwidth: not measured ({k.get('skipped') or k.get('error')}).")
     return "\n\n".join(parts)

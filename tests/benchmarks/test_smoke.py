@@ -1,9 +1,8 @@
-"""Smoke run of the benchmark scripts at tiny sizes: per-block byte accounting, the variants, the CPU step
+"""Smoke run of the benchmarks at tiny sizes: per-block byte accounting, the variants, the CPU step
 timer, the GPU mode's code (on CPU tensors; it must refuse to start without CUDA), and the rendering of
 docs/benchmarks.md and its charts from the JSON results."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -11,46 +10,25 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # runs the benchmark scripts end to end
+from benchmarks import all as A
+from benchmarks import common as C
+from benchmarks import host as H
+from benchmarks import memory as M
+from benchmarks import qlora as Q
+from benchmarks import speed as S
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "scripts")
+pytestmark = pytest.mark.slow  # runs the benchmarks end to end
 
-
-def _load(name: str):
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+ROOT = C.ROOT
 
 
 @pytest.fixture(scope="module")
-def C():
-    return _load("_bench_common")
-
-
-@pytest.fixture(scope="module")
-def M():
-    return _load("bench_memory")
-
-
-@pytest.fixture(scope="module")
-def S():
-    return _load("bench_speed")
-
-
-@pytest.fixture(scope="module")
-def mem_data(M):
+def mem_data():
     args = M.parse_args(["--tiny", "--families", "llama,vit", "--modes", "bf16", "--no-compile", "--no-scaling"])
     return M.run(args, log=lambda *a: None)
 
 
-def test_per_block_bytes_closed_form(C):
+def test_per_block_bytes_closed_form():
     """Checkpointing keeps exactly each block's input, so one block is batch x seq x hidden x 2 bytes (bf16);
     the block difference sees nothing of the embedding or the final norm."""
     fam = C.TINY["llama"].with_(batch=2)
@@ -65,7 +43,7 @@ def test_per_block_bytes_closed_form(C):
     assert len(C.block_list(m)) == 2  # truncation restored the blocks
 
 
-def test_ledger_frees_the_graph(C):
+def test_ledger_frees_the_graph():
     """The benchmark ledger must not keep what it measured alive (lmbp_convert.SavedTensorLedger hands autograd detached aliases)."""
     import weakref
 
@@ -83,7 +61,7 @@ def test_ledger_frees_the_graph(C):
     assert ref() is None
 
 
-def test_memory_rows(M, mem_data):
+def test_memory_rows(mem_data):
     k = M.by_key(mem_data["blocks"])
     for fam in ("llama", "vit"):
         orig = k[(fam, "bf16", M.V_ORIG)]["bytes"]
@@ -101,7 +79,7 @@ def test_memory_rows(M, mem_data):
     assert "LLaMA (tiny)" in table and "−29.19 %" in table and "n/a" in table
 
 
-def test_compiled_block_is_counted(C, M):
+def test_compiled_block_is_counted():
     """torch.compile's saved tensors reach the ledger: the compiled LLaMA block keeps less than eager (it
     recomputes the norm's fp32 copies) but not nothing."""
     fam = C.TINY["llama"]
@@ -113,10 +91,10 @@ def test_compiled_block_is_counted(C, M):
     assert 0.3 * eager < compiled < eager
 
 
-def test_speed_cpu(S, tmp_path):
+def test_speed_cpu(tmp_path, monkeypatch):
     args = S.parse_args(["--tiny", "--families", "vit", "--modes", "bf16", "--repeats", "1", "--warmup", "0",
                          "--json", str(tmp_path / "speed.json")])
-    S.CONVERT_SIZES_TINY = S.CONVERT_SIZES_TINY[:1]
+    monkeypatch.setattr(S, "CONVERT_SIZES_TINY", S.CONVERT_SIZES_TINY[:1])
     data = S.cpu_run(args, log=lambda *a: None)
     assert {r["variant"] for r in data["steps"]} == {S.V_ORIG, S.V_CONV, S.V_CKPT}
     assert all(r["median_s"] > 0 for r in data["steps"])
@@ -126,12 +104,12 @@ def test_speed_cpu(S, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-def test_gpu_mode_fails_fast_without_cuda(S, capsys):
+def test_gpu_mode_fails_fast_without_cuda(capsys):
     assert S.main(["--gpu"]) == 2
     assert S.NO_CUDA in capsys.readouterr().err
 
 
-def test_gpu_mode_code_on_cpu(S):
+def test_gpu_mode_code_on_cpu():
     """The GPU sections run their code on CPU tensors (no peak memory there); Liger is CUDA-only."""
     budget = S.Budget(600)
     v = S.vit_lora("cpu", True, 1, 0, budget, log=lambda *a: None, compile_=False)
@@ -146,7 +124,7 @@ def test_gpu_mode_code_on_cpu(S):
     assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
 
 
-def test_gpu_mode_phases(S, monkeypatch, tmp_path):
+def test_gpu_mode_phases(monkeypatch, tmp_path):
     """The GPU mode runs eager rows of both models first, then compiled ones, then CUDA graphs; rows accumulate
     per section, the JSON is rewritten after each row, and a phase that fails as a whole is listed, not lost."""
     seen = []
@@ -179,7 +157,7 @@ def test_gpu_mode_phases(S, monkeypatch, tmp_path):
     assert json.loads((tmp_path / "g.json").read_text())["llama_slice"]["errors"] == ["RuntimeError: boom"]
 
 
-def test_gpu_mode_compiled_vit_row_on_cpu(S, monkeypatch):
+def test_gpu_mode_compiled_vit_row_on_cpu(monkeypatch):
     """A compiled ViT LoRA row (dynamo with the eager backend, to keep it fast): counted graphs, no break,
     and a table row that compares it with the compiled original."""
     monkeypatch.setattr(S, "COMPILE_BACKEND", "eager")
@@ -191,9 +169,8 @@ def test_gpu_mode_compiled_vit_row_on_cpu(S, monkeypatch):
     assert "0.50×" in md and S.V_CONV_COMPILE in md
 
 
-def test_bench_all_renders(M, S, mem_data, tmp_path):
+def test_bench_all_renders(mem_data, tmp_path):
     pytest.importorskip("matplotlib")
-    A = _load("bench_all")
     res, out = tmp_path / "res", tmp_path / "docs"
     res.mkdir()
     (res / "memory.json").write_text(json.dumps(mem_data))
@@ -246,13 +223,13 @@ def _env_without_interpreter() -> dict:
 
 
 def test_host_bench_runs_the_triton_path(tmp_path):
-    """bench_host.py (own process: it installs a stub Triton driver) times each op on its Triton path, with
+    """benchmarks.host (own process: it installs a stub Triton driver) times each op on its Triton path, with
     real compiled kernels and no-op launches, next to the native op; and the ViT LoRA step proxy."""
     pytest.importorskip("triton")
     import subprocess
 
     out = tmp_path / "host.json"
-    p = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_host.py"), "--quick", "--json", str(out)],
+    p = subprocess.run([sys.executable, "-m", "benchmarks.host", "--quick", "--json", str(out)],
                        cwd=ROOT, env=_env_without_interpreter(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -266,7 +243,6 @@ def test_host_bench_runs_the_triton_path(tmp_path):
     # 12 blocks x (2 norms + GELU) + the final norm; each launches in forward, and in backward where needed
     assert v["lmbp_modules"] >= 36 and v["launches_per_step"] >= v["lmbp_modules"], v
     assert v["original_ms"] > 0 and v["converted_ms"] > 0
-    H = _load("bench_host")
     md = H.host_tables(data)
     assert "ViT-B/16 LoRA r4 step proxy" in md and "F.layer_norm" in md
     assert H.host_tables({"skipped": "RuntimeError: no Triton"}) == "Not measured: RuntimeError: no Triton."
@@ -275,7 +251,6 @@ def test_host_bench_runs_the_triton_path(tmp_path):
 def test_qlora_flow_tiny_on_cpu(tmp_path, monkeypatch):
     """The QLoRA flow end to end at tiny size without 4-bit loading: checkpoint → lmbp-convert → load →
     convert() → LoRA → steps; the fold is exact (same first loss) and a converted block saves less."""
-    Q = _load("bench_qlora")
     monkeypatch.setattr(Q, "CLI_IN_PROCESS", True)
     args = Q.parse_args(["--tiny", "--no-quant", "--device", "cpu", "--json", str(tmp_path / "q.json")])
     assert Q.problem(args) is None
@@ -293,28 +268,33 @@ def test_qlora_flow_tiny_on_cpu(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_qlora_refuses_without_cuda(capsys):
-    Q = _load("bench_qlora")
     assert Q.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_gpu_runner_commands_parse(S):
-    """scripts/gpu_run.sh: every command it would run parses with its script's own argument parser (a typo
-    there would cost a GPU lease), each has a time cap, and the wheels it names are pinned."""
+def test_gpu_runner_commands_parse():
+    """scripts/gpu_run.sh: every command it would run parses with its module's own argument parser (a typo there
+    would cost a GPU lease), the CUDA tests run with compiled kernels, each part has a time cap, and the wheels it
+    names are pinned."""
     import shlex
     import subprocess
 
-    sh = os.path.join(SCRIPTS, "gpu_run.sh")
+    from benchmarks import kernels as K
+
+    sh = os.path.join(ROOT, "scripts", "gpu_run.sh")
     p = subprocess.run(["bash", sh], env={**os.environ, "GPU_RUN_DRY": "1", "OUT": "/tmp/o"}, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = [shlex.split(line) for line in p.stdout.splitlines() if line.strip()]
-    assert [w[0] for w in lines] == ["gpu_check", "bench_speed", "bench_qlora"]
-    assert sum(int(w[1]) for w in lines) <= 8 * 60  # the caps fit the 7-8 minute plan
-    argv = {w[0]: w[4:] for w in lines}
-    sp = S.parse_args(argv["bench_speed"])
-    assert sp.gpu and set(sp.sections.split(",")) <= {"vit_lora", "llama_slice", "blocks", "kernels"}
-    _load("bench_qlora").parse_args(argv["bench_qlora"])
-    _load("gpu_check").parse_args(argv["gpu_check"])
+    assert [w[0] for w in lines] == ["cuda_tests", "kernels", "bench_speed", "bench_qlora"]
+    assert sum(int(w[1]) for w in lines) <= 8 * 60  # the caps fit the 8-minute plan
+    cmd = {w[0]: w[2:] for w in lines}
+    assert cmd["cuda_tests"][:2] == ["env", "TRITON_INTERPRET=0"] and cmd["cuda_tests"][-1] == "tests/ops/test_cuda.py"
+    assert os.path.exists(os.path.join(ROOT, cmd["cuda_tests"][-1]))
+    parsers = {"benchmarks.kernels": K.parse_args, "benchmarks.speed": S.parse_args, "benchmarks.qlora": Q.parse_args}
+    for part in ("kernels", "bench_speed", "bench_qlora"):
+        assert cmd[part][1] == "-m", cmd[part]
+        parsers[cmd[part][2]](cmd[part][3:])
+    assert S.parse_args(cmd["bench_speed"][3:]).gpu
     text = open(sh).read()
     assert "bitsandbytes==" in text and "liger-kernel==" in text

@@ -1,0 +1,17 @@
+"""Benchmarks of lmbp-convert: what the conversion costs in time and saves in bytes. A package run from the
+checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
+
+    all         regenerate docs/benchmarks.md and its charts (runs memory, host, speed; renders GPU JSON)
+    memory      exact saved-for-backward bytes per block, LLaMA / ViT / BERT, and how they scale
+    speed       CPU step time, convert() time vs model size; ``--gpu``: ViT LoRA, LLaMA slice, Liger (CUDA)
+    host        host time of the ops' CUDA path, measured on a CPU with Triton launches stubbed (triton_stub)
+    ops         each op's forward + backward time and saved bytes next to the torch op it replaces
+    kernels     per-kernel GB/s and the approx_act kernel variants on a CUDA GPU
+    qlora       the QLoRA flow: fold on disk, 4-bit load, convert(), LoRA, steps; vs plain QLoRA (CUDA)
+    checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
+    common      what they share: model families, machine line, interleaved timing, byte ledger, tables
+
+A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in
+tests/benchmarks/ (e.g. ``gated_recompute``: the gated MLP that recomputes h for the down projection's backward).
+GPU correctness is tested, not benchmarked: tests/ops/test_cuda.py. scripts/gpu_run.sh runs the CUDA parts.
+"""
