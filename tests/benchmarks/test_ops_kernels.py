@@ -14,8 +14,6 @@ from benchmarks import common as C
 from benchmarks import kernels as K
 from benchmarks import ops as bench
 
-pytestmark = pytest.mark.slow  # runs the benchmarks in subprocesses
-
 ROOT = C.ROOT
 
 
@@ -27,6 +25,7 @@ def _env(**extra: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ bench_ops
+@pytest.mark.slow  # a subprocess or Triton's interpreter
 def test_bench_quick_prints_table(tmp_path):
     out = tmp_path / "bench.md"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.ops", "--quick", "--out", str(out)], cwd=ROOT, env=_env(),
@@ -74,6 +73,7 @@ def test_bench_rows_format():
 
 
 # ------------------------------------------------------------------------------------------- kernels
+@pytest.mark.slow  # a subprocess or Triton's interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_kernels_fail_fast_without_cuda():
     """It refuses before measuring anything: exit 2 and the one-line message (no wall-clock assertion: CI's
@@ -84,6 +84,7 @@ def test_kernels_fail_fast_without_cuda():
     assert proc.stderr.strip() == K.NO_CUDA_MESSAGE and proc.stdout == ""
 
 
+@pytest.mark.slow  # a subprocess or Triton's interpreter
 def test_kernels_refuse_the_interpreter():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels"], cwd=ROOT, env=_env(TRITON_INTERPRET="1"),
                           capture_output=True, text=True, timeout=120)
@@ -130,6 +131,7 @@ def k_cpu(monkeypatch):
     return K
 
 
+@pytest.mark.slow  # a subprocess or Triton's interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_kernels_bench_bytes(k_cpu):
     """The bytes each benchmarked kernel moves, against hand counts (bf16, 8 rows of 64)."""
@@ -160,6 +162,7 @@ def test_kernels_bench_bytes(k_cpu):
             k.bwd()
 
 
+@pytest.mark.slow  # a subprocess or Triton's interpreter
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter, large |x|
 def test_kernels_main_flow_on_interpreter(k_cpu, monkeypatch, tmp_path, capsys):
     """main() end to end, CUDA swapped for CPU tensors through the interpreter: bench, variants, report file."""

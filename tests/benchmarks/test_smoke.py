@@ -1,6 +1,7 @@
 """Smoke run of the benchmarks at tiny sizes: per-block byte accounting, the variants, the CPU step
-timer, the GPU mode's code (on CPU tensors; it must refuse to start without CUDA), and the rendering of
-docs/benchmarks.md and its charts from the JSON results."""
+timer, the GPU mode's code (on CPU tensors; it must refuse to start without CUDA), the rendering of
+docs/benchmarks.md and its charts from the JSON results, and scripts/gpu_run.sh's commands. The end-to-end runs
+are `slow`; the argument, refusal and phase-order checks stay in the fast loop."""
 from __future__ import annotations
 
 import json
@@ -17,8 +18,6 @@ from benchmarks import memory as M
 from benchmarks import qlora as Q
 from benchmarks import speed as S
 
-pytestmark = pytest.mark.slow  # runs the benchmarks end to end
-
 ROOT = C.ROOT
 
 
@@ -28,6 +27,7 @@ def mem_data():
     return M.run(args, log=lambda *a: None)
 
 
+@pytest.mark.slow
 def test_per_block_bytes_closed_form():
     """Checkpointing keeps exactly each block's input, so one block is batch x seq x hidden x 2 bytes (bf16);
     the block difference sees nothing of the embedding or the final norm."""
@@ -43,6 +43,7 @@ def test_per_block_bytes_closed_form():
     assert len(C.block_list(m)) == 2  # truncation restored the blocks
 
 
+@pytest.mark.slow
 def test_ledger_frees_the_graph():
     """The benchmark ledger must not keep what it measured alive (lmbp_convert.SavedTensorLedger hands autograd detached aliases)."""
     import weakref
@@ -61,6 +62,7 @@ def test_ledger_frees_the_graph():
     assert ref() is None
 
 
+@pytest.mark.slow
 def test_memory_rows(mem_data):
     k = M.by_key(mem_data["blocks"])
     for fam in ("llama", "vit"):
@@ -79,6 +81,7 @@ def test_memory_rows(mem_data):
     assert "LLaMA (tiny)" in table and "−29.19 %" in table and "n/a" in table
 
 
+@pytest.mark.slow
 def test_compiled_block_is_counted():
     """torch.compile's saved tensors reach the ledger: the compiled LLaMA block keeps less than eager (it
     recomputes the norm's fp32 copies) but not nothing."""
@@ -91,6 +94,7 @@ def test_compiled_block_is_counted():
     assert 0.3 * eager < compiled < eager
 
 
+@pytest.mark.slow
 def test_speed_cpu(tmp_path, monkeypatch):
     args = S.parse_args(["--tiny", "--families", "vit", "--modes", "bf16", "--repeats", "1", "--warmup", "0",
                          "--json", str(tmp_path / "speed.json")])
@@ -109,6 +113,7 @@ def test_gpu_mode_fails_fast_without_cuda(capsys):
     assert S.NO_CUDA in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpu_mode_code_on_cpu():
     """The GPU sections run their code on CPU tensors (no peak memory there); Liger is CUDA-only."""
     budget = S.Budget(600)
@@ -157,6 +162,7 @@ def test_gpu_mode_phases(monkeypatch, tmp_path):
     assert json.loads((tmp_path / "g.json").read_text())["llama_slice"]["errors"] == ["RuntimeError: boom"]
 
 
+@pytest.mark.slow
 def test_gpu_mode_compiled_vit_row_on_cpu(monkeypatch):
     """A compiled ViT LoRA row (dynamo with the eager backend, to keep it fast): counted graphs, no break,
     and a table row that compares it with the compiled original."""
@@ -169,6 +175,7 @@ def test_gpu_mode_compiled_vit_row_on_cpu(monkeypatch):
     assert "0.50×" in md and S.V_CONV_COMPILE in md
 
 
+@pytest.mark.slow
 def test_bench_all_renders(mem_data, tmp_path):
     pytest.importorskip("matplotlib")
     res, out = tmp_path / "res", tmp_path / "docs"
@@ -222,6 +229,7 @@ def _env_without_interpreter() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_host_bench_runs_the_triton_path(tmp_path):
     """benchmarks.host (own process: it installs a stub Triton driver) times each op on its Triton path, with
     real compiled kernels and no-op launches, next to the native op; and the ViT LoRA step proxy."""
@@ -248,6 +256,7 @@ def test_host_bench_runs_the_triton_path(tmp_path):
     assert H.host_tables({"skipped": "RuntimeError: no Triton"}) == "Not measured: RuntimeError: no Triton."
 
 
+@pytest.mark.slow
 def test_qlora_flow_tiny_on_cpu(tmp_path, monkeypatch):
     """The QLoRA flow end to end at tiny size without 4-bit loading: checkpoint → lmbp-convert → load →
     convert() → LoRA → steps; the fold is exact (same first loss) and a converted block saves less."""
