@@ -268,7 +268,7 @@ def readme_section(mem: dict, speed: dict, gpu: dict | None, docs_prefix: str = 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run)")
     ap.add_argument("--out-dir", default=None, help="where benchmarks.md and PNGs go (default docs/; with --tiny "

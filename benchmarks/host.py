@@ -225,7 +225,7 @@ def host_tables(data: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
     ap.add_argument("--parts", default="ops,vit", help="ops, vit or both")

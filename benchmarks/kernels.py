@@ -98,7 +98,7 @@ def bench_table(results: Sequence[BenchResult], peak: float = HBM_PEAK_GBPS,
 
 # ---------------------------------------------------------------------------------------------- args
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bf16,fp32", help="dtypes (fp32, fp16, bf16)")
     p.add_argument("--sizes", default="16M,64M,256M", help="sizes in elements (K/M/G suffix)")

@@ -141,19 +141,10 @@ def _layers_owner(m: nn.Module) -> nn.Module:
 
 def block_bytes(m: nn.Module, ids: torch.Tensor) -> int:
     """Exact saved-for-backward bytes of one decoder block: the whole model with L blocks minus L - 1."""
-    from lmbp_convert import SavedTensorLedger
-
     inner = _layers_owner(m)
-
-    def measure() -> int:
-        with SavedTensorLedger(m) as led:
-            out = m(input_ids=ids, labels=ids, use_cache=False)
-        del out
-        return led.bytes
-
-    full = measure()
+    full = C.ledger_bytes(lambda: m(input_ids=ids, labels=ids, use_cache=False), m)
     with C.truncated(inner, len(inner.layers) - 1):
-        short = measure()
+        short = C.ledger_bytes(lambda: m(input_ids=ids, labels=ids, use_cache=False), m)
     return full - short
 
 
@@ -277,7 +268,7 @@ def table(data: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny model and steps (smoke run)")
     ap.add_argument("--device", default="cuda")

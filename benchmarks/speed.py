@@ -271,8 +271,6 @@ def _compile_blocks_counted(fam: C.Family, m: nn.Module, mode: str) -> Callable[
 def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, steps: int, warmup: int,
                       convert_: bool = False, compile_mode: Optional[str] = None) -> dict:
     """One variant, start to end inside this frame, so nothing of it outlives the measurement."""
-    from lmbp_convert import SavedTensorLedger
-
     base = C.cuda_mem(device).get("allocated", 0)
     m = _vit_lora_model(fam, device, tiny, convert_)
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
@@ -299,11 +297,11 @@ def _vit_lora_variant(fam: C.Family, device: str, tiny: bool, variant: str, step
     if record:
         record(row)
     if not compile_mode:  # saved bytes do not depend on compiling; hooks would also stop CUDA graphs
-        with SavedTensorLedger(m) as led:
+        def fwd():
             with C.autocast_ctx(device, True):
-                logits = m(x)
-        row["saved_bytes"] = led.bytes
-        del logits, led
+                return m(x)
+
+        row["saved_bytes"] = C.ledger_bytes(fwd, m)
     C.reset_peak(device)
     row["static"] = C.cuda_mem(device).get("allocated", 0)
     times = C.time_interleaved({"s": step}, steps, 0, device)["s"]
@@ -810,7 +808,7 @@ def render(data: dict, outdir: str) -> list[str]:
 
 # ============================================================================================ main
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run)")
     ap.add_argument("--families", default="llama,vit,bert")

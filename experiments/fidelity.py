@@ -518,7 +518,8 @@ def machine() -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 by default: on a small shared machine more threads mostly contend)")
