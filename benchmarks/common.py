@@ -464,3 +464,10 @@ def plt():
     import matplotlib.pyplot as pyplot
 
     return pyplot
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write as PNG (the size docs/ embeds) and close."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt().close(fig)

@@ -303,9 +303,7 @@ def plot_blocks(data: dict, path: str) -> None:
     axes[0][0].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"Activation memory per block, exact saved-for-backward bytes (SavedTensorLedger)\n"
                  f"{data['machine']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
 
 
 def plot_scaling(data: dict, path: str) -> None:
@@ -351,9 +349,7 @@ def plot_scaling(data: dict, path: str) -> None:
     shapes = "; ".join(f"{f['label']}: {f['describe'].rsplit(', ', 2)[0]}" for f in data["families"])
     fig.suptitle(f"Per-block saved-for-backward bytes as the input grows, bf16 weights\n{shapes}\n"
                  f"{data['machine']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
 
 
 def render(data: dict, outdir: str) -> list[str]:

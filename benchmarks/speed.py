@@ -721,9 +721,7 @@ def plot_cpu(data: dict, path: str) -> None:
     sh = "\n".join(f"{k}: {v}" for k, v in shapes.items())
     ax.set_title(f"CPU step time, median of {data.get('repeats')} runs (ViT, BERT: "
                  f"{3 * data.get('repeats', 0)}) after {data.get('warmup')} warm-up (2 blocks; labels: s/step)\n{sh}\n{data['machine']}", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
 
 
 def plot_convert(data: dict, path: str) -> None:
@@ -741,9 +739,7 @@ def plot_convert(data: dict, path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.set_title(f"convert() time vs model size\n{data['machine']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
 
 
 def plot_gpu(g: dict, path: str) -> bool:
@@ -788,9 +784,7 @@ def plot_gpu(g: dict, path: str) -> bool:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
         ax.set_title(f"LLaMA-7B-shaped slice, bf16 weights\n{g['llama_slice']['shape']}", fontsize=9)
     fig.suptitle(g["machine"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    C.save_figure(fig, path)
     return True
 
 

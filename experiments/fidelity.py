@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import ROOT, cpu_name
+from benchmarks.common import ROOT, cpu_name, save_figure
+from benchmarks.common import plt as file_plots
 
 
 # ============================================================================================ LM task data
@@ -462,12 +463,7 @@ def table(results: dict[str, list[Run]], labels: dict[str, dict[str, str]], tail
 
 
 def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(results), figsize=(6 * len(results), 7), sharex="col",
+    fig, axes = file_plots().subplots(2, len(results), figsize=(6 * len(results), 7), sharex="col",
                              gridspec_kw={"height_ratios": [2, 1]}, squeeze=False)
     colors = {"original": "tab:blue", "converted": "tab:orange", "approx-BP GELU only": "tab:green",
               "norm folding only": "tab:purple"}
@@ -500,9 +496,7 @@ def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
         bottom.set_xlabel("fine-tuning step")
         bottom.set_ylabel("loss difference")
         bottom.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def machine() -> str:
