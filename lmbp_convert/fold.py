@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "BiasMove", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",
     "fold_affine", "fold_bias", "fold_lora_a", "fold_rows", "fold_scale", "identity_weight_value", "matvec",
-    "norm_scale", "relative_residual", "shift_behind_scale", "shift_is_expressible", "shift_of",
+    "norm_scale", "relative_residual", "remove_shift", "shift_behind_scale", "shift_is_expressible", "shift_of",
     "shift_through_scale", "unfold_added_bias", "unfold_affine", "unfold_bias", "unfold_scale",
 ]
 
@@ -134,6 +134,12 @@ def fold_bias(bias: torch.Tensor, weight: torch.Tensor, beta: torch.Tensor, layo
     w = weight.detach().double()
     shift = shift_of(w, beta.detach().double().to(w.device), layout).to(bias.device)
     return bias.detach().double() + shift, shift
+
+
+def remove_shift(bias: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """b' − W·β in fp64 given the shift W·β that ``fold_bias`` returned for b' (None: nothing was added): the
+    bias before that fold, for a caller that must fold another β in its place."""
+    return bias.detach().double() - (shift if shift is not None else 0.0)
 
 
 class Scratch:

@@ -1,8 +1,16 @@
+"""The fold maths (lmbp_convert.fold) on random tensors: fold∘unfold is the identity, the chunked fold is the whole
+fold bit for bit, both weight layouts and both norm weight parameterisations agree."""
+from enum import Enum
+
 import pytest
 import torch
 from torch import nn
 
-from lmbp_convert.fold import apply_affine, effective_scale, fold_affine, identity_weight_value
+from lmbp_convert.fold import (
+    Scratch, UnfoldError, accumulation_dtype, apply_affine, effective_scale, fold_affine, fold_bias, fold_lora_a,
+    fold_rows, fold_scale, identity_weight_value, matvec, norm_scale, relative_residual, remove_shift,
+    shift_behind_scale, shift_of, shift_through_scale, unfold_added_bias, unfold_affine, unfold_bias, unfold_scale,
+)
 
 
 @pytest.mark.parametrize("layout", ["out_in", "in_out"])
@@ -62,7 +70,7 @@ def test_conv1d_layout_matches_hf_conv1d():
 
 
 def test_shift_behind_the_scale_gives_the_same_affine():
-    from lmbp_convert.fold import shift_is_expressible, shift_of, shift_through_scale
+    from lmbp_convert.fold import shift_is_expressible
 
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 8, generator=gen), torch.randn(3, 8, generator=gen)
@@ -80,15 +88,6 @@ def test_shift_behind_the_scale_gives_the_same_affine():
 
 
 # -- every fold / unfold function, on random tensors ---------------------------------------------------------------
-from enum import Enum  # noqa: E402
-
-from lmbp_convert.fold import (  # noqa: E402
-    Scratch, UnfoldError, accumulation_dtype, fold_bias, fold_lora_a, fold_rows, fold_scale, matvec, norm_scale,
-    relative_residual, shift_behind_scale, shift_of, shift_through_scale, unfold_added_bias, unfold_affine,
-    unfold_bias, unfold_scale,
-)
-
-
 class _Param(str, Enum):  # how a caller's enum of the parameterisation looks (a str-valued enum)
     W = "w"
     ONE_PLUS_W = "1+w"
@@ -207,7 +206,8 @@ def test_fold_bias_is_the_bias_of_the_fold_and_unfold_bias_its_inverse(layout):
     new, shift = fold_bias(b, w, beta, layout)
     assert new.dtype == shift.dtype == torch.float64
     torch.testing.assert_close(new.float(), fold_affine(w, b, torch.ones(9), beta, layout)[1])
-    torch.testing.assert_close(new - shift, b.double(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(remove_shift(new, shift), b.double(), rtol=0, atol=1e-12)
+    assert torch.equal(remove_shift(b, None), b.double())
     torch.testing.assert_close(unfold_bias(new, w, beta, layout), b.double(), rtol=0, atol=1e-12)
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value,
+from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value, remove_shift,
                     shift_is_expressible, shift_through_scale, unfold_scale)
 from ..match.plan import NormFold
 
@@ -224,7 +224,7 @@ class FoldOnLoad:
         else:
             if lin.bias.device.type == "meta":
                 return
-            base = lin.bias.detach().double() - (t.added if t.added is not None else 0.0)
+            base = remove_shift(lin.bias, t.added)
         if w_plain is None or w_plain.device.type == "meta":
             t.added = None
             if b_in is not None:
