@@ -30,7 +30,7 @@ from torch import nn
 
 from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
-from .fold import effective_scale
+from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
 from .report import ConversionReport
 
 __all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
@@ -102,22 +102,6 @@ def _require_finite(t: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(t).all()):
         raise ExportError(f"{what} holds NaN or inf values (a diverged or corrupted model): refusing to write a "
                           "checkpoint computed from it")
-
-
-def _unfold_scale(w: torch.Tensor, gamma: torch.Tensor, layout: str) -> torch.Tensor:
-    """W'·diag(1/γ) in float64; a zero γ is only allowed where W' is zero too."""
-    zero = gamma == 0
-    if bool(zero.any()):
-        cols = w[:, zero] if layout == "out_in" else w[zero, :]
-        if bool(cols.ne(0).any()):
-            raise ExportError("a norm scale γ is exactly 0 but the folded Linear still reads that channel: "
-                              "a plain model cannot express it")
-    safe = torch.where(zero, torch.ones_like(gamma), gamma)
-    return w / safe if layout == "out_in" else w / safe[:, None]
-
-
-def _matvec(w: torch.Tensor, v: torch.Tensor, layout: str) -> torch.Tensor:
-    return w @ v if layout == "out_in" else v @ w
 
 
 def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None,
@@ -195,15 +179,16 @@ def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: floa
         _require_finite(beta, f"the shift β of {fold.name}")
     for t, lname, lin in targets:
         wk, bk = _key(lname, "weight"), _key(lname, "bias")
-        w_fold = lin.weight.detach().to(torch.float64)
-        w = _unfold_scale(w_fold, gamma.to(w_fold.device), t.layout)
+        bias = lin.bias if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
+        try:
+            w, b = unfold_affine(lin.weight, bias, gamma, beta if getattr(fold, "beta", "fold") == "fold" else None,
+                                 t.layout)
+        except UnfoldError as exc:
+            raise ExportError(str(exc)) from exc
         sd[wk] = _finite_as(w, lin.weight, f"{wk} (unfolded: W'/γ)")
-        b = lin.bias.detach().to(torch.float64) if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
-        if beta is not None and b is not None and getattr(fold, "beta", "fold") == "fold":
-            b = b - _matvec(w, beta.to(w.device), t.layout)
         if t.adds_bias and fold.beta == "fold":  # the plain Linear has no bias: what is left of b' must be nothing
             if b is not None:
-                _require_small(b, lin.bias.detach().to(torch.float64).norm(), rtol, lname)
+                _require_small(b, bias, rtol, lname)
             sd.pop(bk, None)
         elif b is not None:
             sd[bk] = _finite_as(b, lin.bias, f"{bk} (unfolded: b' − W·β)")
@@ -220,8 +205,8 @@ def _finite_as(value: torch.Tensor, like: torch.Tensor, what: str) -> torch.Tens
     return out
 
 
-def _require_small(residual: torch.Tensor, scale: torch.Tensor, rtol: float, what: str) -> None:
-    rel = float(residual.norm() / scale.clamp_min(1e-30))
+def _require_small(residual: torch.Tensor, reference: torch.Tensor, rtol: float, what: str) -> None:
+    rel = relative_residual(residual, reference)
     if not rel <= rtol:  # NaN (a non-finite bias or weight) is never small
         raise ExportError(f"{what}: the fold gave this bias-less Linear a bias that no plain checkpoint can hold "
                           f"(relative residual {rel:.1e} > {rtol:.0e}); the converted model has drifted from "
@@ -237,24 +222,18 @@ def _move_added_bias(sd: dict, fold, norm_name: str, norm: nn.Module, targets: l
     bias_key = _key(norm_name, "bias")
     if bias_key not in sd:
         raise ExportError(f"{norm_name} has no bias entry to take the shift that {added[0][1]} needs")
-    rows, rhs = [], []
-    for t, lname, lin in added:
-        w = lin.weight.detach().to(torch.float64)
-        rows.append(w if t.layout == "out_in" else w.t())
-        rhs.append(lin.bias.detach().to(torch.float64))
-    a, y = torch.cat(rows), torch.cat(rhs)
-    beta = torch.linalg.lstsq(a.cpu(), y.cpu()[:, None], driver="gelsd").solution[:, 0].to(a.device)
-    _require_small(a @ beta - y, y.norm(), rtol,
-                   ", ".join(n for _, n, _ in added))
-    old = norm.bias.detach().to(torch.float64)
-    sd[bias_key] = _finite_as(old + beta.to(old.device), norm.bias, bias_key)
-    for t, lname, lin in targets:
-        if t.adds_bias:
-            sd.pop(_key(lname, "bias"), None)
-        elif isinstance(getattr(lin, "bias", None), torch.Tensor):
-            w = lin.weight.detach().to(torch.float64)
-            b = lin.bias.detach().to(torch.float64) - _matvec(w, beta.to(w.device), t.layout)
+    others = [(t, lname, lin) for t, lname, lin in targets if not t.adds_bias]
+    move = unfold_added_bias(
+        norm.bias, [(lin.weight, lin.bias, t.layout) for t, _, lin in added],
+        [(lin.weight, lin.bias if isinstance(getattr(lin, "bias", None), torch.Tensor) else None, t.layout)
+         for t, _, lin in others])
+    _require_small(move.residual, move.added, rtol, ", ".join(n for _, n, _ in added))
+    sd[bias_key] = _finite_as(move.shift, norm.bias, bias_key)
+    for (t, lname, lin), b in zip(others, move.biases):
+        if b is not None:
             sd[_key(lname, "bias")] = _finite_as(b, lin.bias, _key(lname, "bias"))
+    for t, lname, lin in added:
+        sd.pop(_key(lname, "bias"), None)
 
 
 def _untied_tie_flags(model: nn.Module) -> list[Any]:

@@ -12,15 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fold import apply_affine, shift_of
+from ..fold import apply_affine, norm_scale, shift_behind_scale, shift_of
 from ..trace.containers import children, has_child, replace_child
 from ..trace.tracer import wants_tuple
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    w = norm.weight
-    gamma = 1.0 + w if getattr(norm, "reapply_param", "w") == "1+w" else w
-    return gamma, getattr(norm, "bias", None)
+    return norm_scale(norm.weight, getattr(norm, "reapply_param", "w")), getattr(norm, "bias", None)
 
 
 class ReapplyInput:
@@ -129,7 +127,7 @@ class AddShift:
             gamma, beta = _affine_of(self.norm)
             if beta is None:
                 return None
-            beta = beta / torch.where(gamma == 0, torch.ones_like(gamma), gamma)
+            beta = shift_behind_scale(beta, gamma)
         else:
             beta = getattr(self.norm, "bias", None)
             if not isinstance(beta, torch.Tensor):

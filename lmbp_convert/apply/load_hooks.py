@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..fold import (effective_scale, fold_affine, identity_weight_value, shift_is_expressible, shift_of,
-                    shift_through_scale)
+from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value, remove_shift,
+                    shift_is_expressible, shift_through_scale, unfold_scale)
 from ..match.plan import NormFold
 
 
@@ -195,17 +195,17 @@ class FoldOnLoad:
                 t.state = "plain"
             return
         if w_in is not None:  # an arriving weight is an original one
-            sd[wk], _ = fold_affine(w_in, None, self.gamma, None, t.layout)
+            sd[wk] = fold_scale(w_in, self.gamma, t.layout)
             for a in t.lora_a:
                 ak = _key(prefix, a, "weight")
                 if ak in sd:
-                    sd[ak], _ = fold_affine(sd[ak], None, self.gamma, None, "out_in")
+                    sd[ak] = fold_lora_a(sd[ak], self.gamma)
             t.state = "folded"
         elif new_gamma and t.state == "plain" and lin.weight.device.type != "meta":
-            _copy_into(lin.weight, fold_affine(lin.weight, None, self.gamma, None, t.layout)[0])
+            _copy_into(lin.weight, fold_scale(lin.weight, self.gamma, t.layout))
             for a in t.lora_a:
                 a_w = module.get_submodule(a).weight
-                _copy_into(a_w, fold_affine(a_w, None, self.gamma, None, "out_in")[0])
+                _copy_into(a_w, fold_lora_a(a_w, self.gamma))
             t.state = "folded"
 
     def _fold_beta(self, lin: nn.Module, sd: dict, bk: str, t: _Target, w_in, b_in, beta: torch.Tensor,
@@ -224,7 +224,7 @@ class FoldOnLoad:
         else:
             if lin.bias.device.type == "meta":
                 return
-            base = lin.bias.detach().double() - (t.added if t.added is not None else 0.0)
+            base = remove_shift(lin.bias, t.added)
         if w_plain is None or w_plain.device.type == "meta":
             t.added = None
             if b_in is not None:
@@ -232,8 +232,8 @@ class FoldOnLoad:
             else:
                 _copy_into(lin.bias, base)
             return
-        shift = shift_of(w_plain, beta.double().to(w_plain.device), t.layout).to(base.device)
-        new = (base + shift).to(b_in.dtype if b_in is not None else lin.bias.dtype)
+        new, shift = fold_bias(base, w_plain, beta, t.layout)
+        new = new.to(b_in.dtype if b_in is not None else lin.bias.dtype)
         t.added = shift
         if b_in is not None:
             sd[bk] = new
@@ -243,10 +243,8 @@ class FoldOnLoad:
     def _unfolded(self, w: torch.Tensor, t: _Target, errors: list[str]) -> torch.Tensor | None:
         if self.gamma is None:
             return w.detach().double()
-        g = self.gamma.to(device=w.device, dtype=torch.float64)
-        if bool((g == 0).any()):
+        if bool((self.gamma == 0).any()):
             errors.append(f"{self.norm}: β arrived after {t.linear}.weight was folded with a γ that is 0 on some "
                           "channel; load the norm together with its Linears")
             return None
-        wd = w.detach().double()
-        return wd / g if t.layout == "out_in" else wd / g[:, None]
+        return unfold_scale(w, self.gamma, t.layout)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..fold import effective_scale, fold_affine, identity_weight_value, shift_through_scale
+from ..fold import effective_scale, fold_affine, fold_lora_a, identity_weight_value, shift_through_scale
 from ..match.plan import ActSwap, GatedMLPSwap, NormFold
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
@@ -189,7 +189,7 @@ class UnitBuilder:
                 if t.base:  # LoRA-wrapped: A(γ·x̂) = (A·diag(γ))·x̂; β only reaches the base (planner checked)
                     for adapter in t.lora_adapters:
                         a = getattr(lin, t.lora_a_attr)[adapter]
-                        a_new, _ = fold_affine(a.weight, None, gamma, None, "out_in")
+                        a_new = fold_lora_a(a.weight, gamma)
                         if a.weight.device.type != "meta":
                             self.swap_data(unit, a.weight, a_new)
                     lin = getattr(lin, t.base)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from ..apply.convert import CONFIG_KEY, plan_conversion
-from ..fold import effective_scale, fold_affine, identity_weight_value
+from ..fold import Scratch, effective_scale, fold_affine, fold_rows, identity_weight_value
 from ..options import ConvertOptions
 from . import fsops
 from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
@@ -130,40 +130,6 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
 
 
 # -- writing ----------------------------------------------------------------------------------------------------
-class _Scratch:
-    """Buffers reused chunk after chunk: a fresh multi-MB allocation per chunk page-faults every time, which made
-    the fold several times slower than the arithmetic."""
-
-    def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        b = self._bufs.get((name, dtype))
-        if b is None or b.numel() < numel:
-            b = self._bufs[name, dtype] = torch.empty(numel, dtype=dtype)
-        return b[:numel]
-
-
-def fold_rows(x: torch.Tensor, gamma: torch.Tensor, layout: str, r0: int, scratch: _Scratch,
-              in_place: bool = False) -> torch.Tensor:
-    """Rows r0:r0+len(x) of ``fold_affine(W, None, gamma, None, layout)[0]``, bit for bit (same casts, same fp32
-    or fp64 product, same rounding), computed in ``scratch``. ``in_place``: x may be overwritten."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = gamma.to(acc)
-    g = g if layout == "out_in" else g[r0:r0 + x.shape[0], None]
-    if in_place and x.dtype == acc:
-        a = x
-    else:
-        a = scratch.get("acc", x.numel(), acc).view(x.shape)
-        a.copy_(x)
-    a.mul_(g)
-    if x.dtype == acc:
-        return a
-    out = scratch.get("out", x.numel(), x.dtype).view(x.shape)
-    out.copy_(a)
-    return out
-
-
 def _finite_affine(t: torch.Tensor, a: Action, key: str) -> torch.Tensor:
     """A norm's scale or shift must be finite to be folded: a NaN or inf there would be spread over whole rows or
     columns of the following Linears (the source model's outputs are then non-finite anyway: a damaged
@@ -205,7 +171,7 @@ class _Folder:
         self.source = source
         self.pool = pool
         self._gamma: dict[tuple[str, str], torch.Tensor] = {}
-        self._scratch = [_Scratch(), _Scratch()]  # chunk i uses set i % 2: at most one folding, one writing
+        self._scratch = [Scratch(), Scratch()]  # chunk i uses set i % 2: at most one folding, one writing
 
     def gamma(self, a: Action) -> torch.Tensor:
         k = (a.gamma, a.param)
@@ -259,7 +225,7 @@ class _Folder:
             out = fold_rows(x, g, a.layout, r0, scratch, in_place=owns)
             if check and out.numel():  # a cheap bound first (NaN fails it too), the exact test only past it
                 lo, hi = torch.aminmax(out if out.dtype in (torch.float32, torch.float64) else
-                                       scratch.get("acc", out.numel(), torch.float32).view(out.shape))
+                                       scratch.accumulator(out.shape))
                 if not (-limit <= float(lo) and float(hi) <= limit):
                     _no_new_nonfinite(out, torch.isfinite(self.source.rows(key, r0, r1)), a, key)
             return out

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..catalogue import Catalogue, class_key
+from ..fold import norm_scale
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,7 @@ def _reference(kind: str, param: str, x: torch.Tensor, w: torch.Tensor, b: torch
         y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
     else:
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    scale = w.double() if param == "w" else 1.0 + w.double()
-    y = y * scale
+    y = y * norm_scale(w.double(), param)
     return y + b.double() if b is not None else y
 
 

@@ -227,14 +227,14 @@ def test_checkpoint_error_is_one_line():
 @pytest.mark.parametrize("layout", ["out_in", "in_out"])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_fold_rows_matches_fold_affine_bit_for_bit(dtype, layout, in_place):
-    from lmbp_convert.checkpoint.api import _Scratch, fold_rows
+    from lmbp_convert.fold import Scratch, fold_rows
     from lmbp_convert.fold import effective_scale, fold_affine
 
     w = torch.randn(37, 23, dtype=torch.float64).to(dtype)
     d = w.shape[1] if layout == "out_in" else w.shape[0]
     gamma = effective_scale((torch.randn(d) * 0.3).to(dtype), "1+w")
     want = fold_affine(w, None, gamma, None, layout)[0]
-    scratch = _Scratch()
+    scratch = Scratch()
     parts = []
     for r0 in range(0, w.shape[0], 5):
         x = w[r0:r0 + 5].clone()
