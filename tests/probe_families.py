@@ -26,6 +26,17 @@ def _hf(auto: str, arch: str, **kw) -> nn.Module:
     return randomize_norms(getattr(transformers, auto).from_config(cfg))
 
 
+def _composite(encoder: str, decoder: str, composite: str, enc_kw: dict, dec_kw: dict) -> nn.Module:
+    """An encoder-decoder assembled from two configs: sizes live in config.encoder / config.decoder."""
+    import transformers
+
+    enc = transformers.AutoConfig.for_model(encoder, **enc_kw)
+    dec = transformers.AutoConfig.for_model(decoder, is_decoder=True, add_cross_attention=True, **dec_kw)
+    cfg = getattr(transformers, composite + "Config").from_encoder_decoder_configs(enc, dec)
+    torch.manual_seed(0)
+    return randomize_norms(getattr(transformers, composite + "Model")(cfg))
+
+
 def _timm_mixer() -> nn.Module:
     # mixer_s16_224's entry point fixes the width; the builder it calls sets pretrained_cfg the same way
     from timm.models import build_model_with_cfg
@@ -52,6 +63,9 @@ PROBE_FAMILIES = {
     "pegasus": lambda: _hf("AutoModelForSeq2SeqLM", "pegasus", **_SEQ2SEQ),
     "whisper": lambda: _hf("AutoModelForSpeechSeq2Seq", "whisper", **_SEQ2SEQ, num_mel_bins=8,
                            max_source_positions=16, max_target_positions=16),
+    "wav2vec2_bert": lambda: _hf("AutoModel", "wav2vec2-bert", **_ENCODER, output_hidden_size=32),
+    "speech_to_text": lambda: _hf("AutoModelForSpeechSeq2Seq", "speech_to_text", **_SEQ2SEQ, input_feat_per_channel=16,
+                                  conv_channels=32, max_source_positions=64, max_target_positions=32),
     "wav2vec2": lambda: _hf("AutoModel", "wav2vec2", **_SPEECH),
     "hubert": lambda: _hf("AutoModel", "hubert", **_SPEECH),
     "clip": lambda: _hf("AutoModel", "clip", projection_dim=16,
@@ -60,6 +74,10 @@ PROBE_FAMILIES = {
     "siglip": lambda: _hf("AutoModel", "siglip", text_config=dict(_ENCODER, vocab_size=96, max_position_embeddings=16),
                           vision_config=dict(_ENCODER, image_size=32, patch_size=8)),
     "bert_multiple_choice": lambda: _hf("AutoModelForMultipleChoice", "bert", **_ENCODER, vocab_size=96),
+    "bert2bert": lambda: _composite("bert", "bert", "EncoderDecoder", dict(_ENCODER, vocab_size=96),
+                                    dict(_ENCODER, vocab_size=80)),
+    "vit_gpt2": lambda: _composite("vit", "gpt2", "VisionEncoderDecoder", dict(_ENCODER, image_size=32, patch_size=8),
+                                   dict(n_embd=32, n_layer=1, n_head=2, vocab_size=80)),
     "timm_hiera_160": lambda: _timm("hiera_tiny_224", embed_dim=16, num_heads=1, stages=(1, 1, 1, 1)),
     "timm_mixer_160": _timm_mixer,
     "timm_vit_160": lambda: _timm("vit_tiny_patch16_224", embed_dim=64, depth=2, num_heads=2),

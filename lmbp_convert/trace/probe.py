@@ -66,37 +66,51 @@ def _required(params: list[inspect.Parameter]) -> list[str]:
 
 
 # -- Hugging Face models: one builder per input name -------------------------------------------------------------
+# Each takes (model, config, batch, seq, seed) and returns the alternatives for that argument (none: cannot size it).
+
+
+def _text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    vocab = pi.text_vocab(cfg)
+    if not vocab:
+        return []
+    n = pi.text_length(cfg, seq)
+    # multiple-choice heads take (batch, choices, seq): tried when the model refuses (batch, seq)
+    return [(pi.token_ids(vocab, (batch, n), seed), batch * n, "token"),
+            (pi.token_ids(vocab, (batch, 2, n), seed), batch * 2 * n, "token")]
+
+
+def _decoder_text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    vocab = pi.decoder_vocab(cfg)
+    if not vocab:
+        return []
+    n = pi.decoder_length(cfg, seq)
+    return [(pi.token_ids(vocab, (batch, n), seed + 1, start=pi.decoder_start(cfg)), 0, "token")]
+
+
+def _pixels(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    image = pi.hf_image(cfg)
+    return [(pi.pixels(batch, image[0], image[1], seed), batch, "image")] if image else []
+
+
+def _raw_audio(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    frames = pi.audio_frames(cfg, seq)
+    length = pi.input_length(pi.input_convs(model), frames)
+    return [(pi.raw_audio(batch, length, seed), batch * frames, "frame")]
+
+
+def _audio_features(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    return [(pi.features(batch, bins, n, first, seed), batch * n, "frame")
+            for bins in pi.feature_bins(cfg, model) for n in pi.feature_lengths(cfg, model, seq)
+            for first in (True, False)]
+
+
+_BUILDERS = {"input_ids": _text, "pixel_values": _pixels, "input_values": _raw_audio,
+             "input_features": _audio_features, "decoder_input_ids": _decoder_text}
 
 
 def _hf_inputs(model: nn.Module, cfg: Any, name: str, batch: int, seq: int, seed: int) -> Alternatives:
-    if name == "input_ids":
-        vocab = pi.sub_first(cfg, "text_config", "vocab_size")
-        if not vocab:
-            return []
-        n = pi.text_length(cfg, seq)
-        # multiple-choice heads take (batch, choices, seq): tried when the model refuses (batch, seq)
-        return [(pi.token_ids(vocab, (batch, n), seed), batch * n, "token"),
-                (pi.token_ids(vocab, (batch, 2, n), seed), batch * 2 * n, "token")]
-    if name == "pixel_values":
-        image = pi.hf_image(cfg)
-        return [(pi.pixels(batch, image[0], image[1], seed), batch, "image")] if image else []
-    if name == "input_values":
-        frames = pi.audio_frames(cfg, seq)
-        length = pi.input_length(pi.input_convs(model), frames)
-        return [(pi.raw_audio(batch, length, seed), batch * frames, "frame")]
-    if name == "input_features":
-        bins = pi.feature_bins(cfg, model)
-        if not bins:
-            return []
-        return [(pi.features(batch, bins, n, first, seed), batch * n, "frame")
-                for n in pi.feature_lengths(cfg, model, seq) for first in (True, False)]
-    if name == "decoder_input_ids":
-        vocab = pi.decoder_vocab(cfg)
-        if not vocab:
-            return []
-        n = pi.decoder_length(cfg, seq)
-        return [(pi.token_ids(vocab, (batch, n), seed + 1, start=pi.decoder_start(cfg)), 0, "token")]
-    return []
+    build = _BUILDERS.get(name)
+    return build(model, cfg, batch, seq, seed) if build is not None else []
 
 
 _EXTRA_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")  # dual encoders: text + pixels
@@ -133,7 +147,7 @@ def _hf_candidates(model: nn.Module, params: list[inspect.Parameter], main: str,
 def _image_candidates(model: nn.Module, batch: int, seed: int) -> Iterator[Candidate]:
     pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
     declared = tuple(pcfg["input_size"]) if isinstance(pcfg, dict) and pcfg.get("input_size") else None
-    if declared is None and next(pi._modules_with(model, "img_size"), None) is None:
+    if declared is None and next(pi.module_attrs(model, "img_size"), None) is None:
         return  # nothing says this model takes images
     chans = pi.image_channels(model, declared[0] if declared else None)
     for size in pi.image_sizes(model, declared[1:] if declared else None):

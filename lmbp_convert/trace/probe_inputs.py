@@ -25,9 +25,20 @@ def first(cfg: Any, *names: str, default=None):
     return default
 
 
-def sub_first(cfg: Any, sub: str, *names: str, default=None):
-    """A field of the config itself, else of its ``sub`` config (dual encoders keep text/vision fields there)."""
-    return first(cfg, *names, default=None) or first(getattr(cfg, sub, None), *names, default=default)
+# Where composite configs keep the fields of each side: dual encoders (text_config, vision_config) and
+# encoder-decoders assembled from two configs (encoder, decoder).
+TEXT_SIDE = ("text_config", "encoder")
+DECODER_SIDE = ("decoder", "text_config")
+VISION_SIDE = ("vision_config", "encoder")
+
+
+def sub_first(cfg: Any, subs: tuple[str, ...], *names: str, default=None):
+    """A field of the config itself, else of the first of its ``subs`` configs that sets it."""
+    for c in (cfg, *(getattr(cfg, s, None) for s in subs)):
+        v = first(c, *names)
+        if v:
+            return v
+    return default
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -54,17 +65,23 @@ def token_ids(vocab: int, shape: tuple[int, ...], seed: int, start: int | None =
 
 
 def text_length(cfg: Any, seq: int) -> int:
-    max_pos = sub_first(cfg, "text_config", "max_position_embeddings", "n_positions", default=seq)
+    max_pos = sub_first(cfg, TEXT_SIDE, "max_position_embeddings", "n_positions", default=seq)
     return max(2, min(seq, max_pos))
 
 
+def text_vocab(cfg: Any) -> int | None:
+    return sub_first(cfg, TEXT_SIDE, "vocab_size")
+
+
 def decoder_length(cfg: Any, seq: int) -> int:
-    max_pos = first(cfg, "max_target_positions", "max_position_embeddings", "n_positions", default=seq)
+    max_pos = sub_first(cfg, DECODER_SIDE, "max_target_positions", "max_position_embeddings", "n_positions",
+                        default=seq)
     return max(2, min(seq, max_pos))
 
 
 def decoder_vocab(cfg: Any) -> int | None:
-    sizes = [v for v in (first(cfg, "decoder_vocab_size"), first(cfg, "vocab_size")) if v]
+    """The decoder's vocabulary (Marian may give it its own size: ids must fit both embeddings it could use)."""
+    sizes = [v for v in (first(cfg, "decoder_vocab_size"), sub_first(cfg, DECODER_SIDE, "vocab_size")) if v]
     return min(sizes) if sizes else None
 
 
@@ -75,7 +92,8 @@ def decoder_start(cfg: Any) -> int | None:
 # -- pixels ------------------------------------------------------------------------------------------------------
 
 
-def _modules_with(model: nn.Module, attr: str) -> Iterator[Any]:
+def module_attrs(model: nn.Module, attr: str) -> Iterator[Any]:
+    """The values of ``attr`` on the model and its modules (module order), where set and not a method."""
     for mod in model.modules():
         v = getattr(mod, attr, None)
         if v is not None and not callable(v):
@@ -91,14 +109,15 @@ def _stem_stride(model: nn.Module) -> Size2 | None:
 
 
 def _grid_sizes(model: nn.Module) -> Iterator[Size2]:
-    """Image sizes implied by learned position embeddings (a ``pos`` parameter of N = g² tokens, after prefix
-    tokens, or an explicit g×g grid) times the stem's stride: models built at a size without recording it."""
+    """Image sizes implied by learned absolute position embeddings (N = g² tokens after any prefix tokens, or an
+    explicit g×g grid) times the stem's stride: models built at a size without recording it (Hiera)."""
     stride = _stem_stride(model)
     if stride is None:
         return
-    prefixes = sorted({0, *(p for p in _modules_with(model, "num_prefix_tokens") if isinstance(p, int))})
+    prefixes = sorted({0, *(p for p in module_attrs(model, "num_prefix_tokens") if isinstance(p, int))})
     for name, t in (*model.named_parameters(), *model.named_buffers()):
-        if "pos" not in name.rpartition(".")[2] or t.dim() < 2:
+        leaf = name.rpartition(".")[2]
+        if not ("pos_embed" in leaf or "position_embedding" in leaf) or t.dim() < 2:
             continue
         if t.dim() == 4:  # (1, C, H, W)
             yield t.shape[-2] * stride[0], t.shape[-1] * stride[1]
@@ -113,14 +132,14 @@ def _grid_sizes(model: nn.Module) -> Iterator[Size2]:
 def image_sizes(model: nn.Module, declared: Any = None) -> list[Size2]:
     """Sizes to try, in order: what a module records it was built for (``img_size``: patch embedding, stem,
     the model), what position embeddings imply, then the declared default (``pretrained_cfg['input_size']``)."""
-    found = [s for s in map(_pair, (*_modules_with(model, "img_size"), *_grid_sizes(model), declared)) if s]
+    found = [s for s in map(_pair, (*module_attrs(model, "img_size"), *_grid_sizes(model), declared)) if s]
     return list(dict.fromkeys(found))
 
 
 def image_channels(model: nn.Module, declared: Any = None) -> int:
     if declared:
         return int(declared)
-    chans = next((c for c in _modules_with(model, "in_chans") if isinstance(c, int)), None)
+    chans = next((c for c in module_attrs(model, "in_chans") if isinstance(c, int)), None)
     if chans:
         return chans
     conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
@@ -132,12 +151,12 @@ def pixels(batch: int, chans: int, size: Size2, seed: int) -> torch.Tensor:
 
 
 def hf_image(cfg: Any) -> tuple[int, Size2] | None:
-    """(channels, size) from a vision config (the model's own, or its ``vision_config``)."""
-    vcfg = getattr(cfg, "vision_config", None) or cfg
-    size = _pair(first(vcfg, "image_size"))
-    if size is None:
-        return None
-    return int(first(vcfg, "num_channels", default=3)), size
+    """(channels, size) from the config that sets ``image_size``: the model's own or its vision side."""
+    for vcfg in (cfg, *(getattr(cfg, s, None) for s in VISION_SIDE)):
+        size = _pair(first(vcfg, "image_size"))
+        if size is not None:
+            return int(first(vcfg, "num_channels", default=3)), size
+    return None
 
 
 # -- audio -------------------------------------------------------------------------------------------------------
@@ -173,14 +192,16 @@ def raw_audio(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, length, generator=_gen(seed), device="cpu")
 
 
-def feature_bins(cfg: Any, model: nn.Module) -> int | None:
-    bins = first(cfg, "num_mel_bins", "feature_size")
-    if bins is None and first(cfg, "input_feat_per_channel") is not None:
-        bins = cfg.input_feat_per_channel * first(cfg, "input_channels", default=1)
-    if bins is None:
-        convs = input_convs(model)
-        bins = convs[0].in_channels if convs else None
-    return bins
+def feature_bins(cfg: Any, model: nn.Module) -> list[int]:
+    """Feature sizes to try: the config's, then what the first convolution or Linear takes (encoders that stack
+    frames, such as Wav2Vec2-BERT's 2 × 80 bins, say so only through their first layer)."""
+    bins = [first(cfg, "num_mel_bins", "feature_size")]
+    if first(cfg, "input_feat_per_channel") is not None:
+        bins.append(cfg.input_feat_per_channel * first(cfg, "input_channels", default=1))
+    convs = input_convs(model)
+    bins.append(convs[0].in_channels if convs else None)
+    bins.append(next((m.in_features for m in model.modules() if isinstance(m, nn.Linear)), None))
+    return list(dict.fromkeys(b for b in bins if b))
 
 
 def feature_lengths(cfg: Any, model: nn.Module, seq: int) -> list[int]:

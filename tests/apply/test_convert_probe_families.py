@@ -19,6 +19,9 @@ BELOW_20 = {
     "marian": POST_LN,  # 12.1 %: the same layout as BART
     "hubert": POST_LN,  # 13.9 %: post-LN encoder layers (do_stable_layer_norm=False)
     "wav2vec2": POST_LN,  # 13.9 %: the same layout as HuBERT
+    # 13.5 %: its FFNs use ReLU (approx-BP swaps GELU/SiLU-like activations) and the conv subsampler keeps its
+    # inputs; the one norm skipped feeds the tied lm_head
+    "speech_to_text": "is tied to",
     "timm_mixer_160": "no Linear consumer reachable",  # 13.2 %: norm1 feeds the token-mixing MLP (transposed)
 }
 # Hiera converts every norm and activation it has (nothing skipped) but saves 19.0 %: on this tiny config the

@@ -18,17 +18,24 @@ def _shapes(probe):
 
 # what each family's probe must be, from the tiny configs in probe_families (batch 2, seq 8)
 EXPECTED = {
-    # decoder ids sized like the text, opening with decoder_start_token_id (1) where the config sets one
+    # decoder ids sized like the text, opening with decoder_start_token_id where the config sets one
     "t5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "umt5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "bart": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "marian": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    # composite encoder-decoders: sizes from config.encoder / config.decoder (ids < each side's vocabulary)
+    "bert2bert": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    "vit_gpt2": {"pixel_values": (2, 3, 32, 32), "decoder_input_ids": (2, 8)},
     # Whisper: num_mel_bins × (max_source_positions × the stride of its input convolutions, 1 · 2) frames
     "whisper": {"input_features": (2, 8, 16 * 2), "decoder_input_ids": (2, 8)},
     # raw audio: the samples 10 frames need through conv kernels (10, 3), strides (5, 2): (10−1)·2+3 = 21 → 20·5+10;
     # 10 frames, not 8: SpecAugment masks spans of mask_time_length (10) frames in training
     "wav2vec2": {"input_values": (2, 110)},
     "hubert": {"input_values": (2, 110)},
+    # features (batch, frames, bins) for encoders that transpose themselves: Speech2Text, 8 frames × its input
+    # convolutions' stride 4; Wav2Vec2-BERT stacks 2 × 80 bins, which only its first Linear (160 in) tells
+    "speech_to_text": {"input_features": (2, 32, 16), "decoder_input_ids": (2, 8)},
+    "wav2vec2_bert": {"input_features": (2, 10, 160)},
     # dual encoders: text and pixels at the vision config's image_size
     "clip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
     "siglip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
@@ -48,10 +55,16 @@ def test_probe_is_built_from_config_and_signature(family):
     assert _shapes(probe) == EXPECTED[family]
     with torch.no_grad():
         call_model(model.eval(), probe)  # the model runs on it
-    if isinstance(probe, dict) and "decoder_input_ids" in probe and family != "t5" and family != "umt5":
-        assert (probe["decoder_input_ids"][:, 0] == model.config.decoder_start_token_id).all()
+    cfg = getattr(model, "config", None)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    if isinstance(probe, dict) and "decoder_input_ids" in probe:
+        if start is not None:
+            assert (probe["decoder_input_ids"][:, 0] == start).all()
+        vocab = (cfg.decoder if hasattr(cfg, "decoder") else cfg).vocab_size
+        assert int(probe["decoder_input_ids"].max()) < vocab
     if isinstance(probe, dict) and "input_ids" in probe:
-        assert int(probe["input_ids"].max()) < model.config.get_text_config().vocab_size
+        vocab = (cfg.encoder if hasattr(cfg, "encoder") else cfg.get_text_config()).vocab_size
+        assert int(probe["input_ids"].max()) < vocab
     assert count > 0 and unit in ("token", "image", "frame")
 
 
