@@ -58,6 +58,7 @@ PROBE_FAMILIES = {
     "t5": lambda: _hf("AutoModelForSeq2SeqLM", "t5", **_T5),
     "umt5": lambda: _hf("AutoModelForSeq2SeqLM", "umt5", **_T5),
     "bart": lambda: _hf("AutoModelForSeq2SeqLM", "bart", **_SEQ2SEQ),
+    "bart_classifier": lambda: _hf("AutoModelForSequenceClassification", "bart", **_SEQ2SEQ),
     "mbart": lambda: _hf("AutoModelForSeq2SeqLM", "mbart", **_SEQ2SEQ),
     "marian": lambda: _hf("AutoModelForSeq2SeqLM", "marian", **_SEQ2SEQ),
     "pegasus": lambda: _hf("AutoModelForSeq2SeqLM", "pegasus", **_SEQ2SEQ),

@@ -74,9 +74,17 @@ def _text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Altern
     if not vocab:
         return []
     n = pi.text_length(cfg, seq)
-    # multiple-choice heads take (batch, choices, seq): tried when the model refuses (batch, seq)
-    return [(pi.token_ids(vocab, (batch, n), seed), batch * n, "token"),
-            (pi.token_ids(vocab, (batch, 2, n), seed), batch * 2 * n, "token")]
+    eos = pi.sub_first(cfg, pi.TEXT_SIDE, "eos_token_id")
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    alts = []
+    # multiple-choice heads take (batch, choices, seq): tried when the model refuses (batch, seq); heads that pool
+    # at the end-of-sequence token (BART's classifier) need one per row: tried next
+    for shape in ((batch, n), (batch, 2, n)):
+        ids = pi.token_ids(vocab, shape, seed)
+        alts.append((ids, ids.numel(), "token"))
+        if isinstance(eos, int) and 0 <= eos < vocab:
+            alts.append((pi.ends_with(ids, eos, vocab), ids.numel(), "token"))
+    return alts
 
 
 def _decoder_text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:

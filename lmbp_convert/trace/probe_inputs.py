@@ -64,6 +64,13 @@ def token_ids(vocab: int, shape: tuple[int, ...], seed: int, start: int | None =
     return ids
 
 
+def ends_with(ids: torch.Tensor, token: int, vocab: int) -> torch.Tensor:
+    """``ids`` with ``token`` closing each row and nowhere else (drawn ids equal to it take the next id)."""
+    out = torch.where(ids == token, (token + 1) % vocab, ids)
+    out[..., -1] = token
+    return out
+
+
 def text_length(cfg: Any, seq: int) -> int:
     max_pos = sub_first(cfg, TEXT_SIDE, "max_position_embeddings", "n_positions", default=seq)
     return max(2, min(seq, max_pos))

@@ -16,6 +16,7 @@ from probe_families import PROBE_FAMILIES
 POST_LN = "no module boundary where the affine could be re-applied"
 BELOW_20 = {
     "bart": POST_LN,  # 11.4 %: post-LN with the residual add in the layer's own forward; tied lm_head
+    "bart_classifier": POST_LN,  # the same layout as BART
     "marian": POST_LN,  # 12.1 %: the same layout as BART
     "hubert": POST_LN,  # 13.9 %: post-LN encoder layers (do_stable_layer_norm=False)
     "wav2vec2": POST_LN,  # 13.9 %: the same layout as HuBERT

@@ -23,6 +23,8 @@ EXPECTED = {
     "umt5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "bart": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "marian": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    # pools at the end-of-sequence token: each row ends with eos_token_id (checked below)
+    "bart_classifier": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     # composite encoder-decoders: sizes from config.encoder / config.decoder (ids < each side's vocabulary)
     "bert2bert": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
     "vit_gpt2": {"pixel_values": (2, 3, 32, 32), "decoder_input_ids": (2, 8)},
@@ -66,6 +68,9 @@ def test_probe_is_built_from_config_and_signature(family):
         vocab = (cfg.encoder if hasattr(cfg, "encoder") else cfg.get_text_config()).vocab_size
         assert int(probe["input_ids"].max()) < vocab
     assert count > 0 and unit in ("token", "image", "frame")
+    if family == "bart_classifier":
+        eos = model.config.eos_token_id
+        assert (probe["input_ids"][:, -1] == eos).all() and int((probe["input_ids"] == eos).sum()) == 2
 
 
 def test_speech_probe_trains_with_spec_augment():
