@@ -74,6 +74,9 @@ PROBE_FAMILIES = {
                         vision_config=dict(_ENCODER, image_size=32, patch_size=8)),
     "siglip": lambda: _hf("AutoModel", "siglip", text_config=dict(_ENCODER, vocab_size=96, max_position_embeddings=16),
                           vision_config=dict(_ENCODER, image_size=32, patch_size=8)),
+    # no pad_token_id: the head can find the last token of a batch of one only
+    "gpt2_classifier": lambda: _hf("AutoModelForSequenceClassification", "gpt2", n_embd=32, n_layer=1, n_head=2,
+                                   vocab_size=96, n_positions=32),
     "bert_multiple_choice": lambda: _hf("AutoModelForMultipleChoice", "bert", **_ENCODER, vocab_size=96),
     "bert2bert": lambda: _composite("bert", "bert", "EncoderDecoder", dict(_ENCODER, vocab_size=96),
                                     dict(_ENCODER, vocab_size=80)),

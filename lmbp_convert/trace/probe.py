@@ -233,11 +233,15 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0)
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     params = _signature(base)
     main = getattr(base, "main_input_name", None)
-    if getattr(base, "config", None) is not None and isinstance(main, str):
-        candidates = _hf_candidates(base, params, main, batch, seq, seed, device.type == "meta")
-    else:
-        candidates = _image_candidates(base, batch, seed)
-    first = next(candidates, None)
+
+    def candidates(b: int) -> Iterator[Candidate]:
+        if getattr(base, "config", None) is not None and isinstance(main, str):
+            return _hf_candidates(base, params, main, b, seq, seed, device.type == "meta")
+        return _image_candidates(base, b, seed)
+
+    # a batch of one last: heads that find each row's last token through a pad token the config lacks refuse more
+    more = itertools.chain.from_iterable(candidates(b) for b in dict.fromkeys((batch, 1)))
+    first = next(more, None)
     required = _required(params)
     if first is None:
         names = [main] if isinstance(main, str) else required[:1] or ["input"]
@@ -248,7 +252,7 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0)
         built = first.inputs if isinstance(first.inputs, dict) else {required[0]: first.inputs}
         raise _missing_error(base, missing, built)
     tried: list[tuple[Candidate, Exception]] = []
-    for cand in itertools.chain([first], candidates):
+    for cand in itertools.chain([first], more):
         cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
         err = _refusal(model, cand.inputs, device)
         if err is None:

@@ -41,6 +41,8 @@ EXPECTED = {
     # dual encoders: text and pixels at the vision config's image_size
     "clip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
     "siglip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
+    # sequence classification without a pad token: transformers refuses batches > 1
+    "gpt2_classifier": {"input_ids": (1, 8)},
     # multiple choice: batch × choices × seq
     "bert_multiple_choice": {"input_ids": (2, 2, 8)},
     # timm at img_size=160, not pretrained_cfg's 224 (Hiera records no size: its position embedding does)
