@@ -2,9 +2,10 @@
 tree (timm).
 
 Every input the signature names and the config can size is built (text ids, pixels, raw audio, audio features,
-decoder ids), with the alternatives the config leaves open (2-D or multiple-choice 3-D ids, channel-first or
-channel-last features, a short clip or the fixed window an encoder requires); the first combination the model runs
-on, in eval mode and without grad, is the probe. When none can be built or none runs, ProbeError names the
+decoder ids), with the alternatives the config leaves open (2-D or multiple-choice 3-D ids, ids closing with
+eos, channel-first or channel-last features, a short clip or the fixed window an encoder requires, a batch of one);
+the first combination the model runs on, in eval mode and without grad (one extra forward of a tiny input), is the
+probe. When none can be built or none runs, ProbeError names the
 arguments to pass, with an example.
 """
 from __future__ import annotations
