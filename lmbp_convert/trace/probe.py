@@ -1,15 +1,43 @@
-"""Build a small input the model accepts, from its own config (HF) or pretrained_cfg (timm)."""
+"""Build a small input the model accepts, from its forward signature, its config (HF) or pretrained_cfg and module
+tree (timm).
+
+Every input the signature names and the config can size is built (text ids, pixels, raw audio, audio features,
+decoder ids), with the alternatives the config leaves open (2-D or multiple-choice 3-D ids, ids closing with
+eos, channel-first or channel-last features, a short clip or the fixed window an encoder requires, a batch of one);
+the first combination the model runs on, in eval mode and without grad (one extra forward of a tiny input), is the
+probe. When none can be built or none runs, ProbeError names the
+arguments to pass, with an example.
+"""
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
+from . import probe_inputs as pi
+from .tracer import call_model
+
 
 class ProbeError(ValueError):
     """The walker cannot build an input for this model by itself."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One possible probe: the input (a dict of keyword args, or one tensor for the first positional argument)
+    and how many tokens/images/frames it holds (for per-unit figures)."""
+
+    inputs: Any
+    count: int
+    unit: str
+
+
+# (tensor, count, unit) alternatives for one argument, most likely first
+Alternatives = list[tuple[torch.Tensor, int, str]]
 
 
 def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
@@ -21,65 +49,221 @@ def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-# Every tensor made here is drawn on the CPU (seeded) and then moved to the model's device: an ambient default
-# device (``with torch.device("meta"):``) must not decide where a probe of a CPU model lives.
-
-
-def _first(cfg: Any, *names: str, default=None):
-    for n in names:
-        v = getattr(cfg, n, None)
-        if v is not None:
-            return v
-    return default
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
+def _signature(model: nn.Module) -> list[inspect.Parameter]:
     try:
-        params = inspect.signature(model.forward).parameters
+        return list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        return []
 
 
-def make_probe(model: nn.Module, batch: int = 2, seq: int = 8) -> tuple[Any, int, str]:
-    """Return (probe, count, unit): the input, and how many tokens/images it holds (for per-token figures)."""
-    device, dtype = _device_dtype(model)
-    get_base = getattr(model, "get_base_model", None)  # PEFT wrappers: the input is the base model's
-    if callable(get_base):
-        model = get_base()
-    cfg = getattr(model, "config", None)
-    main = getattr(model, "main_input_name", None)
-    if cfg is not None and main == "input_ids":
-        vocab = _first(cfg, "vocab_size") or _first(getattr(cfg, "text_config", None), "vocab_size")
-        if not vocab:
-            raise ProbeError(f"{type(model).__name__}: config has no vocab_size; pass probe=...")
-        max_pos = _first(cfg, "max_position_embeddings", "n_positions", default=seq)
-        n = max(2, min(seq, max_pos))
-        gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, vocab, (batch, n), generator=gen, device="cpu").to(device)
-        probe = {"input_ids": ids}
-        if device.type == "meta" and getattr(cfg, "use_cache", None) is False and _accepts(model, "use_cache"):
-            # Without a cache, transformers checks the position ids for packed sequences, a data-dependent test a
-            # meta tensor cannot answer; a cache changes no module's consumers, so the meta trace asks for one.
-            probe["use_cache"] = True
-        return probe, batch * n, "token"
-    if cfg is not None and main == "pixel_values":
-        vcfg = getattr(cfg, "vision_config", None) or cfg
-        size = _first(vcfg, "image_size", default=224)
-        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        chans = _first(vcfg, "num_channels", default=3)
-        x = torch.randn(batch, chans, *size, generator=torch.Generator().manual_seed(0), device="cpu").to(device, dtype)
-        return {"pixel_values": x}, batch, "image"
+def _takes(params: list[inspect.Parameter], name: str, *, explicitly: bool = False) -> bool:
+    return any(p.name == name for p in params) or (
+        not explicitly and any(p.kind is p.VAR_KEYWORD for p in params))
+
+
+def _required(params: list[inspect.Parameter]) -> list[str]:
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+# -- Hugging Face models: one builder per input name -------------------------------------------------------------
+# Each takes (model, config, batch, seq, seed) and returns the alternatives for that argument (none: cannot size it).
+
+
+def _text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    vocab = pi.text_vocab(cfg)
+    if not vocab:
+        return []
+    n = pi.text_length(cfg, seq)
+    eos = pi.sub_first(cfg, pi.TEXT_SIDE, "eos_token_id")
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    alts = []
+    # multiple-choice heads take (batch, choices, seq): tried when the model refuses (batch, seq); heads that pool
+    # at the end-of-sequence token (BART's classifier) need one per row: tried next
+    for shape in ((batch, n), (batch, 2, n)):
+        ids = pi.token_ids(vocab, shape, seed)
+        alts.append((ids, ids.numel(), "token"))
+        if isinstance(eos, int) and 0 <= eos < vocab:
+            alts.append((pi.ends_with(ids, eos, vocab), ids.numel(), "token"))
+    return alts
+
+
+def _decoder_text(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    vocab = pi.decoder_vocab(cfg)
+    if not vocab:
+        return []
+    n = pi.decoder_length(cfg, seq)
+    return [(pi.token_ids(vocab, (batch, n), seed + 1, start=pi.decoder_start(cfg)), 0, "token")]
+
+
+def _pixels(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    image = pi.hf_image(cfg)
+    return [(pi.pixels(batch, image[0], image[1], seed), batch, "image")] if image else []
+
+
+def _raw_audio(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    frames = pi.audio_frames(cfg, seq)
+    length = pi.input_length(pi.input_convs(model), frames)
+    return [(pi.raw_audio(batch, length, seed), batch * frames, "frame")]
+
+
+def _audio_features(model: nn.Module, cfg: Any, batch: int, seq: int, seed: int) -> Alternatives:
+    return [(pi.features(batch, bins, n, first, seed), batch * n, "frame")
+            for bins in pi.feature_bins(cfg, model) for n in pi.feature_lengths(cfg, model, seq)
+            for first in (True, False)]
+
+
+_BUILDERS = {"input_ids": _text, "pixel_values": _pixels, "input_values": _raw_audio,
+             "input_features": _audio_features, "decoder_input_ids": _decoder_text}
+
+
+def _hf_inputs(model: nn.Module, cfg: Any, name: str, batch: int, seq: int, seed: int) -> Alternatives:
+    build = _BUILDERS.get(name)
+    return build(model, cfg, batch, seq, seed) if build is not None else []
+
+
+_EXTRA_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")  # dual encoders: text + pixels
+
+
+def _hf_candidates(model: nn.Module, params: list[inspect.Parameter], main: str, batch: int, seq: int,
+                   seed: int, meta: bool) -> Iterator[Candidate]:
+    cfg = model.config
+    mains = _hf_inputs(model, cfg, main, batch, seq, seed)
+    if not mains:
+        return
+    extras = {n: alts for n in _EXTRA_INPUTS if n != main and _takes(params, n, explicitly=True)
+              for alts in [_hf_inputs(model, cfg, n, batch, seq, seed)] if alts}
+    # encoder-decoders that do not shift the encoder input into decoder inputs themselves (T5, Whisper, Marian)
+    decoder = (_hf_inputs(model, cfg, "decoder_input_ids", batch, seq, seed)
+               if _takes(params, "decoder_input_ids", explicitly=True) else [])
+    fixed: dict[str, Any] = {}
+    if meta and getattr(cfg, "use_cache", None) is False and _takes(params, "use_cache"):
+        # Without a cache, transformers checks the position ids for packed sequences, a data-dependent test a
+        # meta tensor cannot answer; a cache changes no module's consumers, so the meta trace asks for one.
+        fixed["use_cache"] = True
+    extra_sets = [extras, {}] if extras else [{}]
+    for chosen in extra_sets:
+        names = [main, *chosen, *(["decoder_input_ids"] if decoder else [])]
+        options = [mains, *chosen.values(), *([decoder] if decoder else [])]
+        for combo in itertools.product(*options):
+            inputs = {n: alt[0] for n, alt in zip(names, combo)}
+            yield Candidate({**inputs, **fixed}, combo[0][1], combo[0][2])
+
+
+# -- timm and other image models: a tensor for the first argument -------------------------------------------------
+
+
+def _image_candidates(model: nn.Module, batch: int, seed: int) -> Iterator[Candidate]:
     pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
-    if isinstance(pcfg, dict) and pcfg.get("input_size"):
-        size = tuple(pcfg["input_size"])
-        img = getattr(model, "patch_embed", None)
-        if img is not None and getattr(img, "img_size", None):  # timm models built with a non-default size
-            size = (size[0], *tuple(img.img_size))
-        x = torch.randn(batch, *size, generator=torch.Generator().manual_seed(0), device="cpu").to(device, dtype)
-        return x, batch, "image"
+    declared = tuple(pcfg["input_size"]) if isinstance(pcfg, dict) and pcfg.get("input_size") else None
+    if declared is None and next(pi.module_attrs(model, "img_size"), None) is None:
+        return  # nothing says this model takes images
+    chans = pi.image_channels(model, declared[0] if declared else None)
+    for size in pi.image_sizes(model, declared[1:] if declared else None):
+        yield Candidate(pi.pixels(batch, chans, size, seed), batch, "image")
+
+
+# -- choosing and explaining --------------------------------------------------------------------------------------
+
+
+def _to(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    def move(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.to(device, dtype) if t.is_floating_point() else t.to(device)
+
+    return {k: move(v) for k, v in inputs.items()} if isinstance(inputs, dict) else move(inputs)
+
+
+def _refusal(model: nn.Module, inputs: Any, device: torch.device) -> Exception | None:
+    """Run the model on ``inputs`` (eval mode, no grad, RNG state kept); the exception it raises, if any."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            call_model(model, inputs)
+    except Exception as exc:  # a probe the model cannot take: try the next one
+        return exc
+    finally:
+        for m, t in flags:
+            m.training = t
+    return None
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    shape = tuple(t.shape)
+    return f"torch.randn{shape}" if t.is_floating_point() else f"torch.zeros({shape}, dtype=torch.long)"
+
+
+def example(inputs: dict[str, Any]) -> str:
+    """``convert(model, probe={...})`` with the shapes of ``inputs`` (``...`` for an argument with no tensor)."""
+    body = ", ".join(f"{k!r}: {_describe(v) if v is not None else '...'}" for k, v in inputs.items())
+    return f"convert(model, probe={{{body}}})"
+
+
+def _leaf_hint(model: nn.Module) -> str:
+    """An example tensor for a model we know nothing about, from its first layer."""
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            return f"torch.randint(0, {m.num_embeddings}, (2, 8))"
+        if isinstance(m, nn.Linear):
+            return f"torch.randn(2, {m.in_features})"
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+            return f"torch.randn(2, {m.in_channels}, {', '.join(['32'] * (m.weight.dim() - 2))})"
+    return "<tensor>"
+
+
+def _missing_error(model: nn.Module, missing: list[str], built: dict[str, Any]) -> ProbeError:
+    """Name the arguments no builder can make, with an example probe holding what could be built."""
+    what = ("argument " if len(missing) == 1 else "arguments ") + ", ".join(f"`{n}`" for n in missing)
+    hint = {**built, **{n: None for n in missing}}
+    ex = example(hint)
+    if not built and len(missing) == 1:
+        ex = f"convert(model, probe={_leaf_hint(model)})  # or probe={{{missing[0]!r}: ...}}"
+    return ProbeError(f"cannot build a probe input for {type(model).__name__}: nothing in its config or modules "
+                      f"describes its {what}; pass probe=... "
+                      f"(a tensor, a tuple of positional args or a dict of keyword args), e.g. {ex}")
+
+
+def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0) -> tuple[Any, int, str]:
+    """Return (probe, count, unit): the input, and how many tokens/images/frames it holds (for per-unit figures).
+    ``seed`` draws another input of the same shapes."""
+    device, dtype = _device_dtype(model)
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    params = _signature(base)
+    main = getattr(base, "main_input_name", None)
+
+    def candidates(b: int) -> Iterator[Candidate]:
+        if getattr(base, "config", None) is not None and isinstance(main, str):
+            return _hf_candidates(base, params, main, b, seq, seed, device.type == "meta")
+        return _image_candidates(base, b, seed)
+
+    # a batch of one last: heads that find each row's last token through a pad token the config lacks refuse more
+    more = itertools.chain.from_iterable(candidates(b) for b in dict.fromkeys((batch, 1)))
+    first = next(more, None)
+    required = _required(params)
+    if first is None:
+        names = [main] if isinstance(main, str) else required[:1] or ["input"]
+        raise _missing_error(base, names, {})
+    covered = set(first.inputs) if isinstance(first.inputs, dict) else set(required[:1])
+    missing = [n for n in required if n not in covered]
+    if missing:
+        built = first.inputs if isinstance(first.inputs, dict) else {required[0]: first.inputs}
+        raise _missing_error(base, missing, built)
+    tried: list[tuple[Candidate, Exception]] = []
+    for cand in itertools.chain([first], more):
+        cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
+        err = _refusal(model, cand.inputs, device)
+        if err is None:
+            return cand.inputs, cand.count, cand.unit
+        tried.append((cand, err))
+    cand, err = tried[0]
+    if device.type == "meta":  # a meta forward cannot answer data-dependent checks: the trace will tell
+        return cand.inputs, cand.count, cand.unit
+    shown = cand.inputs if isinstance(cand.inputs, dict) else {(required[:1] or ["input"])[0]: cand.inputs}
     raise ProbeError(
-        f"cannot build a probe input for {type(model).__name__} (not a Hugging Face text/vision model nor a "
-        "timm model with pretrained_cfg['input_size']); pass probe=... (a tensor, a tuple of positional "
-        "args or a dict of keyword args the model accepts)"
-    )
+        f"{type(model).__name__} refused every probe built from its config and signature ({len(tried)} tried); "
+        f"the first failed with {type(err).__name__}: {err}; pass probe=... (a tensor, a tuple of positional "
+        f"args or a dict of keyword args the model accepts), e.g. {example(shown)}") from err

@@ -1,0 +1,154 @@
+"""The automatic probe: built from the model's forward signature, config and module tree, checked by running it;
+when it cannot be built or run, ProbeError names the arguments to pass, with an example."""
+import pytest
+import torch
+from torch import nn
+
+from lmbp_convert import ProbeError, convert
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from probe_families import PROBE_FAMILIES
+
+
+def _shapes(probe):
+    if isinstance(probe, torch.Tensor):
+        return tuple(probe.shape)
+    return {k: tuple(v.shape) for k, v in probe.items()}
+
+
+# what each family's probe must be, from the tiny configs in probe_families (batch 2, seq 8)
+EXPECTED = {
+    # decoder ids sized like the text, opening with decoder_start_token_id where the config sets one
+    "t5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    "umt5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    "bart": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    "marian": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    # pools at the end-of-sequence token: each row ends with eos_token_id (checked below)
+    "bart_classifier": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    # composite encoder-decoders: sizes from config.encoder / config.decoder (ids < each side's vocabulary)
+    "bert2bert": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
+    "vit_gpt2": {"pixel_values": (2, 3, 32, 32), "decoder_input_ids": (2, 8)},
+    # Whisper: num_mel_bins × (max_source_positions × the stride of its input convolutions, 1 · 2) frames
+    "whisper": {"input_features": (2, 8, 16 * 2), "decoder_input_ids": (2, 8)},
+    # raw audio: the samples 10 frames need through conv kernels (10, 3), strides (5, 2): (10−1)·2+3 = 21 → 20·5+10;
+    # 10 frames, not 8: SpecAugment masks spans of mask_time_length (10) frames in training
+    "wav2vec2": {"input_values": (2, 110)},
+    "hubert": {"input_values": (2, 110)},
+    # features (batch, frames, bins) for encoders that transpose themselves: Speech2Text, 8 frames × its input
+    # convolutions' stride 4; Wav2Vec2-BERT stacks 2 × 80 bins, which only its first Linear (160 in) tells
+    "speech_to_text": {"input_features": (2, 32, 16), "decoder_input_ids": (2, 8)},
+    "wav2vec2_bert": {"input_features": (2, 10, 160)},
+    # dual encoders: text and pixels at the vision config's image_size
+    "clip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
+    "siglip": {"input_ids": (2, 8), "pixel_values": (2, 3, 32, 32)},
+    # sequence classification without a pad token: transformers refuses batches > 1
+    "gpt2_classifier": {"input_ids": (1, 8)},
+    # multiple choice: batch × choices × seq
+    "bert_multiple_choice": {"input_ids": (2, 2, 8)},
+    # timm at img_size=160, not pretrained_cfg's 224 (Hiera records no size: its position embedding does)
+    "timm_hiera_160": (2, 3, 160, 160),
+    "timm_mixer_160": (2, 3, 160, 160),
+    "timm_vit_160": (2, 3, 160, 160),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_probe_is_built_from_config_and_signature(family):
+    model = PROBE_FAMILIES[family]()
+    probe, count, unit = make_probe(model)
+    assert _shapes(probe) == EXPECTED[family]
+    with torch.no_grad():
+        call_model(model.eval(), probe)  # the model runs on it
+    cfg = getattr(model, "config", None)
+    start = getattr(cfg, "decoder_start_token_id", None)
+    if isinstance(probe, dict) and "decoder_input_ids" in probe:
+        if start is not None:
+            assert (probe["decoder_input_ids"][:, 0] == start).all()
+        vocab = (cfg.decoder if hasattr(cfg, "decoder") else cfg).vocab_size
+        assert int(probe["decoder_input_ids"].max()) < vocab
+    if isinstance(probe, dict) and "input_ids" in probe:
+        vocab = (cfg.encoder if hasattr(cfg, "encoder") else cfg.get_text_config()).vocab_size
+        assert int(probe["input_ids"].max()) < vocab
+    assert count > 0 and unit in ("token", "image", "frame")
+    if family == "bart_classifier":
+        eos = model.config.eos_token_id
+        assert (probe["input_ids"][:, -1] == eos).all() and int((probe["input_ids"] == eos).sum()) == 2
+
+
+def test_speech_probe_trains_with_spec_augment():
+    """Training masks time spans of mask_time_length frames: the probe is long enough for a training forward."""
+    model = PROBE_FAMILIES["wav2vec2"]().train()
+    probe, count, unit = make_probe(model)
+    out = call_model(model, probe)
+    assert out.last_hidden_state.shape[1] == model.config.mask_time_length and unit == "frame"
+    assert count == 2 * model.config.mask_time_length
+
+
+def test_seed_draws_another_input_of_the_same_shapes():
+    model = PROBE_FAMILIES["clip"]()
+    a, _, _ = make_probe(model)
+    b, _, _ = make_probe(model, seed=1)
+    assert _shapes(a) == _shapes(b)
+    assert not torch.equal(a["input_ids"], b["input_ids"]) and not torch.equal(a["pixel_values"], b["pixel_values"])
+    assert torch.equal(a["input_ids"], make_probe(model)[0]["input_ids"])  # deterministic
+
+
+def test_trying_probes_leaves_modes_and_rng_as_they_were():
+    model = PROBE_FAMILIES["bert_multiple_choice"]().train()  # refuses the 2-D ids first
+    model.bert.encoder.eval()
+    flags = [m.training for m in model.modules()]
+    state = torch.random.get_rng_state()
+    make_probe(model)
+    assert [m.training for m in model.modules()] == flags
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+class _NeedsGraph(nn.Module):
+    """A timm-style image model whose forward also requires an argument no config describes."""
+
+    pretrained_cfg = {"input_size": (3, 8, 8)}
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 2)
+
+    def forward(self, x, edge_index):
+        return self.conv(x)[..., edge_index]
+
+
+def test_argument_it_cannot_build_is_named_with_an_example():
+    model = _NeedsGraph()
+    with pytest.raises(ProbeError) as err:
+        convert(model)
+    msg = str(err.value)
+    assert "`edge_index`" in msg and "pass probe=" in msg
+    # the example holds what could be built, and a slot for what could not
+    assert "convert(model, probe={'x': torch.randn(2, 3, 8, 8), 'edge_index': ...})" in msg
+
+
+def test_model_refusing_every_probe_says_why_and_what_to_pass():
+    class WrongChannels(nn.Module):
+        pretrained_cfg = {"input_size": (3, 8, 8)}  # says 3 channels, takes 4
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 2)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    with pytest.raises(ProbeError, match=r"(?s)expected input\[2, 3, 8, 8\] to have 4 channels.*"
+                                         r"pass probe=.*convert\(model, probe=\{'x': torch.randn\(2, 3, 8, 8\)\}\)"):
+        make_probe(WrongChannels())
+
+
+def test_config_without_sizes_names_the_main_input():
+    model = PROBE_FAMILIES["clip"]()
+    model.config.text_config.vocab_size = 0  # nothing to draw ids from
+    with pytest.raises(ProbeError, match=r"argument `input_ids`.*pass probe="):
+        make_probe(model)
+
+
+def test_unknown_model_gets_an_example_from_its_first_layer():
+    with pytest.raises(ProbeError, match=r"argument `input`.*convert\(model, probe=torch.randn\(2, 8\)\)"):
+        make_probe(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)))
