@@ -20,6 +20,13 @@ FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
+def match_gated_mlps(ctx) -> Iterator[GatedMLPSwap | Skip]:
+    """The matcher (see `lmbp_convert.match.planner.MATCHERS`)."""
+    if ctx.opt.gated_mlp:
+        for swap, skip in find_gated_mlps(ctx):
+            yield swap if swap is not None else skip
+
+
 def find_gated_mlps(planner) -> Iterator[tuple[GatedMLPSwap | None, Skip | None]]:
     g = planner.g
     inside: dict[int, list] = {}
