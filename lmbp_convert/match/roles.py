@@ -55,7 +55,8 @@ class Role:
             object.__setattr__(self, "layout", Layout(self.layout))
 
 
-def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float):
+def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
     x = x.double()
     if kind is NormKind.LAYER:
         y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
