@@ -14,6 +14,7 @@ from typing import Iterator, NamedTuple
 from ..catalogue import class_key
 from ..trace.graph import Node
 from .commute import is_metadata, op_short
+from .context import MatchContext
 from .plan import GatedMLPSwap, Skip
 from .roles import user_hooks
 
@@ -21,15 +22,15 @@ FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-def match_gated_mlps(ctx) -> Iterator[GatedMLPSwap | Skip]:
+def match_gated_mlps(ctx: MatchContext) -> Iterator[GatedMLPSwap | Skip]:
     """The matcher (see `lmbp_convert.match.planner.MATCHERS`)."""
     if ctx.opt.gated_mlp:
         for swap, skip in find_gated_mlps(ctx):
             yield swap if swap is not None else skip
 
 
-def find_gated_mlps(planner) -> Iterator[tuple[GatedMLPSwap | None, Skip | None]]:
-    g = planner.g
+def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Skip | None]]:
+    g = ctx.g
     inside: dict[int, list] = {}
     for node in g.nodes:
         if node.scopes and not is_metadata(node):
@@ -38,16 +39,16 @@ def find_gated_mlps(planner) -> Iterator[tuple[GatedMLPSwap | None, Skip | None]
     for sc in g.scopes:
         nodes = inside.get(sc.idx, [])
         mods = [n for n in nodes if n.kind == "module"]
-        acts = [n for n in mods if planner.roles.get(n.target) and planner.roles[n.target].kind == "activation"]
+        acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind == "activation"]
         if len(acts) != 1 or not sc.module or sc.idx in nested:
             continue
-        if not planner.opt.selected(sc.module):
+        if not ctx.opt.selected(sc.module):
             continue
-        swap_or_reason = _match(planner, sc, nodes, acts[0])
+        swap_or_reason = _match(ctx, sc, nodes, acts[0])
         if isinstance(swap_or_reason, GatedMLPSwap):
             yield swap_or_reason, None
         elif swap_or_reason:
-            yield None, Skip(sc.module, class_key(planner.modules[sc.module]), swap_or_reason)
+            yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
 
 
 class _Shape(NamedTuple):
@@ -58,28 +59,28 @@ class _Shape(NamedTuple):
     gate_first: bool
 
 
-def _match(planner, sc, nodes, act) -> GatedMLPSwap | str | None:
+def _match(ctx, sc, nodes, act) -> GatedMLPSwap | str | None:
     """The swap, a reason it cannot be converted, or None when the scope is not a gated MLP at all."""
-    shape = _gated_shape(planner, sc, nodes, act)
+    shape = _gated_shape(ctx, sc, nodes, act)
     if shape is None:
         return None
-    attrs = _attributes(planner, sc, act, shape)
+    attrs = _attributes(ctx, sc, act, shape)
     if isinstance(attrs, str):
         return attrs
-    g_info = planner.g.tensors[act.inputs[0]]
+    g_info = ctx.g.tensors[act.inputs[0]]
     saved = 2 * math.prod(g_info.shape) * _ITEMSIZE.get(g_info.dtype, 4)  # act(g) and act(g)·u no longer kept
-    module = planner.modules[sc.module]
+    module = ctx.modules[sc.module]
     return GatedMLPSwap(
-        name=sc.module, cls=class_key(module), act=planner.roles[act.target].act, act_module=act.target,
+        name=sc.module, cls=class_key(module), act=ctx.roles[act.target].act, act_module=act.target,
         gate=attrs.get("gate"), up=attrs.get("up"), gate_up=attrs.get("gate_up"), down=attrs["down"],
         gate_first=shape.gate_first, predicted_saved_bytes=saved,
     )
 
 
-def _gated_shape(planner, sc, nodes, act) -> _Shape | None:
+def _gated_shape(ctx, sc, nodes, act) -> _Shape | None:
     mods = [n for n in nodes if n.kind == "module"]
     ops = [n for n in nodes if n.kind == "op"]
-    linears = [n for n in mods if planner.roles[n.target].kind == "linear"]
+    linears = [n for n in mods if ctx.roles[n.target].kind == "linear"]
     if len(linears) not in (2, 3) or len(mods) != len(linears) + 1:
         return None
     producers = {o: n for n in nodes for o in n.outputs}
@@ -91,7 +92,7 @@ def _gated_shape(planner, sc, nodes, act) -> _Shape | None:
     if len(downs) != 1 or sc.outputs != downs[0].outputs:
         return None
     other = next(t for t in mul.inputs if t != act.outputs[0])
-    found = _projections(planner.g, producers, linears, producers.get(act.inputs[0]), producers.get(other), act)
+    found = _projections(ctx.g, producers, linears, producers.get(act.inputs[0]), producers.get(other), act)
     if found is None:
         return None
     projections, gate_first, extra_op = found
@@ -120,18 +121,18 @@ def _projections(g, producers, linears, gate_node, up_node, act):
     return {"gate": gate_node, "up": up_node}, True, None
 
 
-def _attributes(planner, sc, act, shape: _Shape) -> dict[str, str] | str:
+def _attributes(ctx, sc, act, shape: _Shape) -> dict[str, str] | str:
     """It is a gated MLP: the child attribute of each projection, or the reason it cannot be converted."""
-    if planner.g.module_calls.get(sc.module, 0) != 1:
-        return f"gated MLP called {planner.g.module_calls.get(sc.module)} times per forward"
-    hooks = user_hooks(planner.modules[act.target])
-    if hooks or planner.modules[act.target]._forward_pre_hooks:
+    if ctx.g.module_calls.get(sc.module, 0) != 1:
+        return f"gated MLP called {ctx.g.module_calls.get(sc.module)} times per forward"
+    hooks = user_hooks(ctx.modules[act.target])
+    if hooks or ctx.modules[act.target]._forward_pre_hooks:
         return (f"activation {act.target} has hooks registered, which the fused op would not run (it computes "
                 "the activation itself); the activation is converted on its own")
-    act_kind = planner.roles[act.target].act
+    act_kind = ctx.roles[act.target].act
     if act_kind not in FUSED_ACTS:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
-    if planner.roles[shape.down.target].layout != "out_in":
+    if ctx.roles[shape.down.target].layout != "out_in":
         return f"down projection {shape.down.target} is not an nn.Linear"
     prefix = sc.module + "."
     attrs = {}
@@ -139,12 +140,12 @@ def _attributes(planner, sc, act, shape: _Shape) -> dict[str, str] | str:
         if not node.target.startswith(prefix) or "." in node.target[len(prefix):]:
             return f"{role} projection {node.target} is not a direct child of {sc.module}"
         attrs[role] = node.target[len(prefix):]
-    return _extra_state(planner, sc, attrs) or attrs
+    return _extra_state(ctx, sc, attrs) or attrs
 
 
-def _extra_state(planner, sc, attrs: dict[str, str]) -> str | None:
+def _extra_state(ctx, sc, attrs: dict[str, str]) -> str | None:
     """Parameters or buffers of the MLP that the fused op (which keeps only the projections) would drop."""
-    module = planner.modules[sc.module]
+    module = ctx.modules[sc.module]
     kept = {attrs[k] for k in ("gate", "up", "gate_up", "down") if k in attrs}
     for cname, child in module.named_children():
         if cname not in kept and cname != attrs["act"] and any(True for _ in child.parameters()):
