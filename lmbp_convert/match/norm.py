@@ -1,7 +1,7 @@
 """Norm matcher: a LayerNorm/RMSNorm whose output reaches Linear layers through affine-commuting ops becomes a
 `NormFold` — its affine folded into those Linears and re-applied for every other reader.
 
-Three steps, each with a typed result, and a refusal (`_Refused`) with its reason wherever one fails:
+Three steps, each with a typed result, and a refusal (`Refused`) with its reason wherever one fails:
 walk (the readers of the normalised tensor: foldable Linears and the rest) → re-apply sites (a module boundary
 per other reader) → byte prediction and where β goes.
 """
@@ -27,7 +27,7 @@ from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
 CONFIG_KEY = "lmbp_convert"
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """This norm cannot be folded; the message says why (it becomes the skip's reason)."""
 
 
@@ -75,7 +75,7 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
         elif role.kind is RoleKind.NORM:
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
-            except _Refused as why:
+            except Refused as why:
                 yield Skip(name, class_key(mod), str(why))
 
 
@@ -85,7 +85,7 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
         return fold
     w = ctx.modules[fold.name].weight
     if w.device.type != "meta" and not torch.all(w.detach() == fold.param.identity):
-        raise _Refused("config says its affine is folded on disk, but its weight is not the identity; left as is")
+        raise Refused("config says its affine is folded on disk, but its weight is not the identity; left as is")
     fold.prefolded = True
     fold.reapply = []
     return fold
@@ -93,16 +93,16 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
 
 def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
     node = _single_call(ctx, name, mod)
-    walk = _Walker(ctx, nr.shape[0], nr.has_bias).run(node.outputs[0])
+    walk = walk_readers(ctx, node.outputs[0], nr)
     if walk.inplace:
-        raise _Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
+        raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
     if not walk.targets and not demoted:
-        raise _Refused(_no_target_reason(walk.blocks))
+        raise Refused(_no_target_reason(walk.blocks))
     sites = reapply_sites(ctx, walk)
     watched = _watched_by_user_hooks(ctx, name, walk.seen, sites)
     if watched:
-        raise _Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
+        raise Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
                        "next Linears); remove the hook or exclude this norm")
     beta = _beta_mode(mod, nr, walk)
     return NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
@@ -114,16 +114,16 @@ def _single_call(ctx: MatchContext, name: str, mod: nn.Module) -> Node:
     """The norm's one call in the graph, or a refusal."""
     hooks = user_hooks(mod)
     if hooks:  # their meaning would change: the output loses its affine, which moves into the next Linears
-        raise _Refused(f"has {', '.join(hooks)} registered, which would see the normalised output without its "
+        raise Refused(f"has {', '.join(hooks)} registered, which would see the normalised output without its "
                        "affine (folded into the next Linears); remove them or exclude this norm")
     calls = ctx.g.module_calls.get(name, 0)
     if calls == 0:
-        raise _Refused("not called by the probe forward")
+        raise Refused("not called by the probe forward")
     if calls > 1:
-        raise _Refused(f"called {calls} times per forward (shared module)")
+        raise Refused(f"called {calls} times per forward (shared module)")
     (node,) = ctx.g.module_nodes(name)
     if len(node.outputs) != 1:
-        raise _Refused("norm returns more than one tensor")
+        raise Refused("norm returns more than one tensor")
     return node
 
 
@@ -154,12 +154,18 @@ def _beta_mode(mod: nn.Module, nr: NormRole, walk: Walk) -> BetaMode:
         return BetaMode.FOLD
     if not shift_is_expressible(mod.bias, effective_scale(mod.weight, nr.param)):
         bare = next(t.name for t in walk.targets.values() if t.adds_bias)
-        raise _Refused(f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel where β ≠ 0 (β "
+        raise Refused(f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel where β ≠ 0 (β "
                        "cannot move behind the scale)")
     return BetaMode.SHIFT
 
 
 # -- walk --------------------------------------------------------------------------------------------------
+def walk_readers(ctx: MatchContext, out: int, nr: NormRole) -> Walk:
+    """Every reader of the norm's output ``out``, through affine-commuting ops: the Linears the affine can fold
+    into and the others (with why a Linear on the way cannot take it)."""
+    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out)
+
+
 class _Walker:
     """Follows the normalised tensor through affine-commuting ops to the Linears that can take the fold."""
 
@@ -322,7 +328,7 @@ def reapply_sites(ctx: MatchContext, walk: Walk) -> list[ReapplySite]:
     for reader in walk.others:
         site = site_for(ctx, reader, walk.active_scopes)
         if site is None:
-            raise _Refused(f"output also feeds {reader.what}, and there is no module boundary where the affine "
+            raise Refused(f"output also feeds {reader.what}, and there is no module boundary where the affine "
                            "could be re-applied for it")
         key = (site.kind, site.module, site.position, site.keyword)
         if key in sites:
