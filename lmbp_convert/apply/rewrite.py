@@ -66,15 +66,16 @@ class Unit:
             self.applied = False
 
 
-I = TypeVar("I", bound=PlanItem)
+ItemT = TypeVar("ItemT", bound=PlanItem)
+BuildFn = Callable[["UnitBuilder", ItemT], "Unit"]
 #: plan item class → the function that builds its unit (the match layer cannot import modules, so the
 #: item's ``build_unit`` finds its builder here)
 BUILDERS: dict[type, Callable[["UnitBuilder", PlanItem], Unit]] = {}
 
 
-def builds(item_cls: type[I]) -> Callable[[Callable[["UnitBuilder", I], Unit]], Callable[["UnitBuilder", I], Unit]]:
+def builds(item_cls: type[ItemT]) -> Callable[[BuildFn], BuildFn]:
     """Decorator: register ``fn(builder, item) -> Unit`` as the unit builder of ``item_cls`` (and subclasses)."""
-    def register(fn: Callable[["UnitBuilder", I], Unit]) -> Callable[["UnitBuilder", I], Unit]:
+    def register(fn: BuildFn) -> BuildFn:
         BUILDERS[item_cls] = fn
         return fn
     return register

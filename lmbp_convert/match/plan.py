@@ -268,7 +268,7 @@ class Plan:
 
     def drop(self, item: PlanItem, reason: str) -> None:
         """Take ``item`` out of the plan and record why (a rewrite rolled back after verification)."""
-        self.items.remove(item)
+        self.items = [it for it in self.items if it is not item]
         self.skips.append(Skip(item.name, item.cls, reason))
 
     def to_dict(self) -> dict:
