@@ -12,7 +12,8 @@ from torch import nn
 
 import lmbp_convert.match.planner as planner
 from lmbp_convert import convert, plan_conversion
-from lmbp_convert.apply.rewrite import BUILDERS, Unit, UnitBuilder
+import lmbp_convert.apply.rewrite as rewrite
+from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
 from lmbp_convert.catalogue import class_key
 from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
@@ -60,7 +61,8 @@ def build_tanh(builder: UnitBuilder, item: TanhSwap) -> Unit:
 def tanh_kind(monkeypatch):
     register_item(TanhSwap)
     monkeypatch.setattr(planner, "MATCHERS", [*planner.MATCHERS, match_tanh])
-    monkeypatch.setitem(BUILDERS, TanhSwap, build_tanh)
+    monkeypatch.setattr(rewrite, "BUILDERS", dict(rewrite.BUILDERS))  # builds() below registers in this copy
+    builds(TanhSwap)(build_tanh)
     yield TanhSwap
     unregister_item(TanhSwap)
 
