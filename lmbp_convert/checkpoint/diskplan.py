@@ -19,7 +19,7 @@ from ..kinds import Layout, StrChoice, WeightParam
 from ..match.plan import NormFold, Plan, PlanItem, Skip
 from ..report import fmt_bytes
 from .errors import CheckpointError
-from .models import KeyMap, ModelView, map_keys
+from .models import KeyMap, ModelSource, ModelView, map_keys
 from .sources import Source, unindexed_key
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -374,7 +374,7 @@ class _Planner:
     def _notes(self, written: list[PlanItem]) -> list[str]:
         notes = []
         if written:
-            where = ("output_hidden_states, or another head class on the same weights" if self.view.kind == "hf"
+            where = ("output_hidden_states, or another head class on the same weights" if self.view.kind is ModelSource.HF
                      else "forward_features, or a reset/removed head")
             notes.append(f"DST reproduces the outputs of {self.view.arch}; features read right after a folded "
                          f"norm ({where}) lack its affine")
