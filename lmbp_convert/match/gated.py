@@ -8,18 +8,17 @@ the same projection submodules (same names, same state_dict keys), which saves o
 """
 from __future__ import annotations
 
-import math
 from typing import Iterator, NamedTuple
 
 from ..catalogue import class_key
-from ..trace.graph import Node
+from ..kinds import Layout
+from ..trace.graph import Node, NodeKind
 from .commute import is_metadata, op_short
-from .context import MatchContext
+from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
-from .roles import user_hooks
+from .roles import RoleKind, user_hooks
 
 FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 def match_gated_mlps(ctx: MatchContext) -> Iterator[GatedMLPSwap | Skip]:
@@ -38,8 +37,8 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
     nested = {sc.parent for sc in g.scopes if sc.parent is not None}
     for sc in g.scopes:
         nodes = inside.get(sc.idx, [])
-        mods = [n for n in nodes if n.kind == "module"]
-        acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind == "activation"]
+        mods = [n for n in nodes if n.kind is NodeKind.MODULE]
+        acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.ACTIVATION]
         if len(acts) != 1 or not sc.module or sc.idx in nested:
             continue
         if not ctx.opt.selected(sc.module):
@@ -67,8 +66,7 @@ def _match(ctx, sc, nodes, act) -> GatedMLPSwap | str | None:
     attrs = _attributes(ctx, sc, act, shape)
     if isinstance(attrs, str):
         return attrs
-    g_info = ctx.g.tensors[act.inputs[0]]
-    saved = 2 * math.prod(g_info.shape) * _ITEMSIZE.get(g_info.dtype, 4)  # act(g) and act(g)·u no longer kept
+    saved = 2 * tensor_bytes(ctx.g, act.inputs[0])[1]  # act(g) and act(g)·u are no longer kept
     module = ctx.modules[sc.module]
     return GatedMLPSwap(
         name=sc.module, cls=class_key(module), act=ctx.roles[act.target].act, act_module=act.target,
@@ -78,9 +76,9 @@ def _match(ctx, sc, nodes, act) -> GatedMLPSwap | str | None:
 
 
 def _gated_shape(ctx, sc, nodes, act) -> _Shape | None:
-    mods = [n for n in nodes if n.kind == "module"]
-    ops = [n for n in nodes if n.kind == "op"]
-    linears = [n for n in mods if ctx.roles[n.target].kind == "linear"]
+    mods = [n for n in nodes if n.kind is NodeKind.MODULE]
+    ops = [n for n in nodes if n.kind is NodeKind.OP]
+    linears = [n for n in mods if ctx.roles[n.target].kind is RoleKind.LINEAR]
     if len(linears) not in (2, 3) or len(mods) != len(linears) + 1:
         return None
     producers = {o: n for n in nodes for o in n.outputs}
@@ -132,7 +130,7 @@ def _attributes(ctx, sc, act, shape: _Shape) -> dict[str, str] | str:
     act_kind = ctx.roles[act.target].act
     if act_kind not in FUSED_ACTS:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
-    if ctx.roles[shape.down.target].layout != "out_in":
+    if ctx.roles[shape.down.target].layout is not Layout.OUT_IN:
         return f"down projection {shape.down.target} is not an nn.Linear"
     prefix = sc.module + "."
     attrs = {}

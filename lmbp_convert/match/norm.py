@@ -17,7 +17,7 @@ from torch import nn
 from ..catalogue import class_key
 from ..fold import effective_scale, shift_is_expressible
 from ..kinds import BetaMode, NormKind, ReapplyKind
-from ..trace.graph import Node
+from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .plan import LinearTarget, NormFold, ReapplySite, Skip
@@ -189,7 +189,7 @@ class _Walker:
                     continue
                 if c.info.get("inplace"):
                     w.inplace.append(f"{op_short(c)} in {self.ctx.scope_name(c)}")
-                elif c.kind == "module":
+                elif c.kind is NodeKind.MODULE:
                     self._module(c, tid, axis, via)
                 elif not (c.inputs and c.inputs[0] != tid and op_short(c).endswith("_as")):  # else: shape only
                     self._op(c, tid, axis, via)
@@ -346,7 +346,7 @@ def site_for(ctx: MatchContext, reader: Reader, active: set[int]) -> ReapplySite
     if consumer is None:  # escapes as a model output
         return ReapplySite(ReapplyKind.ROOT_OUTPUT, "", paths=[list(p) for p in g.root_outputs[tid]],
                            consumer="model output")
-    if consumer.kind == "module":
+    if consumer.kind is NodeKind.MODULE:
         slots = consumer.info["slots"].get(tid, [])
         if len(slots) == 1 and g.module_calls.get(consumer.target) == 1:
             pos, kw = slots[0]
@@ -375,7 +375,7 @@ def _watched_by_user_hooks(ctx: MatchContext, norm: str, affine_less: set[int],
     is re-applied at that very input (that re-apply runs first), or a forward/backward hook on a module that
     returns it. Verification cannot see an observing hook, so such a fold is refused."""
     reapplied = {(s.module, s.position, s.keyword) for s in sites if s.kind is ReapplyKind.MODULE_INPUT}
-    calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind == "module"]
+    calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind is NodeKind.MODULE]
     calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
               for sc in ctx.g.scopes if sc.module]
     for mname, slots, outputs in calls:
