@@ -95,3 +95,22 @@ def test_declared_affine_state(cls):
     assert "affine=reapplied, param=1+w" in repr(kept)
     x = torch.randn(2, 8)
     assert torch.equal(kept(x), cls(8, eps=1e-5)(x))  # forward never reads the kept affine
+
+
+def test_modules_pickled_before_the_declared_state_still_load():
+    import pickle
+
+    from lmbp_convert.kinds import AffineState, WeightParam
+
+    old = MSRMSNorm(8)
+    old.register_parameter("weight", nn.Parameter(torch.rand(8)))
+    for attr in ("affine", "param"):
+        del old.__dict__[attr]
+    old.__dict__["reapply_param"] = "1+w"  # how a re-applying norm recorded its parameterisation
+    new = pickle.loads(pickle.dumps(old))
+    assert (new.affine, new.param, new.reapply_param) == (AffineState.REAPPLIED, WeightParam.ONE_PLUS_W, "1+w")
+    folded = MSLayerNorm(8, identity_affine="zero")
+    for attr in ("affine", "param"):
+        del folded.__dict__[attr]
+    back = pickle.loads(pickle.dumps(folded))
+    assert (back.affine, back.param) == (AffineState.FOLDED, WeightParam.ONE_PLUS_W)
