@@ -12,7 +12,8 @@ from torch import nn
 
 from ..catalogue import load_catalogue
 from ..errors import NothingToConvertError
-from ..match.plan import Plan
+from ..match.norm import CONFIG_KEY, prefolded_norms
+from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
@@ -24,8 +25,8 @@ from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
                      float_tensors, run_probe)
 
-#: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk.
-CONFIG_KEY = "lmbp_convert"
+__all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
+
 REPORT_ATTR = "lmbp_report"
 
 
@@ -33,23 +34,16 @@ def _is_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
 
-def prefolded_norms(model: nn.Module) -> set[str]:
-    cfg = getattr(model, "config", None)
-    rec = getattr(cfg, CONFIG_KEY, None) if cfg is not None else None
-    if isinstance(rec, dict):
-        return set(rec.get("folded_norms", []))
-    return set()
-
-
 @keeps_model_device
 def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
-                    **overrides: Any) -> tuple[Plan, Any, Any]:
-    """Trace and plan without changing anything. Returns (plan, probe, reference output)."""
+                    **overrides: Any) -> Plan:
+    """Trace and plan without changing anything. The plan also carries (not serialised) the probe it was made
+    on, ``plan.probe``, and the model's output on it, ``plan.reference_output``."""
     opt, probe = resolve_options(options, probe, overrides)
     return _plan(model, opt, probe)
 
 
-def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> tuple[Plan, Any, Any]:
+def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     cat = load_catalogue()
@@ -60,11 +54,11 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> tuple[Plan, Any,
         probe, count, unit = make_probe(model)
     with eval_mode(model):
         graph, out = trace(model, probe, is_leaf_factory(model, roles))
-    plan = make_plan(model, graph, roles, opt)
+    plan = make_plan(model, graph, roles, opt, prefolded_norms(model))
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit
-    _mark_prefolded(model, plan)
-    return plan, probe, out
+    plan.probe, plan.reference_output = probe, out
+    return plan
 
 
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
@@ -96,28 +90,6 @@ def _batch_of(probe: Any) -> int:
     return int(t.shape[0]) if t is not None and t.dim() else 1
 
 
-def _mark_prefolded(model: nn.Module, plan: Plan) -> None:
-    done = prefolded_norms(model)
-    if not done:
-        return
-    modules = dict(model.named_modules())
-    keep = []
-    for f in plan.norm_folds:
-        if f.name in done:
-            w = modules[f.name].weight
-            ident = 1.0 if f.param == "w" else 0.0
-            if w.device.type != "meta" and not torch.all(w.detach() == ident):
-                from ..match.plan import Skip
-
-                plan.skips.append(Skip(f.name, f.cls, "config says its affine is folded on disk, but its weight "
-                                                      "is not the identity; left as is"))
-                continue
-            f.prefolded = True
-            f.reapply = []
-        keep.append(f)
-    plan.norm_folds = keep
-
-
 @keeps_model_device
 def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
             return_report: bool = False, **overrides: Any):
@@ -147,7 +119,9 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     opt, probe = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
         _check_patterns(model, opt)
-    plan, probe, reference = _plan(model, opt, probe)
+    plan = _plan(model, opt, probe)
+    probe, reference = plan.probe, plan.reference_output
+    plan.probe = plan.reference_output = None  # the report keeps the plan: not the probe data and outputs
     report = ConversionReport(plan)
     if plan.empty:
         if plan.already_converted:
@@ -161,13 +135,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
             f"feeding a Linear (catalogue: lmbp_convert/patterns/catalogue.json). Candidates:\n{skipped}"
         )
     builder = UnitBuilder(model)
-    units: list[tuple[Unit, object]] = []
-    for g in plan.gated_mlps:
-        units.append((builder.gated_mlp(g), g))
-    for n in plan.norm_folds:
-        units.append((builder.norm(n), n))
-    for a in plan.act_swaps:
-        units.append((builder.activation(a), a))
+    units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
     try:  # everything prepared: from here on only references change, and any exception undoes them all
@@ -220,7 +188,7 @@ def _isolate_failures(model, probe, reference, units, rtol, report) -> Compariso
         if cmp.verdict(rtol) == FAILED:
             u.undo()
             report.rolled_back.append((u.label, cmp.error))
-            _drop(report.plan, item)
+            report.plan.drop(item, "rolled back: changed the probe outputs beyond tolerance")
     return compare_outputs(run_probe(model, probe), reference)
 
 
@@ -271,15 +239,6 @@ def _warn_orphans(model: nn.Module, before: dict[str, nn.Parameter]) -> None:
     warnings.warn("convert() ran on a model whose parameters already have gradients, so an optimizer may exist: "
                   + "; ".join(parts) + ". An optimizer built before convert() keeps updating the old tensors and "
                   "never sees the new ones: build (or rebuild) it after convert()", UserWarning, stacklevel=3)
-
-
-def _drop(plan: Plan, item) -> None:
-    from ..match.plan import Skip
-
-    for lst in (plan.act_swaps, plan.norm_folds, plan.gated_mlps):
-        if item in lst:
-            lst.remove(item)
-            plan.skips.append(Skip(item.name, item.cls, "rolled back: changed the probe outputs beyond tolerance"))
 
 
 def _attach(model: nn.Module, report: ConversionReport) -> None:

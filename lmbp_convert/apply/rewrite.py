@@ -7,13 +7,14 @@ tensors are kept until the conversion is accepted).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, identity_weight_value, shift_through_scale
-from ..match.plan import ActSwap, GatedMLPSwap, NormFold
+from ..kinds import BetaMode, NormKind, ReapplyKind
+from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
 
@@ -63,6 +64,21 @@ class Unit:
             for _, undo in reversed(self.steps):
                 undo()
             self.applied = False
+
+
+ItemT = TypeVar("ItemT", bound=PlanItem)
+BuildFn = Callable[["UnitBuilder", ItemT], "Unit"]
+#: plan item class → the function that builds its unit (the match layer cannot import modules, so the
+#: item's ``build_unit`` finds its builder here)
+BUILDERS: dict[type, Callable[["UnitBuilder", PlanItem], Unit]] = {}
+
+
+def builds(item_cls: type[ItemT]) -> Callable[[BuildFn], BuildFn]:
+    """Decorator: register ``fn(builder, item) -> Unit`` as the unit builder of ``item_cls`` (and subclasses)."""
+    def register(fn: BuildFn) -> BuildFn:
+        BUILDERS[item_cls] = fn
+        return fn
+    return register
 
 
 class UnitBuilder:
@@ -150,6 +166,14 @@ class UnitBuilder:
         unit.steps.append((lambda: box.append(register()), undo))
 
     # -- units ----------------------------------------------------------------------------------
+    def build(self, item: PlanItem) -> Unit:
+        """The unit of any plan item, by the builder registered for its class (`builds`)."""
+        for cls in type(item).__mro__:
+            if cls in BUILDERS:
+                return BUILDERS[cls](self, item)
+        raise TypeError(f"no unit builder for plan item {type(item).__qualname__}: register one with "
+                        "lmbp_convert.apply.rewrite.builds, or override its build_unit()")
+
     def activation(self, swap: ActSwap) -> Unit:
         from ..nn.activations import ApproxActivation
 
@@ -158,61 +182,68 @@ class UnitBuilder:
         return unit
 
     def norm(self, fold: NormFold) -> Unit:
-        from ..nn.norms import MSLayerNorm, MSRMSNorm
-
         unit = Unit(f"norm {fold.name}")
         old = self.modules[fold.name]
-        weight = old.weight
         bias = getattr(old, "bias", None) if fold.has_bias else None
-        cls = MSLayerNorm if fold.kind == "layer" else MSRMSNorm
-        if fold.reapply:
-            # Other branches still need γ, β: the MS norm keeps the original Parameters (same objects, same
-            # state_dict keys) and the hooks read them; the forward itself never does.
-            new = cls(tuple(fold.shape), fold.eps)
-            new.register_parameter("weight", weight)
-            if bias is not None:
-                new.register_parameter("bias", bias)
-            new.reapply_param = fold.param
-        else:
-            ident = "one" if identity_weight_value(fold.param) == 1.0 else "zero"
-            new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
-            if fold.kind == "layer" and (bias is None or fold.beta == "shift") and "bias" in new._buffers:
-                del new._buffers["bias"]
-            if fold.beta == "shift":  # the norm keeps β/γ as its own parameter (same key); see AddShift
-                shift = shift_through_scale(bias, effective_scale(weight, fold.param))
-                new.register_parameter("bias", nn.Parameter(shift, requires_grad=bias.requires_grad))
+        new = self._ms_norm(fold, old.weight, bias)
         self.swap_module(unit, fold.name, new)
         if not fold.prefolded:
-            gamma = effective_scale(weight, fold.param)
+            gamma = effective_scale(old.weight, fold.param)
             for t in fold.targets:
-                lin = self.modules[t.name]
-                if t.base:  # LoRA-wrapped: A(γ·x̂) = (A·diag(γ))·x̂; β only reaches the base (planner checked)
-                    for adapter in t.lora_adapters:
-                        a = getattr(lin, t.lora_a_attr)[adapter]
-                        a_new = fold_lora_a(a.weight, gamma)
-                        if a.weight.device.type != "meta":
-                            self.swap_data(unit, a.weight, a_new)
-                    lin = getattr(lin, t.base)
-                w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma,
-                                           bias if fold.beta == "fold" else None, t.layout)
-                if lin.weight.device.type != "meta":
-                    self._set_weight(unit, lin, w_new)
-                    if b_new is not None:
-                        if getattr(lin, "bias", None) is None:
-                            self.set_attr(unit, lin, "bias",
-                                          nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
-                        else:
-                            self.swap_data(unit, lin.bias, b_new)
+                self._fold_into(unit, t, gamma, bias if fold.beta is BetaMode.FOLD else None)
         loader = FoldOnLoad.for_fold(self.modules, fold)  # an unfolded checkpoint loaded later is folded too
         self.add_hook(unit, lambda h=loader: self.model.register_load_state_dict_pre_hook(h))
-        if fold.beta == "shift":
+        self._add_norm_hooks(unit, fold, new)
+        return unit
+
+    @staticmethod
+    def _ms_norm(fold: NormFold, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        """The memory-sharing norm that replaces the folded one."""
+        from ..nn.norms import MSLayerNorm, MSRMSNorm
+
+        cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
+        if fold.reapply:  # other branches still need γ, β: the MS norm keeps them for the re-apply hooks
+            return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
+        ident = "one" if identity_weight_value(fold.param) == 1.0 else "zero"
+        new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
+        if fold.kind is NormKind.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
+            del new._buffers["bias"]
+        if fold.beta is BetaMode.SHIFT:  # the norm keeps β/γ as its own parameter (same key); see AddShift
+            shift = shift_through_scale(bias, effective_scale(weight, fold.param))
+            new.register_parameter("bias", nn.Parameter(shift, requires_grad=bias.requires_grad))
+        return new
+
+    def _fold_into(self, unit: Unit, t: LinearTarget, gamma: torch.Tensor, beta: torch.Tensor | None) -> None:
+        """W' = W·diag(γ), b' = b + W·β into one target Linear (and γ into its LoRA adapters' A)."""
+        lin = self.modules[t.name]
+        if t.base:  # LoRA-wrapped: A(γ·x̂) = (A·diag(γ))·x̂; β only reaches the base (planner checked)
+            for adapter in t.lora_adapters:
+                a = getattr(lin, t.lora_a_attr)[adapter]
+                a_new = fold_lora_a(a.weight, gamma)
+                if a.weight.device.type != "meta":
+                    self.swap_data(unit, a.weight, a_new)
+            lin = getattr(lin, t.base)
+        w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, beta, t.layout)
+        if lin.weight.device.type == "meta":
+            return
+        self._set_weight(unit, lin, w_new)
+        if b_new is None:
+            return
+        if getattr(lin, "bias", None) is None:
+            self.set_attr(unit, lin, "bias", nn.Parameter(b_new, requires_grad=lin.weight.requires_grad))
+        else:
+            self.swap_data(unit, lin.bias, b_new)
+
+    def _add_norm_hooks(self, unit: Unit, fold: NormFold, new: nn.Module) -> None:
+        """The shift for targets without a bias, and the affine re-applied for every other reader."""
+        if fold.beta is BetaMode.SHIFT:
             for t in fold.targets:
                 lin = self.modules[t.name]
                 lin = getattr(lin, t.base) if t.base else lin
                 hook = AddShift(new, t.layout, behind_scale=bool(fold.reapply))
                 self.add_hook(unit, lambda h=hook, m=lin: m.register_forward_hook(h))
         for site in fold.reapply:
-            if site.kind == "root_output":
+            if site.kind is ReapplyKind.ROOT_OUTPUT:
                 hook = ReapplyOutput(new, site.paths)
                 self.add_hook(unit, lambda h=hook: register_output_reapply(self.model, h))
             else:
@@ -220,7 +251,6 @@ class UnitBuilder:
                 target = self.modules[site.module]
                 self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
                                                                                           prepend=True))
-        return unit
 
     def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:
         tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is lin.weight) > 1
@@ -243,3 +273,6 @@ class UnitBuilder:
             kw["gate"], kw["up"] = swap.gate, swap.up
         self.swap_module(unit, swap.name, MSGatedMLP(**kw))
         return unit
+
+
+BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp})

@@ -14,13 +14,14 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..kinds import Verification
 from ..trace.containers import children
 from ..trace.tracer import call_model
 
-PASSED = "passed"
-FAILED = "failed"
-CANNOT_VERIFY = "cannot verify"
-NOT_RUN = "not run"
+PASSED = Verification.PASSED
+FAILED = Verification.FAILED
+CANNOT_VERIFY = Verification.CANNOT_VERIFY
+NOT_RUN = Verification.NOT_RUN
 
 
 def _float_tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -71,7 +72,7 @@ class Comparison:
     compared: int
     mismatch: str | None = None  # why the outputs differ beyond numbers (structure, non-finite positions)
 
-    def verdict(self, rtol: float) -> str:
+    def verdict(self, rtol: float) -> Verification:
         if self.mismatch is not None:
             return FAILED
         if self.compared == 0:

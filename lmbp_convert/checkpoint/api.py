@@ -109,7 +109,7 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
         make_view = None if timm_model else (lambda r: build_hf(r, src_path, dtype))
         view = build_timm(timm_model, dict(timm_kwargs or {}), dtype) if timm_model else make_view(raw)
         try:
-            plan, _, _ = plan_conversion(view.model, opts)
+            plan = plan_conversion(view.model, opts)
         except Exception as exc:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"cannot trace {view.arch} on the meta device: {msg}") from exc

@@ -1,5 +1,9 @@
-"""From the walker's plan to what happens on disk: which folds a plain checkpoint can hold, and what each output
-tensor is made of. Pure decisions, no tensor data read.
+"""From the walker's plan to what happens on disk: which rewrites a plain checkpoint can hold, and what each
+output tensor is made of. Pure decisions, no tensor data read.
+
+The planner loops over the plan's items and asks each kind's `DiskRule` (`DISK_RULES`) whether and how the item
+rewrites stored tensors. A kind without a rule is a module swap only, which ``convert()`` makes when it loads
+the written checkpoint; today only norm folds change weights.
 """
 from __future__ import annotations
 
@@ -8,26 +12,34 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from ..apply.convert import CONFIG_KEY
-from ..match.plan import NormFold, Plan, Skip
+from ..kinds import Layout, StrChoice, WeightParam
+from ..match.plan import NormFold, Plan, PlanItem, Skip
 from ..report import fmt_bytes
 from .errors import CheckpointError
-from .models import KeyMap, ModelView, map_keys
+from .models import KeyMap, ModelSource, ModelView, map_keys
 from .sources import Source, unindexed_key
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class ActionKind(StrChoice):
+    IDENTITY = "identity"  # a folded norm's weight: the identity of its parameterisation
+    ZERO = "zero"  # a folded norm's bias
+    FOLD_W = "fold_w"  # a Linear's weight: W·diag(γ)
+    FOLD_B = "fold_b"  # a Linear's bias: b + W·β
 
 
 @dataclass
 class Action:
     """How an output tensor is computed from the source (keys are source checkpoint keys)."""
 
-    kind: str  # "identity" (norm weight), "zero" (norm bias), "fold_w" (Linear weight), "fold_b" (Linear bias)
+    kind: ActionKind
     norm: str
-    param: str = "w"  # the norm's parameterisation: "w" or "1+w"
-    layout: str = "out_in"
+    param: WeightParam = WeightParam.W  # the norm's parameterisation
+    layout: Layout = Layout.OUT_IN
     gamma: str | None = None
     beta: str | None = None
     weight: str | None = None  # the Linear's original weight (fold_b needs it: b' = b + W·β)
@@ -54,7 +66,7 @@ class DiskPlan:
 
     view: ModelView
     plan: Plan
-    folds: list[NormFold]
+    folds: list[PlanItem]  # the items written into the tensors (norm folds)
     skips: list[Skip]
     shards: list[OutShard]
     record: dict
@@ -86,8 +98,7 @@ class DiskPlan:
     def to_dict(self) -> dict:
         return {
             "architecture": self.view.arch,
-            "folds": [{"norm": f.name, "kind": f.kind, "param": f.param,
-                       "into": [t.name for t in f.targets]} for f in self.folds],
+            "folds": [DISK_RULES[type(f)].summary(f) for f in self.folds],
             "skips": [asdict(s) for s in self.skips],
             "untied": list(self.untied),
             "predicted_saved_bytes_per_" + self.plan.probe_unit: self.saved_per_unit,
@@ -103,9 +114,7 @@ class DiskPlan:
     def describe(self) -> str:
         lines = [f"lmbp-convert plan for {self.view.arch}: {len(self.folds)} norm(s) folded into the following "
                  f"Linear layers, {len(self.skips)} skipped"]
-        for f in self.folds:
-            kind = f"{f.kind}, {'1+w' if f.param == '1+w' else 'w'}" + (", +bias" if f.has_bias else "")
-            lines.append(f"  fold {f.name} [{kind}] -> {', '.join(t.name for t in f.targets)}")
+        lines += [DISK_RULES[type(f)].describe(f) for f in self.folds]
         for s in self.skips:
             lines.append(f"  skip {s.name}: {s.reason}")
         for u in self.untied:
@@ -195,75 +204,57 @@ class _Planner:
         return None
 
     # -- decisions -------------------------------------------------------------------------------------------
-    def _first_problem(self, f: NormFold) -> tuple[str | None, bool]:
-        """(reason to skip, needs untying)."""
-        if f.prefolded:
-            return "already folded on disk (config.json records it)", False
-        if f.reapply:
-            where = "; ".join(r.describe() for r in f.reapply)
-            return (f"its affine must be re-applied at run time for {where}, which a plain checkpoint cannot "
-                    "express (convert() does it when it loads the model)"), False
-        for t in f.targets:
-            if t.adds_bias:
-                return (f"{t.name} has no bias to take the norm's shift (beta); the plain architecture cannot "
-                        "express the fold"), False
-        names = [f"{f.name}.weight"] + ([f"{f.name}.bias"] if f.has_bias else [])
-        needs_untie = False
-        for t in f.targets:
-            names.append(f"{t.name}.weight")
-            if f"{t.name}.bias" in self.view.state:
-                names.append(f"{t.name}.bias")
-            w = self.view.state.get(f"{t.name}.weight")
-            if w is None:
-                return f"{t.name} has no weight tensor", False
-            if len(w[0]) != 2 or [w[0][1] if t.layout == "out_in" else w[0][0]] != list(f.shape):
-                return f"{t.name}.weight has shape {list(w[0])}, which does not take {f.shape[0]} inputs", False
-            if len(self.view.group(f"{t.name}.weight")) > 1:
-                if not self.untie:
-                    return f"{t.name}.weight is tied (--untie folds into an untied copy)", False
-                needs_untie = True
-        for n in names:
-            problem = self._tensor_problem(n)
-            if problem:
-                return problem, False
-        return None, needs_untie
-
     def run(self) -> DiskPlan:
-        cands: list[tuple[NormFold, bool]] = []
-        for f in self.plan.norm_folds:
-            reason, needs_untie = self._first_problem(f)
-            if reason:
-                self.skips.append(Skip(f.name, f.cls, reason))
-            else:
-                cands.append((f, needs_untie))
-        dst_view, dst_raw = self.view, self.raw
-        if any(u for _, u in cands):
-            dst_raw, dst_view, why = self._untied_view()
-            keep = []
-            for f, u in cands:
-                tied = [f"{t.name}.weight" for t in f.targets if len(dst_view.group(f"{t.name}.weight")) > 1]
-                if u and why:
-                    self.skips.append(Skip(f.name, f.cls, why))
-                elif u and tied:
-                    self.skips.append(Skip(f.name, f.cls, f"{tied[0]} stays tied to "
-                                           f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
-                                           "tie_word_embeddings=false"))
-                else:
-                    keep.append((f, u))
-            cands = keep
-            if not any(u for _, u in cands):
-                dst_view, dst_raw = self.view, self.raw
+        cands = self._candidates()
+        dst_view, dst_raw, cands = self._untie(cands)
         claims: dict[str, Action] = {}
-        folds: list[NormFold] = []
-        for f, _ in cands:
-            acts = self._actions(f)
-            problem = self._claim_problem(f, acts, dst_view, claims)
+        written: list[PlanItem] = []
+        for item, _ in cands:
+            rule = DISK_RULES[type(item)]
+            acts = rule.actions(self, item)
+            problem = self._claim_problem(item, rule.targets(item), acts, dst_view, claims)
             if problem:
-                self.skips.append(Skip(f.name, f.cls, problem))
+                self.skips.append(Skip(item.name, item.cls, problem))
                 continue
             claims.update(acts)
-            folds.append(f)
-        return self._outputs(folds, claims, dst_view, dst_raw)
+            written.append(item)
+        return self._outputs(written, claims, dst_view, dst_raw)
+
+    def _candidates(self) -> list[tuple[PlanItem, bool]]:
+        """(item, needs untying) for every item whose kind rewrites tensors and that a plain checkpoint can hold;
+        a skip with its reason for the others."""
+        cands = []
+        for item in self.plan.items:
+            rule = DISK_RULES.get(type(item))
+            if rule is None:
+                continue  # a module swap only: convert() makes it when it loads the checkpoint
+            reason, needs_untie = rule.problem(self, item)
+            if reason:
+                self.skips.append(Skip(item.name, item.cls, reason))
+            else:
+                cands.append((item, needs_untie))
+        return cands
+
+    def _untie(self, cands: list[tuple[PlanItem, bool]]) -> tuple[ModelView, dict | None, list]:
+        """(DST view, DST config, candidates kept) once the items that need an untied head are settled."""
+        if not any(u for _, u in cands):
+            return self.view, self.raw, cands
+        dst_raw, dst_view, why = self._untied_view()
+        keep = []
+        for item, u in cands:
+            tied = [f"{t}.weight" for t in DISK_RULES[type(item)].targets(item)
+                    if len(dst_view.group(f"{t}.weight")) > 1]
+            if u and why:
+                self.skips.append(Skip(item.name, item.cls, why))
+            elif u and tied:
+                self.skips.append(Skip(item.name, item.cls, f"{tied[0]} stays tied to "
+                                       f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
+                                       "tie_word_embeddings=false"))
+            else:
+                keep.append((item, u))
+        if not any(u for _, u in keep):
+            return self.view, self.raw, keep
+        return dst_view, dst_raw, keep
 
     def _untied_view(self) -> tuple[dict | None, ModelView, str | None]:
         """(DST config, DST model view, reason why untying is impossible or None)."""
@@ -275,49 +266,59 @@ class _Planner:
             return self.raw, self.view, "tie_word_embeddings=false changes this model's tensors; cannot untie it"
         return raw, view, None
 
-    def _actions(self, f: NormFold) -> dict[str, Action]:
-        gk = self.key_of(f"{f.name}.weight")
-        bk = self.key_of(f"{f.name}.bias") if f.has_bias else None
-        acts = {f"{f.name}.weight": Action("identity", f.name, f.param)}
-        if f.has_bias:
-            acts[f"{f.name}.bias"] = Action("zero", f.name, f.param)
-        for t in f.targets:
-            acts[f"{t.name}.weight"] = Action("fold_w", f.name, f.param, t.layout, gamma=gk)
-            if f"{t.name}.bias" in self.view.state and bk is not None:
-                acts[f"{t.name}.bias"] = Action("fold_b", f.name, f.param, t.layout, gamma=gk, beta=bk,
-                                                weight=self.key_of(f"{t.name}.weight"))
-        return acts
-
-    def _claim_problem(self, f: NormFold, acts: dict[str, Action], dst: ModelView,
+    @staticmethod
+    def _claim_problem(item: PlanItem, targets: list[str], acts: dict[str, Action], dst: ModelView,
                        claims: dict[str, Action]) -> str | None:
+        """Why the tensors ``item`` rewrites cannot be (shared with a layer it does not rewrite, or already
+        rewritten by another item)."""
         for name in acts:
             group = dst.group(name)
-            if name.startswith(f.name + ".") and len(group) > 1:
+            if name.startswith(item.name + ".") and len(group) > 1:
                 return f"{name} is shared with {', '.join(sorted(group - {name}))}"
             for other in sorted(group - {name}):
                 owner = other.rsplit(".", 1)[0]
-                if owner in dst.linear_like and not any(other.startswith(t.name + ".") for t in f.targets):
+                if owner in dst.linear_like and not any(other.startswith(t + ".") for t in targets):
                     return f"{name} is shared with {other}, another layer that the fold would change"
             for member in group:
                 if member in claims:
                     return f"{member} is already rewritten by the fold of {claims[member].norm}"
         return None
 
-    def _outputs(self, folds: list[NormFold], claims: dict[str, Action], dst: ModelView,
+    # -- outputs ---------------------------------------------------------------------------------------------
+    def _outputs(self, written: list[PlanItem], claims: dict[str, Action], dst: ModelView,
                  dst_raw: dict | None) -> DiskPlan:
-        src = self.src
+        shards, nbytes = self._shards(claims, dst)
+        untied = self._untied_tensors(shards, nbytes, claims, dst)
+        record = self._record(written, untied)
+        config = None
+        if dst_raw is not None:
+            config = copy.deepcopy(dst_raw)
+            config[CONFIG_KEY] = record
+        out_shards = [shards[s] for s in self.src.shards]
+        index_name, index = self._index(out_shards, nbytes, untied)
+        dtype = next((str(p.dtype).replace("torch.", "") for p in self.view.model.parameters()
+                      if p.is_floating_point()), "float32")
+        return DiskPlan(self.view, self.plan, written, self.skips, out_shards, record, nbytes, dtype, index_name,
+                        index, config, untied, notes=self._notes(written))
+
+    def _shards(self, claims: dict[str, Action], dst: ModelView) -> tuple[dict[str, OutShard], dict[str, int]]:
+        """Per source shard, its tensors and how each is made (output key → bytes alongside)."""
         shards: dict[str, OutShard] = {}
         nbytes: dict[str, int] = {}
-        for s in src.shards:
+        for s in self.src.shards:
             out = shards[s] = OutShard(self.out_name(s), s)
-            for info in src.shard_tensors(s):
+            for info in self.src.shard_tensors(s):
                 act = None
                 m = self.km.plain.get(info.key)
                 if m is not None:
                     act = next((claims[n] for n in sorted(dst.group(m)) if n in claims), None)
                 out.tensors.append(OutTensor(info.key, info.key, act))
                 nbytes[info.key] = info.nbytes
-        # tensors that untying splits off a stored twin: written explicitly, next to their source
+        return shards, nbytes
+
+    def _untied_tensors(self, shards: dict[str, OutShard], nbytes: dict[str, int], claims: dict[str, Action],
+                        dst: ModelView) -> list[str]:
+        """Tensors that untying splits off a stored twin: written explicitly, next to their source."""
         untied: list[str] = []
         written = set(self.km.plain.values())
         for group in sorted({g for g in dst.groups.values()}, key=lambda g: sorted(g)):
@@ -333,15 +334,19 @@ class _Planner:
             if name in nbytes:
                 raise CheckpointError(f"cannot add untied tensor {name!r}: the checkpoint already has a tensor "
                                       "of that name")
-            shards[src.infos[key].shard].tensors.append(OutTensor(name, key, claims.get(name)))
-            nbytes[name] = src.infos[key].nbytes
+            shards[self.src.infos[key].shard].tensors.append(OutTensor(name, key, claims.get(name)))
+            nbytes[name] = self.src.infos[key].nbytes
             untied.append(name)
             written |= group
+        return untied
+
+    def _record(self, written: list[PlanItem], untied: list[str]) -> dict:
+        """What config.json records of the conversion (earlier folds of a converted SRC included)."""
         from .. import __version__
 
         record = {
             "version": __version__,
-            "folded_norms": [f.name for f in folds],
+            "folded_norms": [f.name for f in written],
             "architecture": self.view.arch,
             "options": self.options,
             "untied": untied,
@@ -351,40 +356,122 @@ class _Planner:
             earlier = [n for n in prev["folded_norms"] if n not in record["folded_norms"]]
             record["folded_norms"] = earlier + record["folded_norms"]
             record["untied"] = list(dict.fromkeys([*prev.get("untied", []), *untied]))
-        config = None
-        if dst_raw is not None:
-            config = copy.deepcopy(dst_raw)
-            config[CONFIG_KEY] = record
-        index_name = index = None
-        out_shards = [shards[s] for s in src.shards]
-        if src.index is not None:
-            index_name = SAFETENSORS_INDEX
-            meta = dict(src.index.get("metadata") or {}) if src.fmt == "safetensors" else {}
-            meta["total_size"] = sum(nbytes.values())
-            if isinstance(meta.get("total_parameters"), int):  # untied tensors are parameters of their own now
-                meta["total_parameters"] += sum(math.prod(src.infos[t.source].shape)
-                                                for s in out_shards for t in s.tensors if t.key in untied)
-            index = {"metadata": meta,
-                     "weight_map": {t.key: s.name for s in out_shards for t in s.tensors}}
-        dtype = next((str(p.dtype).replace("torch.", "") for p in self.view.model.parameters()
-                      if p.is_floating_point()), "float32")
+        return record
+
+    def _index(self, out_shards: list[OutShard], nbytes: dict[str, int],
+               untied: list[str]) -> tuple[str | None, dict | None]:
+        src = self.src
+        if src.index is None:
+            return None, None
+        meta = dict(src.index.get("metadata") or {}) if src.fmt == "safetensors" else {}
+        meta["total_size"] = sum(nbytes.values())
+        if isinstance(meta.get("total_parameters"), int):  # untied tensors are parameters of their own now
+            meta["total_parameters"] += sum(math.prod(src.infos[t.source].shape)
+                                            for s in out_shards for t in s.tensors if t.key in untied)
+        return SAFETENSORS_INDEX, {"metadata": meta, "weight_map": {t.key: s.name for s in out_shards
+                                                                    for t in s.tensors}}
+
+    def _notes(self, written: list[PlanItem]) -> list[str]:
         notes = []
-        if folds:
-            where = ("output_hidden_states, or another head class on the same weights" if self.view.kind == "hf"
+        if written:
+            where = ("output_hidden_states, or another head class on the same weights" if self.view.kind is ModelSource.HF
                      else "forward_features, or a reset/removed head")
             notes.append(f"DST reproduces the outputs of {self.view.arch}; features read right after a folded "
                          f"norm ({where}) lack its affine")
         if self.km.ignored:
             notes.append(f"{len(self.km.ignored)} tensor(s) the model ignores on load copied as they are "
                          f"(e.g. {self.km.ignored[0]})")
-        return DiskPlan(self.view, self.plan, folds, self.skips, out_shards, record, nbytes, dtype, index_name,
-                        index, config, untied, notes=notes)
+        return notes
+
+
+# -- rules per plan item kind ------------------------------------------------------------------------------------
+class DiskRule(Protocol):
+    """How the items of one kind go into a plain checkpoint."""
+
+    def problem(self, p: _Planner, item: PlanItem) -> tuple[str | None, bool]:
+        """(why a plain checkpoint cannot hold it or None, whether it needs an untied head)."""
+
+    def actions(self, p: _Planner, item: PlanItem) -> dict[str, Action]:
+        """Model tensor name → how its output tensor is made."""
+
+    def targets(self, item: PlanItem) -> list[str]:
+        """The other layers whose tensors it rewrites."""
+
+    def summary(self, item: PlanItem) -> dict:
+        """Its entry in the disk plan's JSON."""
+
+    def describe(self, item: PlanItem) -> str:
+        """Its line in the printed disk plan."""
+
+
+class FoldOnDisk:
+    """A norm fold: γ (and β) written into the following Linears, the norm's weight set to the identity."""
+
+    def problem(self, p: _Planner, f: NormFold) -> tuple[str | None, bool]:
+        if f.prefolded:
+            return "already folded on disk (config.json records it)", False
+        if f.reapply:
+            where = "; ".join(r.describe() for r in f.reapply)
+            return (f"its affine must be re-applied at run time for {where}, which a plain checkpoint cannot "
+                    "express (convert() does it when it loads the model)"), False
+        bare = next((t.name for t in f.targets if t.adds_bias), None)
+        if bare is not None:
+            return (f"{bare} has no bias to take the norm's shift (beta); the plain architecture cannot express "
+                    "the fold"), False
+        return self._tensor_problem(p, f)
+
+    @staticmethod
+    def _tensor_problem(p: _Planner, f: NormFold) -> tuple[str | None, bool]:
+        names = [f"{f.name}.weight"] + ([f"{f.name}.bias"] if f.has_bias else [])
+        needs_untie = False
+        for t in f.targets:
+            names.append(f"{t.name}.weight")
+            if f"{t.name}.bias" in p.view.state:
+                names.append(f"{t.name}.bias")
+            w = p.view.state.get(f"{t.name}.weight")
+            if w is None:
+                return f"{t.name} has no weight tensor", False
+            if len(w[0]) != 2 or [w[0][1] if t.layout is Layout.OUT_IN else w[0][0]] != list(f.shape):
+                return f"{t.name}.weight has shape {list(w[0])}, which does not take {f.shape[0]} inputs", False
+            if len(p.view.group(f"{t.name}.weight")) > 1:
+                if not p.untie:
+                    return f"{t.name}.weight is tied (--untie folds into an untied copy)", False
+                needs_untie = True
+        problem = next((pr for pr in map(p._tensor_problem, names) if pr), None)
+        return (problem, False) if problem else (None, needs_untie)
+
+    def actions(self, p: _Planner, f: NormFold) -> dict[str, Action]:
+        gk = p.key_of(f"{f.name}.weight")
+        bk = p.key_of(f"{f.name}.bias") if f.has_bias else None
+        acts = {f"{f.name}.weight": Action(ActionKind.IDENTITY, f.name, f.param)}
+        if f.has_bias:
+            acts[f"{f.name}.bias"] = Action(ActionKind.ZERO, f.name, f.param)
+        for t in f.targets:
+            acts[f"{t.name}.weight"] = Action(ActionKind.FOLD_W, f.name, f.param, t.layout, gamma=gk)
+            if f"{t.name}.bias" in p.view.state and bk is not None:
+                acts[f"{t.name}.bias"] = Action(ActionKind.FOLD_B, f.name, f.param, t.layout, gamma=gk, beta=bk,
+                                                weight=p.key_of(f"{t.name}.weight"))
+        return acts
+
+    def targets(self, f: NormFold) -> list[str]:
+        return [t.name for t in f.targets]
+
+    def summary(self, f: NormFold) -> dict:
+        return {"norm": f.name, "kind": f.kind, "param": f.param, "into": self.targets(f)}
+
+    def describe(self, f: NormFold) -> str:
+        kind = f"{f.kind}, {f.param}" + (", +bias" if f.has_bias else "")
+        return f"  fold {f.name} [{kind}] -> {', '.join(self.targets(f))}"
+
+
+#: plan item class → how its items go on disk (kinds not listed are module swaps only)
+DISK_RULES: dict[type, DiskRule] = {NormFold: FoldOnDisk()}
 
 
 def plan_disk(src: Source, view: ModelView, plan: Plan, *, untie: bool, raw_config: dict | None,
               make_view: Callable[[dict], ModelView] | None, out_name: Callable[[str], str],
               options: dict) -> DiskPlan:
-    """Decide which of ``plan``'s norm folds go on disk and how each output tensor is made."""
+    """Decide which of ``plan``'s items go on disk and how each output tensor is made."""
     return _Planner(src, view, plan, untie, raw_config, make_view, out_name, options).run()
 
 

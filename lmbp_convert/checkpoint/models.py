@@ -16,7 +16,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..kinds import StrChoice
 from .errors import CheckpointError
+
+
+class ModelSource(StrChoice):
+    """Which library builds the model a checkpoint holds."""
+
+    HF = "hf"  # Hugging Face transformers, from config.json
+    TIMM = "timm"  # timm, by model name
 
 
 @dataclass
@@ -24,15 +32,18 @@ class ModelView:
     """A meta-device model plus what the converter needs to know about its tensors."""
 
     model: nn.Module
-    kind: str  # "hf" | "timm"
+    kind: ModelSource
     arch: str  # class name (HF: the class that loads the checkpoint) or timm model name
     state: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # name → (shape, dtype)
     groups: dict[str, frozenset[str]] = field(default_factory=dict)  # parameter name → names sharing it
     linear_like: set[str] = field(default_factory=set)  # modules that hold both a weight and a bias
     named_arch: bool = True  # HF: the class came from config.json's architectures (not the AutoModel default)
 
+    def __post_init__(self) -> None:
+        self.kind = ModelSource(self.kind)
+
     @classmethod
-    def of(cls, model: nn.Module, kind: str, arch: str) -> "ModelView":
+    def of(cls, model: nn.Module, kind: ModelSource | str, arch: str) -> "ModelView":
         v = cls(model, kind, arch)
         v.state = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
         owners: dict[int, list[str]] = defaultdict(list)
@@ -158,7 +169,7 @@ def build_hf(raw: dict, root: Path, dtype: torch.dtype | None) -> ModelView:
     except Exception as exc:
         raise CheckpointError(f"cannot build {arch} from config.json: {_one_line(exc)}") from exc
     model.eval()
-    view = ModelView.of(model, "hf", arch)
+    view = ModelView.of(model, ModelSource.HF, arch)
     view.named_arch = bool(raw.get("architectures"))
     return view
 
@@ -176,7 +187,7 @@ def build_timm(name: str, kwargs: dict[str, Any], dtype: torch.dtype | None) -> 
     except Exception as exc:
         raise CheckpointError(f"cannot build timm model {name!r} with {kwargs}: {_one_line(exc)}") from exc
     model.eval()
-    return ModelView.of(model, "timm", name)
+    return ModelView.of(model, ModelSource.TIMM, name)
 
 
 # -- checkpoint key → model name -----------------------------------------------------------------------------
@@ -211,7 +222,7 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
     converters: list = []
     rename = None
     order = sorted(keys)
-    if view.kind == "hf":
+    if view.kind is ModelSource.HF:
         try:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
@@ -224,7 +235,7 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
             order = sorted(keys, key=dot_natural_key)
         except ImportError:  # older transformers: exact names and the base-model prefix only
             rename = None
-    prefix = getattr(view.model, "base_model_prefix", "") if view.kind == "hf" else ""
+    prefix = getattr(view.model, "base_model_prefix", "") if view.kind is ModelSource.HF else ""
 
     def fallback(k: str) -> str:
         if k in meta or not prefix:
@@ -235,7 +246,7 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
             return f"{prefix}.{k}"
         return k
 
-    ignore = _ignore_regex(view) if view.kind == "hf" else None
+    ignore = _ignore_regex(view) if view.kind is ModelSource.HF else None
     seen: dict[str, str] = {}
     for k in order:
         pattern = None
@@ -258,7 +269,7 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
             km.ignored.append(k)
             continue
         hint = ("config.json names no architectures, so the checkpoint was read as the base model; add "
-                "\"architectures\" to it" if view.kind == "hf" and not view.named_arch else
+                "\"architectures\" to it" if view.kind is ModelSource.HF and not view.named_arch else
                 "is config.json from another model?")
         raise CheckpointError(f"tensor {k!r} in {where(k)} is not expected by the config ({view.arch} has no "
                               f"{m!r}); {hint}")

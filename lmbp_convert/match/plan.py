@@ -1,44 +1,157 @@
-"""A conversion plan: plain, printable, serialisable data shared by ``convert()`` and the checkpoint CLI."""
+"""A conversion plan: plain, printable, serialisable data shared by ``convert()`` and the checkpoint CLI.
+
+The plan is a list of *plan items*, one class per rewrite kind, all deriving from `PlanItem`: an item describes
+itself for the report, predicts the activation bytes it saves, serialises, and builds its reversible unit
+(`PlanItem.build_unit`). Everything that handles plans — ``convert()``, verification and rollback, the report,
+the checkpoint CLI — loops over items and never names a kind, so a new rewrite is a new item class (registered
+with `register_item`) plus the matcher that finds it (`lmbp_convert.match.planner.MATCHERS`).
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
+
+from ..kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+
+if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
+    from ..apply.rewrite import Unit, UnitBuilder
+
+_KINDS: dict[str, type["PlanItem"]] = {}  # serialisation tag → item class, in registration (= report) order
+T = TypeVar("T", bound="PlanItem")
+
+
+def register_item(cls: type[T]) -> type[T]:
+    """Class decorator: make a plan item kind known to `Plan.from_dict` and the report (under ``cls.tag``)."""
+    if not cls.tag:
+        raise ValueError(f"{cls.__name__} needs a non-empty tag (its section in a serialised plan)")
+    known = _KINDS.get(cls.tag)
+    if known is not None and known is not cls and known.__qualname__ != cls.__qualname__:
+        raise ValueError(f"plan item tag {cls.tag!r} is already used by {known.__qualname__}")
+    _KINDS[cls.tag] = cls
+    return cls
+
+
+def unregister_item(cls: type["PlanItem"]) -> None:
+    """Forget a kind registered with `register_item` (tests, plug-ins that are unloaded)."""
+    if _KINDS.get(cls.tag) is cls:
+        del _KINDS[cls.tag]
+
+
+def item_kinds() -> list[type["PlanItem"]]:
+    """The registered plan item classes, in registration order (the report's section order)."""
+    return list(_KINDS.values())
+
+
+@dataclass
+class PlanItem:
+    """One planned rewrite of one module. Subclasses are dataclasses that add their fields and a
+    ``predicted_saved_bytes: int`` field (activation bytes the rewrite saves on the probe forward)."""
+
+    tag: ClassVar[str] = ""  # its section in a serialised plan ("norm_folds"); unique among kinds
+    noun: ClassVar[str] = ""  # plural for the report's summary line ("norms")
+    heading: ClassVar[str] = ""  # first line of its report section
+
+    name: str  # the module rewritten
+    cls: str  # its class (catalogue key)
+
+    def claims(self) -> set[str]:
+        """Modules this rewrite takes over: matchers that run later leave them alone."""
+        return {self.name}
+
+    def describe(self) -> list[str]:
+        """Its lines in the report (indented by two spaces)."""
+        return [f"  {self.name} ({self.cls.split(':')[-1]})"]
+
+    @classmethod
+    def report_lines(cls, items: list["PlanItem"]) -> list[str]:
+        """The report section for this kind's items (never called with none)."""
+        return [f"{cls.heading or cls.noun}:"] + [line for it in items for line in it.describe()]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlanItem":
+        return cls(**data)
+
+    def build_unit(self, builder: "UnitBuilder") -> "Unit":
+        """The reversible rewrite of a live model (`lmbp_convert.apply.rewrite.Unit`). The builder finds the
+        function registered for this class (``lmbp_convert.apply.rewrite.builds``), since this layer cannot
+        import modules or kernels; an item defined outside the package may override this method instead."""
+        return builder.build(self)
 
 
 @dataclass
 class LinearTarget:
     name: str
-    layout: str  # "out_in" (nn.Linear) or "in_out" (HF Conv1D)
+    layout: Layout
     via: list[str] = field(default_factory=list)  # commuting ops between the norm and this Linear
     adds_bias: bool = False  # the Linear has no bias but the norm has β
     base: str | None = None  # LoRA-wrapped Linear: attribute of the base layer (folded like a Linear) ...
     lora_adapters: list[str] = field(default_factory=list)  # ... and adapters whose lora_A gets A·diag(γ)
     lora_a_attr: str | None = None
 
+    def __post_init__(self) -> None:
+        self.layout = Layout(self.layout)
+
 
 @dataclass
 class ReapplySite:
     """Where the folded-out affine is put back for a consumer that is not a folded Linear."""
 
-    kind: str  # "module_input" (forward pre-hook) or "root_output" (forward hook on the model)
+    kind: ReapplyKind
     module: str  # module name ("" for the root)
     position: int | None = None
     keyword: str | None = None
     paths: list[list] = field(default_factory=list)  # for root_output: paths in the output structure
     consumer: str = ""
 
+    def __post_init__(self) -> None:
+        self.kind = ReapplyKind(self.kind)
+
     def describe(self) -> str:
-        if self.kind == "root_output":
+        if self.kind is ReapplyKind.ROOT_OUTPUT:
             return f"model output {', '.join('.'.join(map(str, p)) for p in self.paths)}"
         slot = f"arg {self.position}" if self.keyword is None else f"{self.keyword}="
         return f"input {slot} of {self.module or '<model>'}"
 
 
+@register_item
 @dataclass
-class NormFold:
-    name: str
-    cls: str
-    kind: str  # "layer" | "rms"
-    param: str  # "w" | "1+w"
+class ActSwap(PlanItem):
+    """An activation module swapped for an approximate-backprop one that keeps a ``bits``-bit code per element."""
+
+    tag = "act_swaps"
+    noun = "activations"
+    heading = "activations → approx-BP"
+
+    kind: str  # activation kind: an open set, the ops layer's table (lmbp_convert.ops.activations)
+    bits: int
+    predicted_saved_bytes: int = 0
+
+    def describe(self) -> list[str]:
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, {self.bits} bits)"]
+
+    @classmethod
+    def report_lines(cls, items: list["ActSwap"]) -> list[str]:
+        kinds = Counter(f"{a.kind}/{a.bits}-bit" for a in items)
+        summary = f"{cls.heading}: " + ", ".join(f"{v}× {k}" for k, v in kinds.items())
+        return [summary] + [line for a in items for line in a.describe()]
+
+
+@register_item
+@dataclass
+class NormFold(PlanItem):
+    """A norm swapped for a memory-sharing one, its affine folded into the Linears it feeds (``targets``) and
+    re-applied for any other consumer (``reapply``)."""
+
+    tag = "norm_folds"
+    noun = "norms"
+    heading = "norms → memory-sharing (affine folded into)"
+
+    kind: NormKind
+    param: WeightParam
     eps: float
     shape: list[int]
     has_bias: bool
@@ -47,24 +160,36 @@ class NormFold:
     caveats: list[str] = field(default_factory=list)
     predicted_saved_bytes: int = 0
     prefolded: bool = False  # weights already folded on disk (checkpoint CLI): swap only
-    # where β goes: "fold" (into the Linears' biases), "shift" (a target has no bias: β stays the norm's own
-    # parameter and each target adds W·β after its matmul, so no state-dict key is added), "none" (no β)
-    beta: str = "fold"
+    beta: BetaMode = BetaMode.FOLD
+
+    def __post_init__(self) -> None:
+        self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
+
+    def describe(self) -> list[str]:
+        into = ", ".join(t.name + (" (+bias)" if t.adds_bias else "") for t in self.targets)
+        tag = " [weights already folded]" if self.prefolded else ""
+        lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]
+        lines += [f"      affine re-applied at {r.describe()}" for r in self.reapply]
+        return lines + [f"      note: {c}" for c in self.caveats]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NormFold":
+        d = dict(data)
+        d["targets"] = [LinearTarget(**t) for t in d.get("targets", [])]
+        d["reapply"] = [ReapplySite(**r) for r in d.get("reapply", [])]
+        return cls(**d)
 
 
+@register_item
 @dataclass
-class ActSwap:
-    name: str
-    cls: str
-    kind: str
-    bits: int
-    predicted_saved_bytes: int = 0
+class GatedMLPSwap(PlanItem):
+    """A gated MLP (act(gate(x))·up(x) → down) replaced by the memory-sharing fused op over the same
+    projection modules."""
 
+    tag = "gated_mlps"
+    noun = "gated MLPs"
+    heading = "gated MLPs → memory-sharing fused op"
 
-@dataclass
-class GatedMLPSwap:
-    name: str
-    cls: str
     act: str  # activation kind
     act_module: str
     gate: str | None
@@ -74,6 +199,13 @@ class GatedMLPSwap:
     gate_first: bool = True
     predicted_saved_bytes: int = 0
 
+    def claims(self) -> set[str]:
+        return {self.name, self.act_module}  # its activation is computed inside the fused op
+
+    def describe(self) -> list[str]:
+        lay = self.gate_up if self.gate_up else f"{self.gate}, {self.up}"
+        return [f"  {self.name} ({self.act}; {lay} → {self.down})"]
+
 
 @dataclass
 class Skip:
@@ -82,40 +214,89 @@ class Skip:
     reason: str
 
 
+#: fields of a serialised plan that are not item sections
+_PLAN_FIELDS = ("skips", "already_converted", "probe_tokens", "probe_unit", "options")
+
+
 @dataclass
 class Plan:
-    act_swaps: list[ActSwap] = field(default_factory=list)
-    norm_folds: list[NormFold] = field(default_factory=list)
-    gated_mlps: list[GatedMLPSwap] = field(default_factory=list)
+    """The items in the order their units are applied (gated MLPs, norms, activations: matcher order), the
+    skips with their reasons, and what the plan was made from. ``probe`` and ``reference_output`` (the probe
+    forward's output, which verification compares with) are run-time data: not serialised, not compared."""
+
+    items: list[PlanItem] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
     already_converted: list[str] = field(default_factory=list)
     probe_tokens: int = 0
     probe_unit: str = "token"
     options: dict = field(default_factory=dict)
+    probe: Any = field(default=None, repr=False, compare=False)
+    reference_output: Any = field(default=None, repr=False, compare=False)
+
+    def __iter__(self) -> Iterator[PlanItem]:
+        return iter(self.items)
+
+    def of(self, kind: type[T]) -> list[T]:
+        """The items of exactly this class, in plan order."""
+        return [it for it in self.items if type(it) is kind]
+
+    def kinds(self) -> list[type[PlanItem]]:
+        """Every registered kind (report order), then any unregistered kind the plan holds."""
+        known = item_kinds()
+        return known + list(dict.fromkeys(type(it) for it in self.items if type(it) not in known))
+
+    # read-only views by kind, kept for code written against the three fixed lists
+    @property
+    def act_swaps(self) -> list[ActSwap]:
+        return self.of(ActSwap)
+
+    @property
+    def norm_folds(self) -> list[NormFold]:
+        return self.of(NormFold)
+
+    @property
+    def gated_mlps(self) -> list[GatedMLPSwap]:
+        return self.of(GatedMLPSwap)
 
     @property
     def empty(self) -> bool:
-        return not (self.act_swaps or self.norm_folds or self.gated_mlps)
+        return not self.items
 
     @property
     def predicted_saved_bytes(self) -> int:
-        return sum(x.predicted_saved_bytes for x in [*self.act_swaps, *self.norm_folds, *self.gated_mlps])
+        return sum(it.predicted_saved_bytes for it in self.items)
+
+    def drop(self, item: PlanItem, reason: str) -> None:
+        """Take ``item`` out of the plan and record why (a rewrite rolled back after verification)."""
+        self.items = [it for it in self.items if it is not item]
+        self.skips.append(Skip(item.name, item.cls, reason))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """One list per kind under its tag (sections in plan order, then the kinds it has none of): the layout
+        plans have always had, so earlier plan files read back."""
+        out: dict[str, Any] = {}
+        for it in self.items:
+            out.setdefault(it.tag, []).append(it.to_dict())
+        for kind in item_kinds():
+            out.setdefault(kind.tag, [])
+        out["skips"] = [asdict(s) for s in self.skips]
+        out.update(already_converted=list(self.already_converted), probe_tokens=self.probe_tokens,
+                   probe_unit=self.probe_unit, options=dict(self.options))
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        def norm(d):
-            d = dict(d)
-            d["targets"] = [LinearTarget(**t) for t in d.get("targets", [])]
-            d["reapply"] = [ReapplySite(**r) for r in d.get("reapply", [])]
-            return NormFold(**d)
-
+        items: list[PlanItem] = []
+        for key, entries in data.items():
+            if key in _PLAN_FIELDS or key in {f.name for f in fields(cls)}:
+                continue
+            kind = _KINDS.get(key)
+            if kind is None:
+                raise ValueError(f"the plan has items of unknown kind {key!r} (known: {', '.join(_KINDS)}); "
+                                 "import the module that registers that kind first")
+            items += [kind.from_dict(d) for d in entries]
         return cls(
-            act_swaps=[ActSwap(**a) for a in data.get("act_swaps", [])],
-            norm_folds=[norm(n) for n in data.get("norm_folds", [])],
-            gated_mlps=[GatedMLPSwap(**g) for g in data.get("gated_mlps", [])],
+            items=items,
             skips=[Skip(**s) for s in data.get("skips", [])],
             already_converted=list(data.get("already_converted", [])),
             probe_tokens=data.get("probe_tokens", 0),

@@ -14,31 +14,52 @@ from torch import nn
 
 from ..catalogue import Catalogue, class_key
 from ..fold import norm_scale
+from ..kinds import Layout, NormKind, StrChoice, WeightParam
+
+
+class RoleKind(StrChoice):
+    ACTIVATION = "activation"
+    NORM = "norm"
+    LINEAR = "linear"
+    QUANTIZED_LINEAR = "quantized_linear"
+    DROPOUT = "dropout"
+    IDENTITY = "identity"
+    OTHER = "other"
 
 
 @dataclass(frozen=True)
 class NormRole:
-    kind: str  # "layer" | "rms"
-    param: str  # "w" | "1+w"
+    kind: NormKind
+    param: WeightParam
     eps: float
     shape: tuple[int, ...]
     has_bias: bool
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", NormKind(self.kind))
+        object.__setattr__(self, "param", WeightParam(self.param))
+
 
 @dataclass(frozen=True)
 class Role:
-    kind: str  # "activation" | "norm" | "linear" | "quantized_linear" | "dropout" | "identity" | "other"
-    act: str | None = None
+    kind: RoleKind
+    act: str | None = None  # activation kind (the ops layer's table)
     norm: NormRole | None = None
-    layout: str | None = None  # linear weight layout: "out_in" (nn.Linear) or "in_out" (HF Conv1D)
+    layout: Layout | None = None  # linear weight layout
     p: float | None = None  # dropout probability
     lora: dict | None = None  # for LoRA-wrapped Linears: catalogue entry (base layer / adapter attributes)
     problem: str | None = None  # why a would-be norm cannot be used
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", RoleKind(self.kind))
+        if self.layout is not None:
+            object.__setattr__(self, "layout", Layout(self.layout))
 
-def _reference(kind: str, param: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, eps: float):
+
+def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
     x = x.double()
-    if kind == "layer":
+    if kind is NormKind.LAYER:
         y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
     else:
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -80,8 +101,8 @@ def identify_norm(module: nn.Module, entry: dict, eps: float | None) -> NormRole
             return f"behaviour check failed to run ({type(exc).__name__}: {exc})"
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return "norm does not map a (N, C) tensor to the same shape"
-    kinds = [entry["kind"]] if entry.get("kind") else ["rms", "layer"]
-    params = [entry["param"]] if entry.get("param") else ["w", "1+w"]
+    kinds = [NormKind(entry["kind"])] if entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
+    params = [WeightParam(entry["param"])] if entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
     for kind in kinds:
         for param in params:
             ref = _reference(kind, param, x, probe.weight.detach(), probe.bias.detach() if b is not None else None, eps)
@@ -132,35 +153,37 @@ def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
 def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     act = cat.activation_kind(mod)
     if act is not None:
-        return Role("activation", act=act)
+        return Role(RoleKind.ACTIVATION, act=act)
     entry = cat.norm_entry(mod)
     if entry is not None:
         found = identify_norm(mod, entry, cat.eps_of(mod))
         if isinstance(found, NormRole):
-            return Role("norm", norm=found)
-        return Role("other", problem=f"{class_key(mod)}: {found}")
+            return Role(RoleKind.NORM, norm=found)
+        return Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
     layout = cat.linear_layout(mod)
     if layout is not None:
-        return Role("linear", layout=layout)
+        return Role(RoleKind.LINEAR, layout=layout)
     if quantized_linear(mod):  # traced as one node, so the planner sees the layer, not its dequantising ops
-        return Role("quantized_linear")
+        return Role(RoleKind.QUANTIZED_LINEAR)
     lora = cat.lora_entry(mod)
     if lora is not None:
         base = getattr(mod, lora["base"], None)
         base_layout = cat.linear_layout(base) if base is not None else None
         if base_layout is not None:
-            return Role("linear", layout=base_layout, lora=lora)
-        return Role("other", problem=f"{class_key(mod)}: LoRA over {class_key(base)} (not a Linear the fold knows)")
+            return Role(RoleKind.LINEAR, layout=base_layout, lora=lora)
+        return Role(RoleKind.OTHER,
+                    problem=f"{class_key(mod)}: LoRA over {class_key(base)} (not a Linear the fold knows)")
     p = cat.dropout_p(mod)
     if p is not None:
-        return Role("dropout", p=p)
+        return Role(RoleKind.DROPOUT, p=p)
     if cat.is_identity(mod):
-        return Role("identity")
-    return Role("other")
+        return Role(RoleKind.IDENTITY)
+    return Role(RoleKind.OTHER)
 
 
 def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):
     """Leaf predicate for the tracer: modules with a role are seen as one node; all others are transparent
     (their ops are recorded, and their calls are scopes where an affine can be re-applied)."""
-    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, Role("other")).kind != "other"}
+    other = Role(RoleKind.OTHER)
+    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, other).kind is not RoleKind.OTHER}
     return lambda m: id(m) in ids

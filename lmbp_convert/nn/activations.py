@@ -4,12 +4,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kinds import ConvertedModule
 from ..ops.approx_act import ACT_BITS, ACT_KINDS, approx_act_unchecked
 
 __all__ = ["ACT_KINDS", "ApproxActivation"]
 
 
-class ApproxActivation(nn.Module):
+class ApproxActivation(ConvertedModule, nn.Module):
     """Exact ``kind`` activation whose backward stores a ``bits``-bit code per element instead of the input.
 
     Replaces nn.GELU / nn.GELU(approximate="tanh") / nn.SiLU / QuickGELU one-for-one: same forward output,

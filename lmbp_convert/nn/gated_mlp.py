@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from ..kinds import ConvertedModule
 from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_act, gated_mlp
 
 __all__ = ["MSGatedMLP", "down_support"]
@@ -94,7 +95,7 @@ def down_support(down: nn.Module) -> str:
     return "eager"
 
 
-class MSGatedMLP(nn.Module):
+class MSGatedMLP(ConvertedModule, nn.Module):
     """``down(act(gate(x)) · up(x))`` (or a fused ``gate_up`` split in two) saving only x, g and u.
 
     Args:

@@ -1,9 +1,11 @@
-"""Memory-sharing norm modules: LayerNorm / RMSNorm with the affine folded into the next Linear.
+"""Memory-sharing norm modules: LayerNorm / RMSNorm whose backward keeps only the output and rstd.
 
-They hold no learnable parameters. ``identity_affine`` optionally registers persistent identity buffers
-(``weight``, and ``bias`` for LayerNorm) only so that a converted model's state_dict keeps the original keys:
-"one" stores weight = 1 (plain ``x̂·w``), "zero" stores weight = 0 (Gemma-style ``x̂·(1 + w)``). Forward never
-reads them.
+Their state is declared, not improvised: ``affine`` says where the norm's affine lives (`AffineState`: folded
+into the next Linears, or kept as the original Parameters and re-applied by hooks on the other branches), and
+``param`` how ``weight`` gives the scale (γ = w or 1 + w). A folded norm holds no learnable parameters;
+``identity_affine`` optionally registers persistent identity buffers (``weight``, and ``bias`` for LayerNorm)
+only so that a converted model's state_dict keeps the original keys: "one" stores weight = 1 (plain ``x̂·w``),
+"zero" stores weight = 0 (Gemma-style ``x̂·(1 + w)``). Forward never reads the affine.
 """
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 
 __all__ = ["MSLayerNorm", "MSRMSNorm"]
 
-_IDENTITY_FILL = {"one": 1.0, "zero": 0.0}
+#: ``identity_affine`` spelling → the parameterisation whose identity the buffers hold
+_IDENTITY_PARAM = {"one": WeightParam.W, "zero": WeightParam.ONE_PLUS_W}
 
 
 def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
@@ -26,8 +30,8 @@ def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
                          f"shape {tuple(x.shape)}")
 
 
-class _MSNorm(nn.Module):
-    kind: str = ""
+class _MSNorm(ConvertedModule, nn.Module):
+    norm_kind: NormKind
     _has_bias: bool = False
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float, identity_affine: str | None = None,
@@ -36,26 +40,67 @@ class _MSNorm(nn.Module):
         self.normalized_shape = normalize_shape(normalized_shape)
         self.eps = float(eps)
         self._n = math.prod(self.normalized_shape)  # row length, computed once
-        if identity_affine is not None and identity_affine not in _IDENTITY_FILL:
+        if identity_affine is not None and identity_affine not in _IDENTITY_PARAM:
             raise ValueError(f"identity_affine must be None, 'one' or 'zero', got {identity_affine!r}")
         self.identity_affine = identity_affine
+        #: where the affine lives; set by `reapplying` when the norm keeps γ, β for hooks on other branches
+        self.affine = AffineState.FOLDED
+        #: how ``weight`` (identity buffer or kept Parameter) gives the scale
+        self.param = _IDENTITY_PARAM[identity_affine] if identity_affine is not None else WeightParam.W
         if identity_affine is not None:
             kw = {"dtype": dtype, "device": device}
-            self.register_buffer("weight", torch.full(self.normalized_shape, _IDENTITY_FILL[identity_affine], **kw))
+            self.register_buffer("weight", torch.full(self.normalized_shape, self.param.identity, **kw))
             if self._has_bias:
                 self.register_buffer("bias", torch.zeros(self.normalized_shape, **kw))
+
+    @classmethod
+    def reapplying(cls, normalized_shape: int | Sequence[int], eps: float, weight: nn.Parameter,
+                   bias: nn.Parameter | None, param: WeightParam | str) -> "_MSNorm":
+        """A norm whose affine is re-applied on the branches that are not folded Linears: it keeps the original
+        Parameters (same objects, same state_dict keys) for those hooks to read; its forward never does."""
+        norm = cls(normalized_shape, eps)
+        norm.register_parameter("weight", weight)
+        if bias is not None:
+            norm.register_parameter("bias", bias)
+        norm.affine = AffineState.REAPPLIED
+        norm.param = WeightParam(param)
+        return norm
+
+    def __setstate__(self, state: dict) -> None:
+        """Modules pickled before the state was declared: derive it from what they held."""
+        super().__setstate__(state)
+        if "affine" not in self.__dict__:
+            legacy = self.__dict__.pop("reapply_param", None)
+            self.affine = AffineState.REAPPLIED if legacy is not None else AffineState.FOLDED
+            fill = self.__dict__.get("identity_affine")
+            self.param = WeightParam(legacy) if legacy is not None else _IDENTITY_PARAM.get(fill, WeightParam.W)
+
+    @property
+    def kind(self) -> str:
+        return f"{self.norm_kind}_norm"
+
+    @property
+    def reapply_param(self) -> WeightParam:
+        """The parameterisation the re-apply hooks read ``weight`` with (alias of ``param``)."""
+        return self.param
+
+    @reapply_param.setter
+    def reapply_param(self, value: WeightParam | str) -> None:
+        self.affine, self.param = AffineState.REAPPLIED, WeightParam(value)
 
     def extra_repr(self) -> str:
         s = f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}"
         if self.identity_affine is not None:
             s += f", identity_affine={self.identity_affine!r}"
+        if self.affine is not AffineState.FOLDED:
+            s += f", affine={self.affine}, param={self.param}"
         return s
 
 
 class MSLayerNorm(_MSNorm):
     """LayerNorm without affine whose backward uses only its output and rstd (see `ms_layer_norm`)."""
 
-    kind = "layer_norm"
+    norm_kind = NormKind.LAYER
     _has_bias = True
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, identity_affine: str | None = None,
@@ -70,7 +115,7 @@ class MSLayerNorm(_MSNorm):
 class MSRMSNorm(_MSNorm):
     """RMSNorm without affine whose backward uses only its output and rstd (see `ms_rms_norm`)."""
 
-    kind = "rms_norm"
+    norm_kind = NormKind.RMS
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-6, identity_affine: str | None = None,
                  *, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kinds import StrChoice
+
 
 @dataclass
 class TensorInfo:
@@ -18,10 +20,15 @@ class TensorInfo:
     producer: int | None  # node index, or None for graph inputs / parameters / constants
 
 
+class NodeKind(StrChoice):
+    MODULE = "module"  # a leaf module call
+    OP = "op"  # a tensor op run outside leaves
+
+
 @dataclass
 class Node:
     idx: int
-    kind: str  # "module" (leaf module call) or "op"
+    kind: NodeKind
     target: str  # module name for "module", op name for "op" (e.g. "Tensor.view", "torch.nn.functional.pad")
     inputs: list[int]  # tensor ids in argument order (flattened)
     outputs: list[int]
@@ -65,7 +72,7 @@ class Graph:
         return self._consumers.get(tid, [])
 
     def module_nodes(self, name: str) -> list[Node]:
-        return [n for n in self.nodes if n.kind == "module" and n.target == name]
+        return [n for n in self.nodes if n.kind is NodeKind.MODULE and n.target == name]
 
     def build_index(self) -> None:
         """Consumer lists by tensor id (graphs of large models have tens of thousands of nodes)."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from .containers import children
-from .graph import ArgSlot, Graph, Node, ScopeCall, TensorInfo
+from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
 
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
@@ -103,7 +103,7 @@ class _Tracer(TorchFunctionMode):
         outs = [self._tid(t, idx, fresh=True) for t in outs_t] if outs_t else []
         if inplace:
             info["inplace"] = True
-        self.g.nodes.append(Node(idx, "op", name, ins, outs, tuple(self._scope_stack), info))
+        self.g.nodes.append(Node(idx, NodeKind.OP, name, ins, outs, tuple(self._scope_stack), info))
 
     # -- modules ------------------------------------------------------------------------------------
     def _slots(self, args, kwargs) -> dict[int, list[ArgSlot]]:
@@ -153,7 +153,7 @@ class _Tracer(TorchFunctionMode):
                 idx = len(self.g.nodes)
                 outs = [self._tid(t, idx, fresh=True) for t in self._tensors_in(output, [])]
                 info = {"slots": {tid: [(s.position, s.keyword) for s in sl] for tid, sl in slots.items()}}
-                self.g.nodes.append(Node(idx, "module", name, ins, outs, tuple(self._scope_stack), info))
+                self.g.nodes.append(Node(idx, NodeKind.MODULE, name, ins, outs, tuple(self._scope_stack), info))
             else:
                 idx = self._scope_stack.pop()
                 self.g.scopes[idx].outputs = [self._tid(t) for t in self._tensors_in(output, [])]

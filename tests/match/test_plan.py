@@ -6,7 +6,7 @@ from tiny_models import hf
 
 
 def test_plan_round_trips_through_json():
-    plan, _, _ = plan_conversion(hf("bert", head="base"))
+    plan = plan_conversion(hf("bert", head="base"))
     data = json.loads(json.dumps(plan.to_dict()))
     again = Plan.from_dict(data)
     assert again == plan
@@ -17,7 +17,7 @@ def test_plan_changes_nothing():
     model = hf("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     types = [type(m) for m in model.modules()]
-    plan, _, _ = plan_conversion(model)
+    plan = plan_conversion(model)
     assert plan.norm_folds and plan.gated_mlps
     assert [type(m) for m in model.modules()] == types
     assert all((before[k] == v).all() for k, v in model.state_dict().items())

@@ -28,7 +28,7 @@ class NormThen(nn.Module):
 def _plan(f, x=None, **kw):
     m = NormThen(f, **kw)
     x = torch.randn(2, 6, 8) if x is None else x
-    plan, _, _ = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
+    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
     return m, plan, x
 
 
@@ -87,7 +87,7 @@ class SameScopeResidual(nn.Module):
 
 
 def test_other_consumer_without_module_boundary_blocks_the_fold():
-    plan, _, _ = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
     (skip,) = plan.skips
     assert "no module boundary" in skip.reason
 
@@ -138,7 +138,7 @@ class QKNorm(nn.Module):
 
 
 def test_norm_without_linear_consumer_is_left_with_reason():
-    plan, _, _ = plan_conversion(QKNorm(), probe=torch.randn(2, 4, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(QKNorm(), probe=torch.randn(2, 4, 8), activations=False, gated_mlp=False)
     assert plan.skips and "no Linear consumer" in plan.skips[0].reason
 
 
@@ -153,7 +153,7 @@ class Shared(nn.Module):
 
 
 def test_shared_modules_are_not_folded():
-    plan, _, _ = plan_conversion(Shared(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(Shared(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
     assert "called 2 times" in plan.skips[0].reason
 
 

@@ -1,0 +1,82 @@
+"""The package's closed enumerations, one type each, shared by every layer (match, apply, nn, checkpoint).
+
+Each is a ``str`` enum: a member equals its value (``NormKind.RMS == "rms"``), prints as it, and serialises to
+JSON as it, so plans and reports written before these types existed read back unchanged. Open sets stay
+strings: activation kinds are the ops layer's table (`lmbp_convert.ops.activations`), so a new activation is one
+table entry, not an enum edit as well.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class StrChoice(str, Enum):
+    """A str-valued enum that formats as its value on every Python (3.10's ``(str, Enum)`` does not)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    __format__ = str.__format__
+
+
+class NormKind(StrChoice):
+    """What a norm normalises by: mean and variance (LayerNorm) or the root mean square (RMSNorm)."""
+
+    LAYER = "layer"
+    RMS = "rms"
+
+
+class WeightParam(StrChoice):
+    """How a norm's ``weight`` w gives its scale γ: γ = w (most models) or γ = 1 + w (Gemma-style)."""
+
+    W = "w"
+    ONE_PLUS_W = "1+w"
+
+    @property
+    def identity(self) -> float:
+        """The value of ``weight`` whose scale is 1."""
+        return 1.0 if self is WeightParam.W else 0.0
+
+
+class Layout(StrChoice):
+    """How a Linear-like layer stores its weight."""
+
+    OUT_IN = "out_in"  # nn.Linear: (out_features, in_features)
+    IN_OUT = "in_out"  # HF Conv1D: (in_features, out_features)
+
+
+class BetaMode(StrChoice):
+    """Where a folded norm's shift β goes."""
+
+    FOLD = "fold"  # into the following Linears' biases
+    SHIFT = "shift"  # a target has no bias: β/γ stays the norm's parameter and each target adds W·(β/γ)
+    NONE = "none"  # the norm has no β
+
+
+class ReapplyKind(StrChoice):
+    """Where a folded-out affine is put back for a consumer that is not a folded Linear."""
+
+    MODULE_INPUT = "module_input"  # forward pre-hook on the consuming module
+    ROOT_OUTPUT = "root_output"  # forward hook on the model, at paths of its output structure
+
+
+class AffineState(StrChoice):
+    """Where a memory-sharing norm's affine lives."""
+
+    FOLDED = "folded"  # in the following Linears; the norm holds no affine (at most identity buffers)
+    REAPPLIED = "reapplied"  # the norm keeps γ, β as Parameters; hooks re-apply them on non-Linear branches
+    KEPT = "kept"  # the norm applies γ, β itself
+
+
+class ConvertedModule:
+    """Marker base of every module this package puts into a model: ``isinstance(m, ConvertedModule)`` says that
+    ``m`` is already converted (a class check, not a module-name prefix)."""
+
+
+class Verification(StrChoice):
+    """What checking the converted model's outputs on the probe found."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    CANNOT_VERIFY = "cannot verify"  # the original outputs are non-finite everywhere: nothing to compare
+    NOT_RUN = "not run"

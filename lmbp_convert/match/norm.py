@@ -1,0 +1,393 @@
+"""Norm matcher: a LayerNorm/RMSNorm whose output reaches Linear layers through affine-commuting ops becomes a
+`NormFold` — its affine folded into those Linears and re-applied for every other reader.
+
+Three steps, each with a typed result, and a refusal (`Refused`) with its reason wherever one fails:
+walk (the readers of the normalised tensor: foldable Linears and the rest) → re-apply sites (a module boundary
+per other reader) → byte prediction and where β goes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+import torch
+from torch import nn
+
+from ..catalogue import class_key
+from ..fold import effective_scale, shift_is_expressible
+from ..kinds import BetaMode, NormKind, ReapplyKind
+from ..trace.graph import Node, NodeKind
+from .commute import Block, Pass, is_metadata, op_short, step
+from .context import MatchContext, tensor_bytes
+from .plan import LinearTarget, NormFold, ReapplySite, Skip
+from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
+
+#: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk
+CONFIG_KEY = "lmbp_convert"
+
+
+class Refused(Exception):
+    """This norm cannot be folded; the message says why (it becomes the skip's reason)."""
+
+
+class Reader(NamedTuple):
+    """A reader of the normalised tensor (or of a tensor derived from it through commuting ops)."""
+
+    node: Node | None  # None: the tensor is a model output
+    tid: int
+    axis: int  # where the norm's channels are in that tensor
+    what: str  # how the report names the reader
+
+
+@dataclass
+class Walk:
+    """Everything reachable from the norm's output through affine-commuting ops."""
+
+    targets: dict[str, LinearTarget] = field(default_factory=dict)  # Linears the affine folds into
+    target_inputs: dict[str, Reader] = field(default_factory=dict)  # ... and where each reads
+    others: list[Reader] = field(default_factory=list)  # readers that need the affine re-applied
+    blocks: list[str] = field(default_factory=list)  # why a Linear on the way cannot take the fold
+    caveats: list[str] = field(default_factory=list)
+    inplace: list[str] = field(default_factory=list)  # in-place ops on the affine-less tensor
+    active_scopes: set[int] = field(default_factory=set)  # module calls on a path to a folded Linear
+    seen: set[int] = field(default_factory=set)  # the affine-less tensors
+
+
+def prefolded_norms(model: nn.Module) -> set[str]:
+    """Norms the model's config says the checkpoint CLI folded on disk."""
+    cfg = getattr(model, "config", None)
+    rec = getattr(cfg, CONFIG_KEY, None) if cfg is not None else None
+    if isinstance(rec, dict):
+        return set(rec.get("folded_norms", []))
+    return set()
+
+
+def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
+    if not ctx.opt.norms:
+        return
+    for name, role in ctx.roles.items():
+        mod = ctx.modules.get(name)
+        if mod is None or name in ctx.claimed or not ctx.opt.selected(name):
+            continue
+        if role.problem:
+            yield Skip(name, class_key(mod), role.problem)
+        elif role.kind is RoleKind.NORM:
+            try:
+                yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
+            except Refused as why:
+                yield Skip(name, class_key(mod), str(why))
+
+
+def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
+    """A norm the checkpoint CLI folded on disk is only swapped (its weights are already the identity)."""
+    if fold.name not in ctx.prefolded:
+        return fold
+    w = ctx.modules[fold.name].weight
+    if w.device.type != "meta" and not torch.all(w.detach() == fold.param.identity):
+        raise Refused("config says its affine is folded on disk, but its weight is not the identity; left as is")
+    fold.prefolded = True
+    fold.reapply = []
+    return fold
+
+
+def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
+    node = _single_call(ctx, name, mod)
+    walk = walk_readers(ctx, node.outputs[0], nr)
+    if walk.inplace:
+        raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
+    demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
+    if not walk.targets and not demoted:
+        raise Refused(_no_target_reason(walk.blocks))
+    sites = reapply_sites(ctx, walk)
+    watched = _watched_by_user_hooks(ctx, name, walk.seen, sites)
+    if watched:
+        raise Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
+                       "next Linears); remove the hook or exclude this norm")
+    beta = _beta_mode(mod, nr, walk)
+    return NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
+                    list(walk.targets.values()), sites, sorted(set(walk.caveats)),
+                    predicted_norm_bytes(ctx, node, nr), beta=beta)
+
+
+def _single_call(ctx: MatchContext, name: str, mod: nn.Module) -> Node:
+    """The norm's one call in the graph, or a refusal."""
+    hooks = user_hooks(mod)
+    if hooks:  # their meaning would change: the output loses its affine, which moves into the next Linears
+        raise Refused(f"has {', '.join(hooks)} registered, which would see the normalised output without its "
+                       "affine (folded into the next Linears); remove them or exclude this norm")
+    calls = ctx.g.module_calls.get(name, 0)
+    if calls == 0:
+        raise Refused("not called by the probe forward")
+    if calls > 1:
+        raise Refused(f"called {calls} times per forward (shared module)")
+    (node,) = ctx.g.module_nodes(name)
+    if len(node.outputs) != 1:
+        raise Refused("norm returns more than one tensor")
+    return node
+
+
+def _no_target_reason(blocks: list[str]) -> str:
+    quantized = sorted({b for b in blocks if "quantized Linear" in b})
+    why = "no Linear consumer reachable through affine-commuting ops"
+    if quantized:  # the real cause first: there are Linear consumers, but their weights are quantized
+        rest = sorted(set(blocks) - set(quantized))
+        return "; ".join(quantized) + " (no other Linear consumer reachable through affine-commuting ops" + (
+            f"; blocked: {'; '.join(rest)})" if rest else ")")
+    if blocks:
+        why += f" (blocked: {'; '.join(sorted(set(blocks)))})"
+    return why
+
+
+def predicted_norm_bytes(ctx: MatchContext, node: Node, nr: NormRole) -> int:
+    """The norm's input is no longer kept for backward (its output is, by the Linears, anyway); LayerNorm's
+    per-row mean goes too (4 bytes a row)."""
+    n, nbytes = tensor_bytes(ctx.g, node.inputs[0])
+    rows = n // nr.shape[0]
+    return nbytes + (rows * 4 if nr.kind is NormKind.LAYER else 0)
+
+
+def _beta_mode(mod: nn.Module, nr: NormRole, walk: Walk) -> BetaMode:
+    if not nr.has_bias:
+        return BetaMode.NONE
+    if not any(t.adds_bias for t in walk.targets.values()):
+        return BetaMode.FOLD
+    if not shift_is_expressible(mod.bias, effective_scale(mod.weight, nr.param)):
+        bare = next(t.name for t in walk.targets.values() if t.adds_bias)
+        raise Refused(f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel where β ≠ 0 (β "
+                       "cannot move behind the scale)")
+    return BetaMode.SHIFT
+
+
+# -- walk --------------------------------------------------------------------------------------------------
+def walk_readers(ctx: MatchContext, out: int, nr: NormRole) -> Walk:
+    """Every reader of the norm's output ``out``, through affine-commuting ops: the Linears the affine can fold
+    into and the others (with why a Linear on the way cannot take it)."""
+    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out)
+
+
+class _Walker:
+    """Follows the normalised tensor through affine-commuting ops to the Linears that can take the fold."""
+
+    def __init__(self, ctx: MatchContext, d: int, has_beta: bool):
+        self.ctx, self.g, self.d, self.has_beta = ctx, ctx.g, d, has_beta
+        self.walk = Walk()
+        self.frontier: list[tuple[int, int, list[str]]] = []
+
+    def run(self, out: int) -> Walk:
+        w = self.walk
+        self.frontier.append((out, len(self.g.tensors[out].shape) - 1, []))
+        while self.frontier:
+            tid, axis, via = self.frontier.pop()
+            if tid in w.seen:
+                continue
+            w.seen.add(tid)
+            if tid in self.g.root_outputs:
+                w.others.append(Reader(None, tid, axis, "model output"))
+            for c in self.g.consumers(tid):
+                if is_metadata(c):
+                    continue
+                if c.info.get("inplace"):
+                    w.inplace.append(f"{op_short(c)} in {self.ctx.scope_name(c)}")
+                elif c.kind is NodeKind.MODULE:
+                    self._module(c, tid, axis, via)
+                elif not (c.inputs and c.inputs[0] != tid and op_short(c).endswith("_as")):  # else: shape only
+                    self._op(c, tid, axis, via)
+        return w
+
+    def _module(self, c: Node, tid: int, axis: int, via: list[str]) -> None:
+        w = self.walk
+        r = self.ctx.roles.get(c.target, Role(RoleKind.OTHER))
+        last = axis == len(self.g.tensors[tid].shape) - 1
+        if r.kind is RoleKind.LINEAR and last:
+            return self._linear(c, r, tid, axis, via)
+        if r.kind is RoleKind.DROPOUT and r.p:
+            w.blocks.append(f"dropout (p={r.p}) at {c.target} between norm and Linear")
+        elif r.kind in (RoleKind.DROPOUT, RoleKind.IDENTITY):
+            w.active_scopes.update(c.scopes)
+            self.frontier.extend((o, axis, via + [c.target]) for o in c.outputs)
+            return
+        else:
+            quantized = quantized_linear(self.ctx.modules[c.target]) if last else None
+            if quantized:
+                w.blocks.append(f"consumer {c.target} is a quantized Linear ({quantized}): its weight cannot be "
+                                "folded")
+        w.others.append(Reader(c, tid, axis, c.target))
+
+    def _linear(self, c: Node, r: Role, tid: int, axis: int, via: list[str]) -> None:
+        w = self.walk
+        problem = linear_problem(self.ctx, c, tid, self.has_beta)
+        if problem is not None:
+            w.blocks.append(problem)
+            w.others.append(Reader(c, tid, axis, c.target))
+            return
+        mod = self.ctx.modules[c.target]
+        adapters = list(getattr(mod, r.lora["adapters_A"]).keys()) if r.lora else []
+        if r.lora:
+            mod = getattr(mod, r.lora["base"])
+        adds_bias = self.has_beta and getattr(mod, "bias", None) is None
+        w.targets[c.target] = LinearTarget(c.target, r.layout, list(via), adds_bias,
+                                           r.lora["base"] if r.lora else None, adapters,
+                                           r.lora["adapters_A"] if r.lora else None)
+        w.target_inputs[c.target] = Reader(c, tid, axis, c.target)
+        w.active_scopes.update(c.scopes)
+
+    def _op(self, c: Node, tid: int, axis: int, via: list[str]) -> None:
+        w = self.walk
+        res = step(c, self.g.tensors, tid, axis, self.d)
+        if isinstance(res, Pass):
+            w.active_scopes.update(c.scopes)
+            if res.caveat:
+                w.caveats.append(f"{res.caveat} ({self.ctx.scope_name(c)})")
+            for o in c.outputs:
+                ax = res.axis if res.axis >= 0 else len(self.g.tensors[o].shape) + res.axis
+                self.frontier.append((o, ax, via + [op_short(c)]))
+            return
+        if isinstance(res, Block):
+            w.blocks.append(f"{res.reason} ({self.ctx.scope_name(c)})")
+        w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}"))
+
+
+def linear_problem(ctx: MatchContext, node: Node, tid: int, has_beta: bool) -> str | None:
+    """Why the Linear ``node`` cannot take the fold of the tensor ``tid`` (None: it can)."""
+    name = node.target
+    mod = ctx.modules[name]
+    lora = ctx.roles[name].lora
+    slots = node.info["slots"].get(tid, [])
+    if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
+        return f"{name} takes the norm output as a secondary argument"
+    if ctx.opt.excluded(name):
+        return f"{name} is excluded by the options"
+    if any(not type(h).__module__.startswith("lmbp_convert") for h in mod._forward_pre_hooks.values()):
+        return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
+                "affine (folded into its weight)")
+    if ctx.g.module_calls.get(name, 0) != 1:
+        return f"{name} is called {ctx.g.module_calls.get(name, 0)} times per forward"
+    if lora is not None:
+        problem = lora_problem(name, mod, lora, has_beta)
+        if problem:
+            return problem
+        mod = getattr(mod, lora["base"])
+    return _weight_problem(ctx, name, mod)
+
+
+def _weight_problem(ctx: MatchContext, name: str, mod: nn.Module) -> str | None:
+    quantized = quantized_linear(mod)
+    if quantized:
+        return f"consumer {name} is a quantized Linear ({quantized}): its weight cannot be folded"
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+        return f"{name} has weights that cannot be rewritten ({getattr(w, 'dtype', None)})"
+    owners = ctx.param_owners.get(id(w), [])
+    if len(owners) > 1 and not ctx.opt.untie:
+        return (f"{name}.weight is tied to {', '.join(o for o in owners if not o.startswith(name + '.'))} "
+                "(untie=True would fold into an untied copy)")
+    return None
+
+
+def lora_problem(name: str, mod: nn.Module, lora: dict, has_beta: bool) -> str | None:
+    """Folding γ into lora_A is exact for any adapter; β is only exact while no adapter can see it."""
+    use_dora = getattr(mod, "use_dora", None)
+    if isinstance(use_dora, dict) and any(use_dora.values()):
+        return f"{name} uses DoRA (magnitude vector depends on the weight norm; not folded)"
+    if getattr(mod, "merged", False):
+        return f"{name} has merged adapters; unmerge them first"
+    if not has_beta:
+        return None
+    for adapter, drop in getattr(mod, lora["dropout"]).items():
+        p = float(getattr(drop, "p", 0.0) or 0.0)
+        if p > 0:
+            return (f"{name}: adapter {adapter!r} has lora_dropout={p}, which would drop the norm's β on the "
+                    "adapter path (convert before get_peft_model, or use lora_dropout=0)")
+    for adapter, b in getattr(mod, lora["adapters_B"]).items():
+        if b.weight.device.type != "meta" and bool(b.weight.detach().ne(0).any()):
+            return (f"{name}: adapter {adapter!r} is already trained (lora_B ≠ 0), so the norm's β would have "
+                    "to enter the adapter; convert before get_peft_model or before training")
+    return None
+
+
+def _reapply_small_readers(ctx: MatchContext, out: int, walk: Walk) -> list[str]:
+    """A norm whose affine is re-applied elsewhere keeps γ, β as parameters, so a Linear folded as well would
+    have to be unfolded for every plain checkpoint. A Linear that reads only part of the output (a token
+    slice, a pooled row: fewer elements) gets the affine re-applied at its input instead: it stays plain, at
+    the cost of keeping that small part once more for backward. Returns the Linears moved."""
+    whole = math.prod(ctx.g.tensors[out].shape)
+    moved = []
+    for lname, reader in list(walk.target_inputs.items()):
+        if math.prod(ctx.g.tensors[reader.tid].shape) < whole:
+            del walk.targets[lname]
+            walk.others.append(reader)
+            moved.append(lname)
+    return moved
+
+
+# -- re-apply sites ----------------------------------------------------------------------------------------
+def reapply_sites(ctx: MatchContext, walk: Walk) -> list[ReapplySite]:
+    """One module boundary per reader that is not a folded Linear (readers at the same boundary share it)."""
+    sites: dict[tuple, ReapplySite] = {}
+    for reader in walk.others:
+        site = site_for(ctx, reader, walk.active_scopes)
+        if site is None:
+            raise Refused(f"output also feeds {reader.what}, and there is no module boundary where the affine "
+                           "could be re-applied for it")
+        key = (site.kind, site.module, site.position, site.keyword)
+        if key in sites:
+            sites[key].paths += [p for p in site.paths if p not in sites[key].paths]
+        else:
+            sites[key] = site
+    return list(sites.values())
+
+
+def site_for(ctx: MatchContext, reader: Reader, active: set[int]) -> ReapplySite | None:
+    """The innermost module boundary where the affine can be put back for ``reader`` alone (None: none)."""
+    g, consumer, tid = ctx.g, reader.node, reader.tid
+    if reader.axis != len(g.tensors[tid].shape) - 1:
+        return None
+    if consumer is None:  # escapes as a model output
+        return ReapplySite(ReapplyKind.ROOT_OUTPUT, "", paths=[list(p) for p in g.root_outputs[tid]],
+                           consumer="model output")
+    if consumer.kind is NodeKind.MODULE:
+        slots = consumer.info["slots"].get(tid, [])
+        if len(slots) == 1 and g.module_calls.get(consumer.target) == 1:
+            pos, kw = slots[0]
+            return ReapplySite(ReapplyKind.MODULE_INPUT, consumer.target, pos, kw, consumer=consumer.target)
+    for sidx in reversed(consumer.scopes):
+        if sidx in active:
+            return None  # this boundary (and every outer one) also feeds the folded Linears
+        sc = g.scopes[sidx]
+        slots = sc.args.get(tid, [])
+        if len(slots) == 1 and g.module_calls.get(sc.module) == 1 and sc.module:
+            s = slots[0]
+            return ReapplySite(ReapplyKind.MODULE_INPUT, sc.module, s.position, s.keyword,
+                               consumer=f"{op_short(consumer)} in {sc.module}")
+    return None
+
+
+def _foreign(hook) -> bool:
+    """A hook the user (or another library) registered, not one of this package's re-apply hooks."""
+    return not type(getattr(hook, "__self__", hook)).__module__.startswith("lmbp_convert")
+
+
+def _watched_by_user_hooks(ctx: MatchContext, norm: str, affine_less: set[int],
+                           sites: list[ReapplySite]) -> str | None:
+    """A user's hook that sees a tensor the fold leaves without the affine (the norm's output on its way to the
+    folded Linears): a forward pre-hook on a module it enters (an attention block, a dropout) unless the affine
+    is re-applied at that very input (that re-apply runs first), or a forward/backward hook on a module that
+    returns it. Verification cannot see an observing hook, so such a fold is refused."""
+    reapplied = {(s.module, s.position, s.keyword) for s in sites if s.kind is ReapplyKind.MODULE_INPUT}
+    calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind is NodeKind.MODULE]
+    calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
+              for sc in ctx.g.scopes if sc.module]
+    for mname, slots, outputs in calls:
+        mod = ctx.modules.get(mname)
+        if mod is None or mname == norm:
+            continue
+        pre = [h for h in mod._forward_pre_hooks.values() if _foreign(h)]
+        if pre and any((mname, pos, kw) not in reapplied for t in affine_less for pos, kw in slots.get(t, [])):
+            return f"{mname} has forward pre-hooks registered"
+        post = [k for k, hooks in (("forward hooks", mod._forward_hooks), ("backward hooks", mod._backward_hooks),
+                                   ("backward pre-hooks", mod._backward_pre_hooks))
+                if any(_foreign(h) for h in hooks.values())]
+        if post and affine_less.intersection(outputs):
+            return f"{mname} returns the norm's output and has {' and '.join(post)} registered"
+    return None
