@@ -380,3 +380,105 @@ def test_constructor_validation():
         MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", modules={**mods, "act_fn": m.act_fn})
     with pytest.raises(ValueError, match="distinct"):
         MSGatedMLP("silu", "down_proj", "gate_proj", "gate_proj", modules=mods)
+
+
+# ------------------------------------------------------------------------------------------------------
+# down_mode="recompute": the down projection runs unchanged, its saved h is recomputed from g and u
+# ------------------------------------------------------------------------------------------------------
+class ScaledDown(nn.Module):
+    """A down projection the fused path does not know: a Linear inside a user module, plus a scale."""
+
+    def __init__(self, inner: nn.Linear, scale: float = 0.75):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def _recompute(mlp: nn.Module) -> MSGatedMLP:
+    return MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", down_mode="recompute",
+                      modules={n: getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")})
+
+
+def _with_down(kind: str):
+    """(reference model, model whose MLP is converted with down_mode="recompute"): LLaMA MLP in a parent,
+    with the given down projection."""
+    mlp = llama("silu", True)
+    if kind == "scaled":
+        mlp.down_proj = ScaledDown(mlp.down_proj)
+        ref = Tiny(mlp)
+    elif kind == "linear":
+        ref = Tiny(mlp)
+    else:
+        ref = _peft_model(mlp, ("gate_proj", "up_proj", "down_proj"), use_dora=kind == "dora",
+                          dropout=0.3 if kind == "lora-dropout" else 0.0)
+    ours = copy.deepcopy(ref)
+    holder = ours.base_model.model if kind not in ("linear", "scaled") else ours
+    holder.mlp = _recompute(holder.mlp)
+    return ref, ours
+
+
+def _seeded_fwd_bwd(module, x, w):
+    torch.manual_seed(123)  # the same dropout masks in both models: their forwards draw in the same order
+    return _fwd_bwd(module, x, w)
+
+
+@pytest.mark.parametrize("kind", ["linear", "lora", "dora", "lora-dropout", "scaled"])
+def test_recompute_mode_gradients_match_unconverted_fp32(kind):
+    ref, ours = _with_down(kind)
+    x, w = torch.randn(2, 5, D, requires_grad=True), torch.randn(2, 5, D)
+    out_r, gx_r, g_r = _seeded_fwd_bwd(ref, x, w)
+    out_m, gx_m, g_m = _seeded_fwd_bwd(ours, x, w)
+    torch.testing.assert_close(out_m, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_m, gx_r, rtol=1e-5, atol=1e-5)
+    assert g_m.keys() == g_r.keys() and g_r
+    for name in g_r:
+        torch.testing.assert_close(g_m[name], g_r[name], rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.count_nonzero(g_r[name]) > 0, name
+
+
+@pytest.mark.parametrize("kind", ["linear", "scaled"])
+def test_recompute_mode_saves_x_g_u_only(kind):
+    ref, ours = _with_down(kind)
+    x = torch.randn(T, D, requires_grad=True)
+    assert _saved(ours, x).bytes == 4 * (T * D + 2 * T * FF), _saved(ours, x).summary()
+    assert _saved(ref, x).bytes == 4 * (T * D + 4 * T * FF)
+
+
+def test_unknown_down_module_saves_x_g_u_only_by_default():
+    """The fused mode's fallback for modules it cannot fuse recomputes h too (it used to keep h)."""
+    mlp = llama("silu", True)
+    mlp.down_proj = ScaledDown(mlp.down_proj)
+    ms = convert(mlp, "silu")
+    assert down_support(ms.down_proj) == "eager"
+    ledger = _saved(ms, torch.randn(T, D, requires_grad=True))
+    assert ledger.bytes == 4 * (T * D + 2 * T * FF), ledger.summary()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recompute_mode_lora_bytes(autocast):
+    """PEFT LoRA on a bf16 base with fp32 adapters (PEFT's default upcast): h reaches lora_A as h.to(fp32) —
+    under autocast as h.to(fp32).to(bf16) — and is recomputed all the same. Only the rank-r A(h), which the
+    fused op recomputes too, is kept on top of the fused mode's bytes."""
+    r = 4
+    pm = _peft_model(llama("silu").bfloat16(), ("gate_proj", "up_proj", "down_proj"))
+    fused, ours = copy.deepcopy(pm), copy.deepcopy(pm)
+    _swap(fused, "silu")
+    ours.base_model.model.mlp = _recompute(ours.base_model.model.mlp)
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        b_fused, b_ours = _saved(fused, x).bytes, _saved(ours, x).bytes
+    ar = 2 if autocast else 4  # A(h) in the autocast dtype, else in the fp32 adapter dtype
+    assert b_ours == b_fused + ar * T * r, (b_ours, b_fused)
+
+
+def test_recompute_mode_needs_no_peft_support_check():
+    pm = _peft_model(llama(), ("down_proj",), use_dora=True)
+    with pytest.raises(NotImplementedError):
+        convert(pm.base_model.model.mlp, "silu")
+    ms = _recompute(pm.base_model.model.mlp)
+    assert "down_mode=recompute" in repr(ms)
+    with pytest.raises(ValueError, match="down_mode"):
+        MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", down_mode="lazy",
+                   modules={n: getattr(llama(), n) for n in ("gate_proj", "up_proj", "down_proj")})
