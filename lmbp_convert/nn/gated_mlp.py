@@ -7,14 +7,13 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
 * plain ``nn.Linear`` (no forward override, no hooks): the fused op with its weight and bias;
 * PEFT ``lora.Linear`` over such a Linear, vanilla LoRA with dropout 0 (any number of active adapters,
   merged or disabled adapters, ``lora_bias``): the fused op with the adapters' A/B tensors;
-  LoRA dropout > 0 or a LoRA variant (DoRA, ...) raises NotImplementedError: it is not supported exactly;
-* anything else (custom or quantised Linear, hooked modules): called unchanged through
+* anything else (LoRA dropout > 0, LoRA variants such as DoRA, custom or quantised Linears, hooked modules):
+  called unchanged through
   `lmbp_convert.ops.gated_recompute.gated_act_recomputed`, which turns what it saves of h (h, a view or a
   cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and whatever the module
   saves besides h.
 
-``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module (so PEFT LoRA
-with dropout and DoRA work too). Against the fused path it keeps the rank-r A(h) of a LoRA adapter (the fused
+``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the fused path it keeps the rank-r A(h) of a LoRA adapter (the fused
 op recomputes it) and computes act(g) once more in backward; docs/gated_recompute.md has the measurements.
 """
 from __future__ import annotations
@@ -86,11 +85,9 @@ def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
 
 
 def down_support(down: nn.Module) -> str:
-    """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"``.
-
-    Raises NotImplementedError (with the reason) for PEFT LoRA features the fused op does not reproduce
-    exactly: lora_dropout > 0, LoRA variants such as DoRA.
-    """
+    """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"`` (called
+    unchanged, h recomputed for its backward), the latter also for the PEFT LoRA features the fused op does not
+    reproduce: lora_dropout > 0, LoRA variants such as DoRA."""
     if _is_plain_linear(down):
         return "linear"
     if _is_peft_lora_linear(down):
@@ -99,7 +96,10 @@ def down_support(down: nn.Module) -> str:
             return "eager"
         if getattr(down, "fan_in_fan_out", False):
             return "eager"
-        _lora_adapters(down)  # raises for what the fused op cannot reproduce
+        try:
+            _lora_adapters(down)  # raises for what the fused op cannot reproduce
+        except NotImplementedError:
+            return "eager"
         return "lora"
     return "eager"
 
@@ -117,9 +117,8 @@ class MSGatedMLP(nn.Module):
         down_mode: ``"fused"`` (default) or ``"recompute"`` (see the module docstring).
 
     The modules are registered under those names, so the state_dict keys equal the replaced MLP's (as long
-    as its other children hold no parameters or buffers). Raises NotImplementedError at construction when
-    the down projection is a PEFT LoRA layer with unsupported features (see `down_support`) in the fused
-    mode; the check is repeated on every forward, since adapters can change after construction.
+    as its other children hold no parameters or buffers). In the fused mode the down projection's support
+    (`down_support`) is decided on every forward, since adapters can change after construction.
     """
 
     def __init__(self, act_kind: str, down: str, gate: Optional[str] = None, up: Optional[str] = None,
@@ -142,8 +141,6 @@ class MSGatedMLP(nn.Module):
             if not isinstance(modules[name], nn.Module):
                 raise TypeError(f"MSGatedMLP: {name!r} is not an nn.Module")
             self.add_module(name, modules[name])
-        if down_mode == "fused":
-            down_support(modules[down])  # raise now, not at the first forward
         self.down_mode = down_mode
         self.act_kind = act_kind
         self.down_name = down

@@ -75,6 +75,11 @@ def _fwd_bwd(module, x, w):
     return out, x.grad, grads
 
 
+def _seeded_fwd_bwd(module, x, w):
+    torch.manual_seed(123)  # the same dropout masks in both models: their forwards draw in the same order
+    return _fwd_bwd(module, x, w)
+
+
 def _compare(ref_mod, ms_mod, x, rtol=1e-5, atol=1e-5):
     w = torch.randn(*x.shape[:-1], D)
     out_r, gx_r, g_r = _fwd_bwd(ref_mod, x, w)
@@ -242,13 +247,25 @@ def test_peft_fp32_adapters_on_bf16_base():
                                    atol=5e-2 * e_g[n].abs().max().item(), msg=n)
 
 
-def test_peft_lora_dropout_raises():
+def test_peft_lora_dropout_runs_unfused_exact_and_keeps_no_act():
+    """lora_dropout > 0 on the down projection: the fused op cannot reproduce it, so the module runs as is with h
+    recomputed (it used to raise NotImplementedError). It keeps dropout(h) and its mask as eager does, not act(g)."""
     pm = _peft_model(llama(), ("down_proj",), dropout=0.1)
-    mlp = pm.base_model.model.mlp
-    with pytest.raises(NotImplementedError, match="lora_dropout"):
-        down_support(mlp.down_proj)
-    with pytest.raises(NotImplementedError, match="lora_dropout"):
-        convert(mlp, "silu")
+    ref = copy.deepcopy(pm)
+    _swap(pm, "silu")
+    assert down_support(pm.base_model.model.mlp.down_proj) == "eager"
+    x, w = torch.randn(2, 5, D, requires_grad=True), torch.randn(2, 5, D)
+    out_r, gx_r, g_r = _seeded_fwd_bwd(ref, x, w)
+    out_m, gx_m, g_m = _seeded_fwd_bwd(pm, x, w)
+    torch.testing.assert_close(out_m, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_m, gx_r, rtol=1e-5, atol=1e-5)
+    for n in g_r:
+        torch.testing.assert_close(g_m[n], g_r[n], rtol=1e-5, atol=1e-5, msg=n)
+    xt = torch.randn(T, D, requires_grad=True)
+    torch.manual_seed(0)
+    ours = _saved(pm, xt).bytes
+    torch.manual_seed(0)
+    assert ours == _saved(ref, xt).bytes - 4 * T * FF
 
 
 def test_peft_lora_dropout_on_gate_up_is_fine():
@@ -260,10 +277,14 @@ def test_peft_lora_dropout_on_gate_up_is_fine():
     _compare(ref, pm, torch.randn(2, 3, D, requires_grad=True))
 
 
-def test_peft_dora_raises():
-    pm = _peft_model(llama(), ("down_proj",), use_dora=True)
-    with pytest.raises(NotImplementedError, match="variant"):
-        convert(pm.base_model.model.mlp, "silu")
+def test_peft_dora_runs_unfused_and_exact():
+    """DoRA on the down projection (it used to raise NotImplementedError): run as is, h recomputed."""
+    pm = _peft_model(llama("silu", True), ("gate_proj", "up_proj", "down_proj"), use_dora=True)
+    ref = copy.deepcopy(pm)
+    _swap(pm, "silu")
+    assert down_support(pm.base_model.model.mlp.down_proj) == "eager"
+    grads = _compare(ref, pm, torch.randn(3, 4, D, requires_grad=True))
+    assert any("magnitude" in n for n in grads)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -419,11 +440,6 @@ def _with_down(kind: str):
     return ref, ours
 
 
-def _seeded_fwd_bwd(module, x, w):
-    torch.manual_seed(123)  # the same dropout masks in both models: their forwards draw in the same order
-    return _fwd_bwd(module, x, w)
-
-
 @pytest.mark.parametrize("kind", ["linear", "lora", "dora", "lora-dropout", "scaled"])
 def test_recompute_mode_gradients_match_unconverted_fp32(kind):
     ref, ours = _with_down(kind)
@@ -473,12 +489,8 @@ def test_recompute_mode_lora_bytes(autocast):
     assert b_ours == b_fused + ar * T * r, (b_ours, b_fused)
 
 
-def test_recompute_mode_needs_no_peft_support_check():
-    pm = _peft_model(llama(), ("down_proj",), use_dora=True)
-    with pytest.raises(NotImplementedError):
-        convert(pm.base_model.model.mlp, "silu")
-    ms = _recompute(pm.base_model.model.mlp)
-    assert "down_mode=recompute" in repr(ms)
+def test_recompute_mode_repr_and_validation():
+    assert "down_mode=recompute" in repr(_recompute(llama()))
     with pytest.raises(ValueError, match="down_mode"):
         MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", down_mode="lazy",
                    modules={n: getattr(llama(), n) for n in ("gate_proj", "up_proj", "down_proj")})

@@ -2,6 +2,8 @@
 other saved tensors reach enclosing hooks, exact bytes, and composition with checkpointing and save_on_cpu."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -193,3 +195,45 @@ def test_torch_compile_saves_g_u_and_matches():
     with SavedTensorLedger(params) as ledger:
         compiled(x.requires_grad_())
     assert ledger.bytes == 4 * (x.numel() + 2 * T * F_), ledger.summary()
+
+
+# ------------------------------------------------------------------------------------------------------
+# CUDA: the Triton kernels eager (recompute bitwise by the forward's kernel) and under torch.compile (the
+# checkpoint-tagged triton_op recomputed by the partitioner). Skipped without a GPU.
+# ------------------------------------------------------------------------------------------------------
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="needs a CUDA device and compiled Triton kernels (TRITON_INTERPRET=0)")
+
+
+@cuda_only
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bytes_and_gradients(compiled, dtype):
+    torch.manual_seed(0)
+    gate, up, down = (m.to("cuda", dtype) for m in _mlp())
+    params = [*gate.parameters(), *up.parameters(), *down.parameters()]
+    x = torch.randn(2, 64, 16, device="cuda", dtype=dtype)
+
+    def block(t):
+        return gated_act_recomputed(gate(t), up(t), "silu", down)
+
+    run = torch.compile(block, fullgraph=True) if compiled else block
+    if compiled:
+        run(x.requires_grad_())  # compile outside the ledger
+    with SavedTensorLedger(params) as ledger:
+        run(x.detach().requires_grad_())
+    item = x.element_size()
+    assert ledger.bytes == item * (x.numel() + 2 * 2 * 64 * F_), ledger.summary()
+    w = torch.linspace(-1, 1, N, device="cuda")
+
+    def grads(fn):
+        t = x.detach().requires_grad_()
+        for p in params:
+            p.grad = None
+        (fn(t).float() * w).sum().backward()
+        return [t.grad, *(p.grad for p in params)]
+
+    ref = grads(lambda t: down(F.silu(gate(t)) * up(t)))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(grads(run), ref):
+        torch.testing.assert_close(a, b, **tol)
