@@ -135,7 +135,8 @@ def main() -> None:
             x_dtype = torch.float32 if precision == "fp32" else torch.bfloat16  # autocast: the norm emits bf16
             x = torch.randn(1, args.tokens, args.hidden, dtype=x_dtype, requires_grad=True)
             row = {k: (saved_bytes(m, x, precision) if isinstance(m, nn.Module) else m) for k, m in mods.items()}
-            diff = (row["recompute"] - row["fused"]) if all(isinstance(row[k], int) for k in ("fused", "recompute")) else "-"
+            both = all(isinstance(row[k], int) for k in ("fused", "recompute"))
+            diff = row["recompute"] - row["fused"] if both else "-"
             cells = "".join(f"{v:>14}" if isinstance(v, int) else f"  {v}" for v in row.values())
             print(f"{down:<13}{precision:<15}{cells}{diff:>18}")
 
