@@ -7,14 +7,18 @@ replaces every tensor the consumer saves that *is* h — the same storage and dt
 (``F.linear`` on 3-D input saves a 2-D view) — or (a view of) a chain of dtype casts of h (autocast, PEFT's
 cast to the adapter dtype, both) by a recipe: g and u (which the `GatedActFunction` producing h saves
 anyway), the casts and the layout. Unpacking reruns the forward's own kernel on g and u, so the recomputed h
-is bitwise the forward's h, and replays the casts. Everything else the consumer saves goes to the enclosing hooks
-(a `SavedTensorLedger`, activation checkpointing, ``save_on_cpu``) or is kept as is.
+is bitwise the forward's h, and replays the casts. Everything else the consumer saves goes to the enclosing
+hooks (a `SavedTensorLedger`, activation checkpointing, ``save_on_cpu``) or is kept as is.
 
 What is not h cannot be shared: a consumer that saves a new tensor computed from h (LoRA dropout's
-``dropout(h)``, a ``contiguous()`` copy) keeps it as eager autograd would. When h needs no gradient
-(g and u are then not saved) the consumer is called plainly. Under torch.compile, where Dynamo cannot trace
-saved_tensors_hooks, h is produced inside a non-reentrant checkpoint region instead: AOTAutograd's partitioner
-then recomputes it in backward from g and u, which it saves anyway (the same traced ops, in the backward graph).
+``dropout(h)``, a ``contiguous()`` copy) keeps it as eager autograd would. A consumer saving h twice gets two
+recipes (h is recomputed twice); under enclosing hooks each recipe packs g and u through them once more
+(``save_on_cpu`` then copies g and u again, where plain autograd would copy h once). When h needs no gradient
+(g and u are then not saved), or where the caller disabled saved-tensor hooks, the consumer is called plainly.
+
+Under torch.compile, where Dynamo cannot trace saved_tensors_hooks, h is produced inside a non-reentrant
+checkpoint region instead: AOTAutograd's partitioner then recomputes it in backward from g and u, which it
+saves anyway (the same traced ops, in the backward graph).
 """
 from __future__ import annotations
 
@@ -129,11 +133,17 @@ def gated_act_recomputed(g: torch.Tensor, u: torch.Tensor, act: str,
         # producer tags h "must recompute": the partitioner saves g and u and recomputes h in backward.
         return consume(checkpoint(gated_act, g, u, act, use_reentrant=False))
     h = gated_act(g, u, act)
-    if not isinstance(h.grad_fn, GatedActFunction._backward_cls):  # no graph: nothing will be saved
-        return consume(h)
+    if not isinstance(h.grad_fn, GatedActFunction._backward_cls) or h.numel() == 0:
+        return consume(h)  # no graph (nothing will be saved), or nothing to save
     hooks = _Hooks(g, u, h)
+    context = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            return consume(h)
+        context.__enter__()
+    except RuntimeError:  # saved-tensor hooks disabled by the caller (disable_saved_tensors_hooks): keep h
+        hooks.release()
+        return consume(h)
+    try:
+        return consume(h)
     finally:
+        context.__exit__(None, None, None)
         hooks.release()

@@ -237,3 +237,24 @@ def test_cuda_bytes_and_gradients(compiled, dtype):
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for a, b in zip(grads(run), ref):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_hooks_disabled_by_the_caller_keeps_h():
+    """Inside disable_saved_tensors_hooks the consumer runs plainly (it keeps h) instead of raising."""
+    gate, up, down = _mlp()
+    params = [*gate.parameters(), *up.parameters(), *down.parameters()]
+    x = torch.randn(T, 16)
+    ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        got = _grads(lambda t: gated_act_recomputed(gate(t), up(t), "silu", down), x, params)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batch():
+    gate, up, down = _mlp()
+    x = torch.randn(0, 16, requires_grad=True)
+    out = gated_act_recomputed(gate(x), up(x), "gelu", down)
+    assert out.shape == (0, N)
+    out.sum().backward()
+    assert torch.count_nonzero(down.weight.grad) == 0
