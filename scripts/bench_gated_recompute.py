@@ -159,7 +159,7 @@ def main() -> None:
                     if not isinstance(m, nn.Module):
                         continue
                     mm = compiled.setdefault(k, torch.compile(m)) if mode == "compiled" else m
-                    fns[k] = (lambda mm=mm: step(mm, x, w, precision))
+                    fns[k] = (lambda mm=mm, x=x, w=w, p=precision: step(mm, x, w, p))
                 ms = time_rounds(fns, args.rounds)
                 if mode == "compiled":
                     for k, m in mods.items():

@@ -13,8 +13,9 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
   cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and whatever the module
   saves besides h.
 
-``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the fused path it keeps the rank-r A(h) of a LoRA adapter (the fused
-op recomputes it) and computes act(g) once more in backward; docs/gated_recompute.md has the measurements.
+``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the
+fused path it keeps the rank-r A(h) of a LoRA adapter (the fused op recomputes it) and computes act(g) once
+more in backward; docs/gated_recompute.md has the measurements.
 """
 from __future__ import annotations
 

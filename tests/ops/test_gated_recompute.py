@@ -90,7 +90,7 @@ def test_matches_eager_and_saves_x_g_u(act):
     x = torch.randn(2, T, 16)
     ref = _grads(lambda t: down(TORCH_ACT[act](gate(t)) * up(t)), x, params)
     got = _grads(lambda t: gated_act_recomputed(gate(t), up(t), act, down), x, params)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     with SavedTensorLedger(params) as ledger:
         gated_act_recomputed(gate(x.requires_grad_()), up(x), act, down)
@@ -135,7 +135,7 @@ def test_composes_with_checkpointing_and_offloading(how):
         return checkpoint(block, t, use_reentrant=how == "reentrant checkpoint")
 
     ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
-    for a, b in zip(_grads(wrapped, x, params), ref):
+    for a, b in zip(_grads(wrapped, x, params), ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
@@ -190,7 +190,8 @@ def test_torch_compile_saves_g_u_and_matches():
         return gated_act_recomputed(gate(t), up(t), "silu", down)
 
     compiled = torch.compile(block, fullgraph=True)
-    for a, b in zip(_grads(compiled, x, params), _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)):
+    ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
+    for a, b in zip(_grads(compiled, x, params), ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with SavedTensorLedger(params) as ledger:
         compiled(x.requires_grad_())
@@ -235,7 +236,7 @@ def test_cuda_bytes_and_gradients(compiled, dtype):
 
     ref = grads(lambda t: down(F.silu(gate(t)) * up(t)))
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for a, b in zip(grads(run), ref):
+    for a, b in zip(grads(run), ref, strict=True):
         torch.testing.assert_close(a, b, **tol)
 
 
@@ -247,7 +248,7 @@ def test_hooks_disabled_by_the_caller_keeps_h():
     ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
     with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
         got = _grads(lambda t: gated_act_recomputed(gate(t), up(t), "silu", down), x, params)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
