@@ -259,3 +259,28 @@ def test_empty_batch():
     assert out.shape == (0, N)
     out.sum().backward()
     assert torch.count_nonzero(down.weight.grad) == 0
+
+
+@pytest.mark.slow  # torch.compile
+@pytest.mark.skipif(not gm.HAS_TRITON, reason="triton not installed")
+def test_torch_compile_recomputes_the_triton_op_too():
+    """With the Triton dispatch on (CPU tensors, interpreter) h comes from the opaque kernel op; inside the
+    checkpoint region the partitioner still recomputes it rather than saving it."""
+    from lmbp_convert.ops._common import set_triton_device_types
+
+    gate, up, down = _mlp()
+    params = [*gate.parameters(), *up.parameters(), *down.parameters()]
+    x = torch.randn(T, 16)
+    ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
+    set_triton_device_types("cpu")
+    try:
+        compiled = torch.compile(lambda t: gated_act_recomputed(gate(t), up(t), "silu", down), backend="aot_eager",
+                                 fullgraph=True)
+        got = _grads(compiled, x, params)
+        with SavedTensorLedger(params) as ledger:
+            compiled(x.requires_grad_())
+    finally:
+        set_triton_device_types("cuda")
+    assert ledger.bytes == 4 * (x.numel() + 2 * T * F_), ledger.summary()
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
