@@ -8,10 +8,9 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
 * PEFT ``lora.Linear`` over such a Linear, vanilla LoRA with dropout 0 (any number of active adapters,
   merged or disabled adapters, ``lora_bias``): the fused op with the adapters' A/B tensors;
 * anything else (LoRA dropout > 0, LoRA variants such as DoRA, custom or quantised Linears, hooked modules):
-  called unchanged through
-  `lmbp_convert.ops.gated_recompute.gated_act_recomputed`, which turns what it saves of h (h, a view or a
-  cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and whatever the module
-  saves besides h.
+  called unchanged through `lmbp_convert.ops.gated_recompute.gated_act_recomputed`, which turns what it saves
+  of h (h, a view or a cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and
+  whatever the module saves besides h.
 
 ``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the
 fused path it keeps the rank-r A(h) of a LoRA adapter (the fused op recomputes it) and computes act(g) once
@@ -19,7 +18,7 @@ more in backward; docs/gated_recompute.md has the measurements.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Literal, Mapping, Optional, get_args
 
 import torch
 from torch import nn
@@ -27,11 +26,12 @@ from torch import nn
 from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_mlp
 from ..ops.gated_recompute import gated_act_recomputed
 
-__all__ = ["MSGatedMLP", "down_support", "DOWN_MODES"]
+__all__ = ["MSGatedMLP", "down_support", "DOWN_MODES", "DownMode"]
 
 #: How the down projection is run: fused into the op where it can be (``"fused"``) or called as is with h
 #: recomputed for its backward (``"recompute"``).
-DOWN_MODES = ("fused", "recompute")
+DownMode = Literal["fused", "recompute"]
+DOWN_MODES: tuple[str, ...] = get_args(DownMode)
 
 
 def _peft_lora_linear_cls():
@@ -124,7 +124,7 @@ class MSGatedMLP(nn.Module):
 
     def __init__(self, act_kind: str, down: str, gate: Optional[str] = None, up: Optional[str] = None,
                  gate_up: Optional[str] = None, gate_first: bool = True, *,
-                 modules: Mapping[str, nn.Module], down_mode: str = "fused") -> None:
+                 modules: Mapping[str, nn.Module], down_mode: DownMode = "fused") -> None:
         super().__init__()
         if down_mode not in DOWN_MODES:
             raise ValueError(f"MSGatedMLP: unknown down_mode {down_mode!r}; expected one of {DOWN_MODES}")
