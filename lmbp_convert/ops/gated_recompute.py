@@ -34,8 +34,9 @@ __all__ = ["gated_act_recomputed"]
 T = TypeVar("T")
 
 # The outer (pack, unpack) pair; private in torch, used so that tensors other than h still reach enclosing
-# hooks (saved_tensors_hooks do not nest: only the innermost pair runs).
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+# hooks (saved_tensors_hooks do not nest: only the innermost pair runs). Without it (another torch) the
+# consumer is called plainly: correct, h kept.
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class _Recipe:
@@ -133,8 +134,8 @@ def gated_act_recomputed(g: torch.Tensor, u: torch.Tensor, act: str,
         # producer tags h "must recompute": the partitioner saves g and u and recomputes h in backward.
         return consume(checkpoint(gated_act, g, u, act, use_reentrant=False))
     h = gated_act(g, u, act)
-    if not isinstance(h.grad_fn, GatedActFunction._backward_cls) or h.numel() == 0:
-        return consume(h)  # no graph (nothing will be saved), or nothing to save
+    if not isinstance(h.grad_fn, GatedActFunction._backward_cls) or h.numel() == 0 or _top_hooks is None:
+        return consume(h)  # no graph (nothing will be saved), nothing to save, or no way to chain hooks
     hooks = _Hooks(g, u, h)
     context = torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
     try:

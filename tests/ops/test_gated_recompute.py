@@ -284,3 +284,20 @@ def test_torch_compile_recomputes_the_triton_op_too():
     assert ledger.bytes == 4 * (x.numel() + 2 * T * F_), ledger.summary()
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_without_torch_hook_introspection_the_consumer_runs_plainly(monkeypatch):
+    """A torch without the (private) hook-stack accessor: correct results, h kept."""
+    import lmbp_convert.ops.gated_recompute as gr
+
+    monkeypatch.setattr(gr, "_top_hooks", None)
+    gate, up, down = _mlp()
+    params = [*gate.parameters(), *up.parameters(), *down.parameters()]
+    x = torch.randn(T, 16)
+    ref = _grads(lambda t: down(F.silu(gate(t)) * up(t)), x, params)
+    for a, b in zip(_grads(lambda t: gated_act_recomputed(gate(t), up(t), "silu", down), x, params), ref,
+                    strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with SavedTensorLedger(params) as ledger:
+        gated_act_recomputed(gate(x.requires_grad_()), up(x), "silu", down)
+    assert ledger.bytes == 4 * (x.numel() + 3 * T * F_), ledger.summary()
