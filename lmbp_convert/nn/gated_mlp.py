@@ -7,22 +7,32 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
 * plain ``nn.Linear`` (no forward override, no hooks): the fused op with its weight and bias;
 * PEFT ``lora.Linear`` over such a Linear, vanilla LoRA with dropout 0 (any number of active adapters,
   merged or disabled adapters, ``lora_bias``): the fused op with the adapters' A/B tensors;
-  LoRA dropout > 0 or a LoRA variant (DoRA, ...) raises NotImplementedError: it is not supported exactly;
-* anything else (custom or quantised Linear, hooked modules): ``down(gated_act(g, u))`` — h is produced by a
-  function saving only g and u, and the down module saves whatever it saves itself (typically h). Exact,
-  but one more T×f storage than the fused path.
+* anything else (LoRA dropout > 0, LoRA variants such as DoRA, custom or quantised Linears, hooked modules):
+  called unchanged through `lmbp_convert.ops.gated_recompute.gated_act_recomputed`, which turns what it saves
+  of h (h, a view or a cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and
+  whatever the module saves besides h.
+
+``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the
+fused path it keeps the rank-r A(h) of a LoRA adapter (the fused op recomputes it) and computes act(g) once
+more in backward; docs/gated_recompute.md has the measurements.
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Literal, Mapping, Optional, get_args
 
 import torch
 from torch import nn
 
 from ..kinds import ConvertedModule
-from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_act, gated_mlp
+from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_mlp
+from ..ops.gated_recompute import gated_act_recomputed
 
-__all__ = ["MSGatedMLP", "down_support"]
+__all__ = ["MSGatedMLP", "down_support", "DOWN_MODES", "DownMode"]
+
+#: How the down projection is run: fused into the op where it can be (``"fused"``) or called as is with h
+#: recomputed for its backward (``"recompute"``).
+DownMode = Literal["fused", "recompute"]
+DOWN_MODES: tuple[str, ...] = get_args(DownMode)
 
 
 def _peft_lora_linear_cls():
@@ -77,11 +87,9 @@ def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
 
 
 def down_support(down: nn.Module) -> str:
-    """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"``.
-
-    Raises NotImplementedError (with the reason) for PEFT LoRA features the fused op does not reproduce
-    exactly: lora_dropout > 0, LoRA variants such as DoRA.
-    """
+    """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"`` (called
+    unchanged, h recomputed for its backward), the latter also for the PEFT LoRA features the fused op does not
+    reproduce: lora_dropout > 0, LoRA variants such as DoRA."""
     if _is_plain_linear(down):
         return "linear"
     if _is_peft_lora_linear(down):
@@ -90,7 +98,10 @@ def down_support(down: nn.Module) -> str:
             return "eager"
         if getattr(down, "fan_in_fan_out", False):
             return "eager"
-        _lora_adapters(down)  # raises for what the fused op cannot reproduce
+        try:
+            _lora_adapters(down)  # raises for what the fused op cannot reproduce
+        except NotImplementedError:
+            return "eager"
         return "lora"
     return "eager"
 
@@ -105,17 +116,19 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         gate_up: attribute name of a fused projection whose output is chunked in two along the last dim;
         gate_first: with ``gate_up``, whether the first half is the gate (Phi-3: True).
         modules: the projection modules by attribute name; exactly the names above.
+        down_mode: ``"fused"`` (default) or ``"recompute"`` (see the module docstring).
 
     The modules are registered under those names, so the state_dict keys equal the replaced MLP's (as long
-    as its other children hold no parameters or buffers). Raises NotImplementedError at construction when
-    the down projection is a PEFT LoRA layer with unsupported features (see `down_support`); the check is
-    repeated on every forward, since adapters can change after construction.
+    as its other children hold no parameters or buffers). In the fused mode the down projection's support
+    (`down_support`) is decided on every forward, since adapters can change after construction.
     """
 
     def __init__(self, act_kind: str, down: str, gate: Optional[str] = None, up: Optional[str] = None,
                  gate_up: Optional[str] = None, gate_first: bool = True, *,
-                 modules: Mapping[str, nn.Module]) -> None:
+                 modules: Mapping[str, nn.Module], down_mode: DownMode = "fused") -> None:
         super().__init__()
+        if down_mode not in DOWN_MODES:
+            raise ValueError(f"MSGatedMLP: unknown down_mode {down_mode!r}; expected one of {DOWN_MODES}")
         if act_kind not in ACT_KINDS:
             raise ValueError(f"MSGatedMLP: unknown act_kind {act_kind!r}; expected one of {ACT_KINDS}")
         fused = gate_up is not None
@@ -130,7 +143,7 @@ class MSGatedMLP(ConvertedModule, nn.Module):
             if not isinstance(modules[name], nn.Module):
                 raise TypeError(f"MSGatedMLP: {name!r} is not an nn.Module")
             self.add_module(name, modules[name])
-        down_support(modules[down])  # raise now, not at the first forward
+        self.down_mode = down_mode
         self.act_kind = act_kind
         self.down_name = down
         self.gate_name, self.up_name, self.gate_up_name = gate, up, gate_up
@@ -144,6 +157,8 @@ class MSGatedMLP(ConvertedModule, nn.Module):
             g = getattr(self, self.gate_name)(x)
             u = getattr(self, self.up_name)(x)
         down = getattr(self, self.down_name)
+        if self.down_mode == "recompute":
+            return gated_act_recomputed(g, u, self.act_kind, down)
         kind = down_support(down)
         if kind == "linear":
             return gated_mlp(g, u, down.weight, down.bias, self.act_kind)
@@ -152,7 +167,7 @@ class MSGatedMLP(ConvertedModule, nn.Module):
                 down.unmerge()  # as lora.Linear.forward does before running the base layer alone
             base = down.get_base_layer()
             return gated_mlp(g, u, base.weight, base.bias, self.act_kind, _lora_adapters(down))
-        return down(gated_act(g, u, self.act_kind))
+        return gated_act_recomputed(g, u, self.act_kind, down)
 
     def extra_repr(self) -> str:
         if self.gate_up_name is not None:
@@ -160,4 +175,5 @@ class MSGatedMLP(ConvertedModule, nn.Module):
             layout = f"{self.gate_up_name}->({halves})"
         else:
             layout = f"{self.gate_name}, {self.up_name}"
-        return f"act={self.act_kind}, layout={layout}, down={self.down_name}"
+        mode = "" if self.down_mode == "fused" else f", down_mode={self.down_mode}"
+        return f"act={self.act_kind}, layout={layout}, down={self.down_name}{mode}"

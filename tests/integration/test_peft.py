@@ -273,3 +273,29 @@ def test_merged_adapters_export_to_a_plain_checkpoint(order):
     assert set(sd) == set(plain.state_dict())
     plain.load_state_dict(sd)
     assert _rel(_logits(plain.eval(), ids), want) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["dora", "lora_dropout"])
+def test_gated_mlps_with_dora_or_lora_dropout_convert_and_match(variant):
+    """DoRA or lora_dropout > 0 on the MLP projections: the gated MLPs convert (the down projection runs unchanged,
+    h recomputed for its backward) and a training step gives the unconverted model's loss and gradients."""
+    cfg = LoraConfig(r=R, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"],
+                     use_dora=variant == "dora", lora_dropout=0.2 if variant == "lora_dropout" else 0.0)
+    pm = get_peft_model(hf("llama"), cfg)
+    _randomize_lora_b(pm)
+    ref = copy.deepcopy(pm)
+    _, report = convert(pm, activations=False, norms=False, return_report=True)
+    assert len(report.plan.gated_mlps) == pm.config.num_hidden_layers
+    ids = _ids()
+    grads = []
+    for model in (ref, pm):
+        model.train()
+        torch.manual_seed(7)  # the same dropout masks: both forwards draw them in the same order
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (l_ref, g_ref), (l_ours, g_ours) = grads
+    torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-6)
+    assert g_ours.keys() == g_ref.keys()
+    for n in g_ref:
+        torch.testing.assert_close(g_ours[n], g_ref[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -75,6 +75,11 @@ def _fwd_bwd(module, x, w):
     return out, x.grad, grads
 
 
+def _seeded_fwd_bwd(module, x, w):
+    torch.manual_seed(123)  # the same dropout masks in both models: their forwards draw in the same order
+    return _fwd_bwd(module, x, w)
+
+
 def _compare(ref_mod, ms_mod, x, rtol=1e-5, atol=1e-5):
     w = torch.randn(*x.shape[:-1], D)
     out_r, gx_r, g_r = _fwd_bwd(ref_mod, x, w)
@@ -242,13 +247,25 @@ def test_peft_fp32_adapters_on_bf16_base():
                                    atol=5e-2 * e_g[n].abs().max().item(), msg=n)
 
 
-def test_peft_lora_dropout_raises():
+def test_peft_lora_dropout_runs_unfused_exact_and_keeps_no_act():
+    """lora_dropout > 0 on the down projection: the fused op cannot reproduce it, so the module runs as is with h
+    recomputed (it used to raise NotImplementedError). It keeps dropout(h) and its mask as eager does, not act(g)."""
     pm = _peft_model(llama(), ("down_proj",), dropout=0.1)
-    mlp = pm.base_model.model.mlp
-    with pytest.raises(NotImplementedError, match="lora_dropout"):
-        down_support(mlp.down_proj)
-    with pytest.raises(NotImplementedError, match="lora_dropout"):
-        convert(mlp, "silu")
+    ref = copy.deepcopy(pm)
+    _swap(pm, "silu")
+    assert down_support(pm.base_model.model.mlp.down_proj) == "eager"
+    x, w = torch.randn(2, 5, D, requires_grad=True), torch.randn(2, 5, D)
+    out_r, gx_r, g_r = _seeded_fwd_bwd(ref, x, w)
+    out_m, gx_m, g_m = _seeded_fwd_bwd(pm, x, w)
+    torch.testing.assert_close(out_m, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_m, gx_r, rtol=1e-5, atol=1e-5)
+    for n in g_r:
+        torch.testing.assert_close(g_m[n], g_r[n], rtol=1e-5, atol=1e-5, msg=n)
+    xt = torch.randn(T, D, requires_grad=True)
+    torch.manual_seed(0)
+    ours = _saved(pm, xt).bytes
+    torch.manual_seed(0)
+    assert ours == _saved(ref, xt).bytes - 4 * T * FF
 
 
 def test_peft_lora_dropout_on_gate_up_is_fine():
@@ -260,10 +277,14 @@ def test_peft_lora_dropout_on_gate_up_is_fine():
     _compare(ref, pm, torch.randn(2, 3, D, requires_grad=True))
 
 
-def test_peft_dora_raises():
-    pm = _peft_model(llama(), ("down_proj",), use_dora=True)
-    with pytest.raises(NotImplementedError, match="variant"):
-        convert(pm.base_model.model.mlp, "silu")
+def test_peft_dora_runs_unfused_and_exact():
+    """DoRA on the down projection (it used to raise NotImplementedError): run as is, h recomputed."""
+    pm = _peft_model(llama("silu", True), ("gate_proj", "up_proj", "down_proj"), use_dora=True)
+    ref = copy.deepcopy(pm)
+    _swap(pm, "silu")
+    assert down_support(pm.base_model.model.mlp.down_proj) == "eager"
+    grads = _compare(ref, pm, torch.randn(3, 4, D, requires_grad=True))
+    assert any("magnitude" in n for n in grads)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -380,3 +401,96 @@ def test_constructor_validation():
         MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", modules={**mods, "act_fn": m.act_fn})
     with pytest.raises(ValueError, match="distinct"):
         MSGatedMLP("silu", "down_proj", "gate_proj", "gate_proj", modules=mods)
+
+
+# ------------------------------------------------------------------------------------------------------
+# down_mode="recompute": the down projection runs unchanged, its saved h is recomputed from g and u
+# ------------------------------------------------------------------------------------------------------
+class ScaledDown(nn.Module):
+    """A down projection the fused path does not know: a Linear inside a user module, plus a scale."""
+
+    def __init__(self, inner: nn.Linear, scale: float = 0.75):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, x):
+        return self.inner(x) * self.scale
+
+
+def _recompute(mlp: nn.Module) -> MSGatedMLP:
+    return MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", down_mode="recompute",
+                      modules={n: getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")})
+
+
+def _with_down(kind: str):
+    """(reference model, model whose MLP is converted with down_mode="recompute"): LLaMA MLP in a parent,
+    with the given down projection."""
+    mlp = llama("silu", True)
+    if kind == "scaled":
+        mlp.down_proj = ScaledDown(mlp.down_proj)
+        ref = Tiny(mlp)
+    elif kind == "linear":
+        ref = Tiny(mlp)
+    else:
+        ref = _peft_model(mlp, ("gate_proj", "up_proj", "down_proj"), use_dora=kind == "dora",
+                          dropout=0.3 if kind == "lora-dropout" else 0.0)
+    ours = copy.deepcopy(ref)
+    holder = ours.base_model.model if kind not in ("linear", "scaled") else ours
+    holder.mlp = _recompute(holder.mlp)
+    return ref, ours
+
+
+@pytest.mark.parametrize("kind", ["linear", "lora", "dora", "lora-dropout", "scaled"])
+def test_recompute_mode_gradients_match_unconverted_fp32(kind):
+    ref, ours = _with_down(kind)
+    x, w = torch.randn(2, 5, D, requires_grad=True), torch.randn(2, 5, D)
+    out_r, gx_r, g_r = _seeded_fwd_bwd(ref, x, w)
+    out_m, gx_m, g_m = _seeded_fwd_bwd(ours, x, w)
+    torch.testing.assert_close(out_m, out_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_m, gx_r, rtol=1e-5, atol=1e-5)
+    assert g_m.keys() == g_r.keys() and g_r
+    for name in g_r:
+        torch.testing.assert_close(g_m[name], g_r[name], rtol=1e-5, atol=1e-5, msg=name)
+        assert torch.count_nonzero(g_r[name]) > 0, name
+
+
+@pytest.mark.parametrize("kind", ["linear", "scaled"])
+def test_recompute_mode_saves_x_g_u_only(kind):
+    ref, ours = _with_down(kind)
+    x = torch.randn(T, D, requires_grad=True)
+    assert _saved(ours, x).bytes == 4 * (T * D + 2 * T * FF), _saved(ours, x).summary()
+    assert _saved(ref, x).bytes == 4 * (T * D + 4 * T * FF)
+
+
+def test_unknown_down_module_saves_x_g_u_only_by_default():
+    """The fused mode's fallback for modules it cannot fuse recomputes h too (it used to keep h)."""
+    mlp = llama("silu", True)
+    mlp.down_proj = ScaledDown(mlp.down_proj)
+    ms = convert(mlp, "silu")
+    assert down_support(ms.down_proj) == "eager"
+    ledger = _saved(ms, torch.randn(T, D, requires_grad=True))
+    assert ledger.bytes == 4 * (T * D + 2 * T * FF), ledger.summary()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_recompute_mode_lora_bytes(autocast):
+    """PEFT LoRA on a bf16 base with fp32 adapters (PEFT's default upcast): h reaches lora_A as h.to(fp32) —
+    under autocast as h.to(fp32).to(bf16) — and is recomputed all the same. Only the rank-r A(h), which the
+    fused op recomputes too, is kept on top of the fused mode's bytes."""
+    r = 4
+    pm = _peft_model(llama("silu").bfloat16(), ("gate_proj", "up_proj", "down_proj"))
+    fused, ours = copy.deepcopy(pm), copy.deepcopy(pm)
+    _swap(fused, "silu")
+    ours.base_model.model.mlp = _recompute(ours.base_model.model.mlp)
+    x = torch.randn(T, D, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        b_fused, b_ours = _saved(fused, x).bytes, _saved(ours, x).bytes
+    ar = 2 if autocast else 4  # A(h) in the autocast dtype, else in the fp32 adapter dtype
+    assert b_ours == b_fused + ar * T * r, (b_ours, b_fused)
+
+
+def test_recompute_mode_repr_and_validation():
+    assert "down_mode=recompute" in repr(_recompute(llama()))
+    with pytest.raises(ValueError, match="down_mode"):
+        MSGatedMLP("silu", "down_proj", "gate_proj", "up_proj", down_mode="lazy",
+                   modules={n: getattr(llama(), n) for n in ("gate_proj", "up_proj", "down_proj")})
