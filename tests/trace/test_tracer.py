@@ -72,7 +72,9 @@ def test_traces_on_meta_device(arch):
     recorded = {target: (ins, outs) for target, ins, outs in _module_shapes(g)}
     for name, shapes in _EXPECTED_SHAPES[arch].items():
         assert recorded[name] == shapes, name
-    assert sorted(g.tensors[t].shape for t in g.root_outputs) == sorted(_ROOT_OUTPUT_SHAPES[arch])
+    # The KV cache is a Cache object in transformers 5 and a tuple of tensors in 4.x: not a model output here.
+    outputs = [t for t, paths in g.root_outputs.items() if any(p[:1] != ("past_key_values",) for p in paths)]
+    assert sorted(g.tensors[t].shape for t in outputs) == sorted(_ROOT_OUTPUT_SHAPES[arch])
     # Every leaf call records what a real forward on CPU records: meta shapes are the true shapes.
     assert _module_shapes(g) == _module_shapes(_trace(hf(arch, head=head)))
 
