@@ -88,6 +88,7 @@ def converted(saved, tmp_path_factory):
 
 
 @pytest.mark.slow  # loads every converted checkpoint
+@pytest.mark.compat
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
     src, dst, out = converted(arch, untie)
@@ -118,6 +119,7 @@ def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
     assert "per token" in out
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_dst_layout_metadata_and_files(converted, arch, untie):
     src, dst, _ = converted(arch, untie)
@@ -181,6 +183,7 @@ def test_convert_on_dst_swaps_without_folding_again(converted, arch, untie):
     assert rel_err(ref, logits(model)) <= 1e-5
 
 
+@pytest.mark.compat
 def test_bf16_dtypes_kept_and_fold_bit_exact(tmp_path, cli):
     src = tmp_path / "src"
     from ckpt_helpers import save_model
@@ -261,6 +264,7 @@ def _save_bin(model, root: Path, shards: int) -> None:
     (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("shards", [1, 3])
 def test_pytorch_bin_source(tmp_path, cli, shards):
     model = build_model("gpt2")
@@ -290,6 +294,7 @@ def test_python_dash_m_entry_point(saved, tmp_path):
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.compat
 def test_base_model_without_architectures(tmp_path, cli):
     """No "architectures" in config.json: planned for the AutoModel class, whose final norm feeds no Linear (it is
     the model output) and is skipped."""

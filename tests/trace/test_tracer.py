@@ -62,6 +62,7 @@ def _module_shapes(g):
     return [(n.target, shapes(n.inputs), shapes(n.outputs)) for n in g.nodes if n.kind == "module"]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_traces_on_meta_device(arch):
     head = "base" if arch == "bert" else "causal"
