@@ -28,8 +28,10 @@ _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
 class TraceError(RuntimeError):
     """The probe forward failed; the message says how to help the walker."""
 
+    module_calls: int = 0  # how far the forward got: the error of the try that got further is the one told
 
-_DEVICE_GETTER = torch._C.TensorBase.__dict__["device"]
+
+_DEVICE_GETTER = torch.Tensor.device  # the getset descriptor: a mode sees `t.device` as a call of its __get__
 
 
 def _is_cpu_device(obj: Any) -> bool:
@@ -286,7 +288,9 @@ def trace(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], bool]) ->
             raise
         try:
             return _trace_once(model, probe, is_leaf, meta_as_cpu=True)
-        except TraceError:
+        except TraceError as second:
+            if second.module_calls > first.module_calls:  # past the first failure: the cause that remains
+                raise
             raise first from first.__cause__
 
 
@@ -308,10 +312,12 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
             try:
                 out = call_model(model, probe)
             except Exception as exc:  # a probe the model cannot take
-                raise TraceError(
+                err = TraceError(
                     f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc}); "
                     "pass probe=... (a tensor, a tuple of args or a dict of kwargs the model accepts)"
-                ) from exc
+                )
+                err.module_calls = sum(tracer.g.module_calls.values())
+                raise err from exc
     g = tracer.g
     for path, t in _output_paths(out):
         tid = tracer._ids.get(id(t))
