@@ -27,7 +27,7 @@ from . import fsops
 from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
 from .diskplan import Action, DiskPlan, OutShard, plan_disk, record_json
 from .errors import CheckpointError
-from .models import build_hf, build_timm, read_config_json
+from .models import build_hf, build_timm, quiet_loggers, read_config_json
 from .safetensors_io import DTYPES, SafetensorsWriter
 from .sources import Source, SafetensorsSource, bin_to_safetensors_name, open_hf_source, open_timm_source
 
@@ -109,7 +109,8 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
         make_view = None if timm_model else (lambda r: build_hf(r, src_path, dtype))
         view = build_timm(timm_model, dict(timm_kwargs or {}), dtype) if timm_model else make_view(raw)
         try:
-            plan = plan_conversion(view.model, opts)
+            with quiet_loggers():
+                plan = plan_conversion(view.model, opts)
         except Exception as exc:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise CheckpointError(f"cannot trace {view.arch} on the meta device: {msg}") from exc

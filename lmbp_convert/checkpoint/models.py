@@ -18,6 +18,7 @@ from torch import nn
 
 from ..kinds import StrChoice
 from .errors import CheckpointError
+from ..hf_compat import dtype_kwargs
 
 
 class ModelSource(StrChoice):
@@ -64,19 +65,26 @@ class ModelView:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """transformers and timm log warnings while building models from configs; the CLI speaks for itself."""
+def quiet_loggers():
+    """transformers and timm log warnings while building and running models (older transformers warn about
+    output dtypes on the first forward of the meta trace); the CLI speaks for itself."""
     loggers = [logging.getLogger(n) for n in ("transformers", "timm")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
+        yield
     finally:
         for lg, lvl in zip(loggers, levels):
             lg.setLevel(lvl)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """``quiet_loggers``, and no Python warnings nor stdout while building models from configs."""
+    with quiet_loggers(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -160,7 +168,7 @@ def hf_model_class(raw: dict, cfg) -> tuple[Callable[..., nn.Module], str]:
 def build_hf(raw: dict, root: Path, dtype: torch.dtype | None) -> ModelView:
     cfg = hf_config(raw, root)
     make, arch = hf_model_class(raw, cfg)
-    kw = {"dtype": dtype} if dtype is not None else {}
+    kw = dtype_kwargs(dtype)
     try:
         with _quiet(), torch.device("meta"):
             model = make(cfg, **kw)

@@ -3,7 +3,9 @@
 Tensor ops are seen through a ``TorchFunctionMode``; module calls through per-instance forward hooks that are
 removed afterwards. Ops inside *leaf* modules (the ones the matcher cares about as a whole: Linear, norms,
 activations, dropout, modules without children) are not recorded, so a Linear is one node, not its F.linear.
-Works on real and meta tensors alike: nothing here reads tensor values.
+Works on real and meta tensors alike: nothing here reads tensor values. Model code that cannot run on meta
+tensors as it is (older transformers: ``torch.autocast(device_type="meta")``, checks that read the values of
+masks it built itself) is traced again with the meta device shown to it as the CPU (see ``_MetaAsCpu``).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_map
 
 from .containers import children
 from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
@@ -25,10 +28,63 @@ _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
 class TraceError(RuntimeError):
     """The probe forward failed; the message says how to help the walker."""
 
+    module_calls: int = 0  # how far the forward got: the error of the try that got further is the one told
+
+
+_DEVICE_GETTER = torch.Tensor.device  # the getset descriptor: a mode sees `t.device` as a call of its __get__
+
+
+def _is_cpu_device(obj: Any) -> bool:
+    if isinstance(obj, torch.device):
+        return obj.type == "cpu"
+    return isinstance(obj, str) and obj.split(":")[0] == "cpu"
+
+
+class _MetaAsCpu:
+    """The second try on a meta model: its code sees meta tensors on the CPU (``t.device``), so tensors it makes
+    "on the same device" (masks, positions, rotary tables) are real CPU tensors whose values its checks can read
+    and an autocast region it opens is the CPU's. A CPU tensor that meets a meta tensor in an op is moved to the
+    meta device, and moving a meta tensor "to the CPU" keeps it on the meta device: only values that do not
+    depend on weights are ever computed, at the probe's size. A meta probe has no values: its integer and bool
+    tensors are shown as ones (a valid token id, an all-attending mask); its float tensors meet the weights at
+    once and stay on the meta device."""
+
+    @staticmethod
+    def probe(probe: Any) -> Any:
+        def valued(o):
+            if isinstance(o, torch.Tensor) and o.device.type == "meta" and not o.is_floating_point():
+                return torch.ones(o.shape, dtype=o.dtype, device="cpu")
+            return o
+
+        return tree_map(valued, probe)
+
+    @staticmethod
+    def device_of(func, args) -> torch.device | None:
+        if getattr(func, "__self__", None) is _DEVICE_GETTER and args and args[0].device.type == "meta":
+            return torch.device("cpu")
+        return None
+
+    @staticmethod
+    def rewrite(func, args: tuple, kwargs: dict, moved: Callable[[torch.Tensor, torch.Tensor], None]):
+        found: list[torch.Tensor] = []
+        tree_map(lambda o: found.append(o) if isinstance(o, torch.Tensor) else None, (args, kwargs))
+        if not any(t.device.type == "meta" for t in found):
+            return args, kwargs
+
+        def onto_meta(o):
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu" and o.dim() > 0:
+                m = o.to("meta")
+                moved(o, m)
+                return m
+            return torch.device("meta") if _is_cpu_device(o) else o
+
+        return tree_map(onto_meta, args), tree_map(onto_meta, kwargs)
+
 
 class _Tracer(TorchFunctionMode):
-    def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool]):
+    def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool], meta_as_cpu: bool = False):
         super().__init__()
+        self.meta_as_cpu = meta_as_cpu
         self.g = Graph()
         self.names = names
         self.is_leaf = is_leaf
@@ -49,6 +105,13 @@ class _Tracer(TorchFunctionMode):
         self._alive.append(t)
         self.g.tensors[tid] = TensorInfo(tid, tuple(t.shape), str(t.dtype).replace("torch.", ""), producer)
         return tid
+
+    def _same_tensor(self, original: torch.Tensor, copy: torch.Tensor) -> None:
+        """``copy`` stands for ``original`` in the graph (a CPU tensor moved onto the meta device)."""
+        if self._busy or self._leaf_depth:
+            return
+        self._ids[id(copy)] = self._tid(original)
+        self._alive.append(copy)
 
     def _tensors_in(self, obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
         if isinstance(obj, torch.Tensor):
@@ -77,6 +140,11 @@ class _Tracer(TorchFunctionMode):
     # -- ops ----------------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.meta_as_cpu:
+            shown = _MetaAsCpu.device_of(func, args)
+            if shown is not None:
+                return shown
+            args, kwargs = _MetaAsCpu.rewrite(func, args, kwargs, self._same_tensor)
         out = func(*args, **kwargs)
         if self._leaf_depth or self._busy:
             return out
@@ -206,27 +274,50 @@ def _dict_outputs(module: nn.Module, args: tuple, kwargs: dict):
     return None
 
 
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
 def trace(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], bool]) -> tuple[Graph, Any]:
     """Run ``model`` on ``probe`` once (no grad) and return its data-flow graph and the output (in dict form for
     models that return a ``ModelOutput``)."""
+    try:
+        return _trace_once(model, probe, is_leaf, meta_as_cpu=False)
+    except TraceError as first:
+        if not _is_meta(model):
+            raise
+        try:
+            return _trace_once(model, probe, is_leaf, meta_as_cpu=True)
+        except TraceError as second:
+            if second.module_calls > first.module_calls:  # past the first failure: the cause that remains
+                raise
+            raise first from first.__cause__
+
+
+def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], bool],
+                meta_as_cpu: bool) -> tuple[Graph, Any]:
     names: dict[int, str] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
-    tracer = _Tracer(names, is_leaf)
+    tracer = _Tracer(names, is_leaf, meta_as_cpu)
     with ExitStack() as stack:
         stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
         for mod in model.modules():
             stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
             stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
         stack.enter_context(torch.no_grad())
+        if meta_as_cpu:
+            probe = _MetaAsCpu.probe(probe)
         with tracer:
             try:
                 out = call_model(model, probe)
             except Exception as exc:  # a probe the model cannot take
-                raise TraceError(
+                err = TraceError(
                     f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc}); "
                     "pass probe=... (a tensor, a tuple of args or a dict of kwargs the model accepts)"
-                ) from exc
+                )
+                err.module_calls = sum(tracer.g.module_calls.values())
+                raise err from exc
     g = tracer.g
     for path, t in _output_paths(out):
         tid = tracer._ids.get(id(t))

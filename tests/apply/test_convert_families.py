@@ -21,6 +21,7 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_converts_with_exact_outputs(family):
     model = FAMILIES[family]().eval()
@@ -57,6 +58,7 @@ def _saved(model, probe, autocast):
 TARGETS = [("llama", 0.30), ("timm_vit", 0.30), ("vit", 0.30), ("bert", 0.20)]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("family,target", TARGETS)
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
 def test_saved_bytes_reduction(family, target, mode):

@@ -24,6 +24,7 @@ CASES = {
 }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_unlisted_family(arch):
     overrides, head, min_norms, min_gated, reason = CASES[arch]

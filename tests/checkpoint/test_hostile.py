@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -219,7 +220,9 @@ def test_config_error_spanning_lines_is_told_whole_on_one_line(cli, src32, tmp_p
     (src32 / "config.json").write_text(json.dumps(cfg))
     before = tree_hash(src32)
     rc, _, err = cli(src32, tmp_path / "dst", "-q")
-    assert rc == 1 and err.count("\n") == 1 and "config.json is invalid" in err, err
+    # transformers 5 validates the config ("config.json is invalid"); 4.x configs take any value and building the
+    # model from it fails ("cannot build LlamaForCausalLM from config.json: ...").
+    assert rc == 1 and err.count("\n") == 1 and re.search(r"config\.json is invalid|from config\.json:", err), err
     assert "'two'" in err or "int" in err, err  # the reason, not only the heading
     assert tree_hash(src32) == before and not (tmp_path / "dst").exists()
 

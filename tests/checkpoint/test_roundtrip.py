@@ -88,6 +88,7 @@ def converted(saved, tmp_path_factory):
 
 
 @pytest.mark.slow  # loads every converted checkpoint
+@pytest.mark.compat
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
     src, dst, out = converted(arch, untie)
@@ -118,6 +119,7 @@ def test_vanilla_load_of_dst_reproduces_src(converted, arch, untie):
     assert "per token" in out
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("arch,untie", sorted(EXPECTED))
 def test_dst_layout_metadata_and_files(converted, arch, untie):
     src, dst, _ = converted(arch, untie)
@@ -132,8 +134,11 @@ def test_dst_layout_metadata_and_files(converted, arch, untie):
     assert index["weight_map"] == {k: s for k, (s, _) in dst_t.items()}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for _, t in dst_t.values())
     src_index = json.loads((src / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_parameters"] == src_index["metadata"]["total_parameters"] + sum(
-        dst_t[k][1].numel() for k in rec["untied"])
+    if "total_parameters" in src_index["metadata"]:  # written by transformers 5's save_pretrained, not by 4.x
+        assert index["metadata"]["total_parameters"] == src_index["metadata"]["total_parameters"] + sum(
+            dst_t[k][1].numel() for k in rec["untied"])
+    else:
+        assert "total_parameters" not in index["metadata"]
     for p in dst.glob("*.safetensors"):
         with safe_open(p, "pt") as f:
             assert json.loads(f.metadata()[CONFIG_KEY]) == rec
@@ -178,6 +183,7 @@ def test_convert_on_dst_swaps_without_folding_again(converted, arch, untie):
     assert rel_err(ref, logits(model)) <= 1e-5
 
 
+@pytest.mark.compat
 def test_bf16_dtypes_kept_and_fold_bit_exact(tmp_path, cli):
     src = tmp_path / "src"
     from ckpt_helpers import save_model
@@ -258,6 +264,7 @@ def _save_bin(model, root: Path, shards: int) -> None:
     (root / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("shards", [1, 3])
 def test_pytorch_bin_source(tmp_path, cli, shards):
     model = build_model("gpt2")
@@ -287,6 +294,7 @@ def test_python_dash_m_entry_point(saved, tmp_path):
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.compat
 def test_base_model_without_architectures(tmp_path, cli):
     """No "architectures" in config.json: planned for the AutoModel class, whose final norm feeds no Linear (it is
     the model output) and is skipped."""
