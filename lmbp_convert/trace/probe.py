@@ -7,9 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-class ProbeError(ValueError):
-    """The walker cannot build an input for this model by itself."""
+from ..errors import ProbeError
 
 
 def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

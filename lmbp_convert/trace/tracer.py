@@ -16,14 +16,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from ..errors import TraceError
 from .containers import children
 from .graph import ArgSlot, Graph, Node, ScopeCall, TensorInfo
 
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
-
-
-class TraceError(RuntimeError):
-    """The probe forward failed; the message says how to help the walker."""
 
 
 class _Tracer(TorchFunctionMode):
