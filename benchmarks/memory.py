@@ -117,7 +117,8 @@ def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool
     conv = {}
 
     def converted():
-        m, rep = convert(copy.deepcopy(base), return_report=True)
+        m = convert(copy.deepcopy(base))
+        rep = m.lmbp_report
         conv["m"] = m
         p = rep.plan
         return C.per_block_bytes(fam, m, x, ac), {

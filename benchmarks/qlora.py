@@ -192,7 +192,7 @@ def variant(name: str, path: str, args, do_convert: bool) -> dict:
     row["loaded_bytes"] = C.cuda_mem(args.device).get("allocated")
     if do_convert:
         t0 = time.perf_counter()
-        _, rep = convert(m, return_report=True)
+        rep = convert(m).lmbp_report
         row["convert_s"] = round(time.perf_counter() - t0, 1)
         row["convert_report"] = str(rep).splitlines()[0]
         row["verified"] = rep.verified

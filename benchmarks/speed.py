@@ -108,7 +108,7 @@ def time_convert(model: nn.Module):
     plan_conversion(model)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     return t_plan, time.perf_counter() - t0, rep
 
 

@@ -3,6 +3,8 @@
     from lmbp_convert import convert
     convert(model)            # in place; print(model.lmbp_report) for what it did
 
+Every error it raises on purpose is an ``LmbpError`` (see ``lmbp_convert.errors``).
+
 The public names are imported on first use (PEP 562), so that ``lmbp-convert --help`` and the checkpoint CLI's
 early checks do not pay for importing torch.
 """
@@ -16,19 +18,22 @@ __version__ = "0.1.0"
 #: public name → the module that defines it
 _LAZY = {
     "convert": ".apply.convert", "last_report": ".apply.convert", "plan_conversion": ".apply.convert",
-    "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
-    "TraceError": ".errors", "SavedTensorLedger": ".memory", "ConvertOptions": ".options",
-    "ConversionReport": ".report",
+    "LmbpError": ".errors", "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
+    "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
+    "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
 }
 
 __all__ = [
-    "ConversionError", "ConversionReport", "ConvertOptions", "NothingToConvertError", "ProbeError",
-    "SavedTensorLedger", "TraceError", "convert", "last_report", "plan_conversion",
+    "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions", "ExportError", "LmbpError",
+    "NothingToConvertError", "ProbeError", "SavedTensorLedger", "TraceError", "convert", "last_report",
+    "plan_conversion",
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from .apply.convert import convert, last_report, plan_conversion
-    from .errors import ConversionError, NothingToConvertError, ProbeError, TraceError
+    from .checkpoint.errors import CheckpointError
+    from .errors import ConversionError, LmbpError, NothingToConvertError, ProbeError, TraceError
+    from .export import ExportError
     from .memory import SavedTensorLedger
     from .options import ConvertOptions
     from .report import ConversionReport

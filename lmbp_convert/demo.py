@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     before = _saved_bytes(model, ids, args.autocast)
 
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     print(report)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

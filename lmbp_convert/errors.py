@@ -1,16 +1,48 @@
-"""Errors ``convert()`` raises. All are raised before the first mutation: the model is left as it was."""
+"""Every error lmbp_convert raises on purpose derives from ``LmbpError``: one ``except`` catches them all.
+
+    LmbpError                              (Exception)
+    ├── ConversionError                    (RuntimeError)  convert() / plan_conversion() / export cannot do it
+    │   ├── NothingToConvertError                           no module matched; the message lists the candidates
+    │   ├── TraceError                                      the probe forward failed
+    │   ├── ProbeError                     (ValueError)     no probe input can be built for the model
+    │   └── ExportError                                     (lmbp_convert.export) not expressible as a plain checkpoint
+    └── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
+
+The builtin second bases are the ones each class had before it joined the hierarchy, so ``except RuntimeError`` /
+``except ValueError`` written against older releases still catch what they caught.
+
+*Usage errors* stay builtin, as Python code expects: a wrong argument type or an unknown / contradicting keyword
+is a ``TypeError``, an invalid option value (``bits=7``, a bad regular expression) a ``ValueError``. They are
+raised before the model is looked at and mean "fix the call", not "this model cannot be converted".
+``convert()`` raises all of these before its first change; anything raised later (an interrupt, an error in the
+model's own forward) is re-raised after the model is restored.
+
+This module imports nothing, so every layer (trace, match, apply, checkpoint, cli) can import it.
+"""
 from __future__ import annotations
 
-from .trace.probe import ProbeError
-from .trace.tracer import TraceError
+
+class LmbpError(Exception):
+    """Base class of every error lmbp_convert raises on purpose (see the module doc for the tree)."""
 
 
-class ConversionError(RuntimeError):
-    """Base class of conversion failures."""
+class ConversionError(LmbpError, RuntimeError):
+    """The model cannot be converted (or exported) as asked; it is left as it was."""
 
 
 class NothingToConvertError(ConversionError):
     """No module matched; the message lists what was looked at and why each candidate was skipped."""
 
 
-__all__ = ["ConversionError", "NothingToConvertError", "ProbeError", "TraceError"]
+class TraceError(ConversionError):
+    """The probe forward failed; the message says how to help the walker."""
+
+    #: how far the forward got (module calls): of two tries, the error of the one that got further is told
+    module_calls: int = 0
+
+
+class ProbeError(ConversionError, ValueError):
+    """The walker cannot build an input for this model by itself."""
+
+
+__all__ = ["ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "TraceError"]

@@ -105,8 +105,11 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     All analysis happens before the first change. From the first change on, convert() is a transaction: on any
     exception (including KeyboardInterrupt) the model is restored exactly and the exception re-raised. Each
     rewrite is checked on the probe against the original outputs and rolled back if it changes them. The
-    report is returned with ``return_report=True`` and kept as ``model.lmbp_report``.
+    report is ``model.lmbp_report`` (``return_report=True`` is deprecated: it changes the return type).
+    Errors: see ``lmbp_convert.errors``.
     """
+    if return_report:
+        _deprecated("convert(..., return_report=True)", stacklevel=4)  # 4: past the device-keeping wrapper
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
     with torch.inference_mode(False):
@@ -251,5 +254,12 @@ def _attach(model: nn.Module, report: ConversionReport) -> None:
 
 
 def last_report(model: nn.Module) -> ConversionReport | None:
-    """The report of the last ``convert()`` of this model (None if never converted)."""
+    """Deprecated: read ``model.lmbp_report`` (``getattr(model, "lmbp_report", None)`` if it may be unconverted)."""
+    _deprecated("lmbp_convert.last_report(model)", stacklevel=3)
     return getattr(model, REPORT_ATTR, None)
+
+
+def _deprecated(old: str, stacklevel: int) -> None:
+    """One way to get the report: ``model.lmbp_report``. The other two still work, with this warning."""
+    warnings.warn(f"{old} is deprecated: read the report as model.{REPORT_ATTR} (convert() returns the model)",
+                  DeprecationWarning, stacklevel=stacklevel)

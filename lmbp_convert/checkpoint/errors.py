@@ -1,8 +1,10 @@
-"""The one error type of the checkpoint converter: a bad input, told in one line."""
+"""The one error type of the checkpoint converter: a bad input, told in one line (an ``LmbpError``)."""
 from __future__ import annotations
 
+from ..errors import LmbpError
 
-class CheckpointError(Exception):
+
+class CheckpointError(LmbpError):
     """A bad input or an impossible request. The message is one line, meant for the user as is.
 
     Raised before anything is written, or while writing the temporary DST (which is then removed): SRC is never

@@ -5,10 +5,14 @@ one op whose input carries the norm's channels on ``axis`` (size ``d``): either 
 the op commutes and its output carries the channels on ``new_axis``; ``Block(reason)``, the op sits on a path
 to a Linear but breaks exactness (dropout in training, zero-padding, channel mixing); or ``None``, the op is
 an ordinary consumer (add, matmul, cat, ...).
+
+``RULES`` is the table: op name → a small rule saying how the channel axis moves through that op. An op not in
+the table is an ordinary consumer. Teaching the planner a new commuting op is one rule and one table entry.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Union
 
 from ..trace.graph import Node, TensorInfo
 
@@ -29,13 +33,14 @@ METADATA_OPS = {
     "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size", "nelement", "ndimension",
     "get_device", "is_floating_point", "is_complex", "storage_offset", "__len__", "untyped_storage",
 }
-_CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach_", "cpu", "cuda"}
-_SAME_LAST = {"view", "reshape", "flatten", "unflatten", "expand", "expand_as", "squeeze", "unsqueeze",
-              "view_as", "reshape_as", "repeat", "__getitem__", "narrow", "select", "split", "chunk", "unbind",
-              "roll", "index_select", "split_with_sizes", "tensor_split", "repeat_interleave"}
-_PERMUTES = {"permute", "transpose", "swapaxes", "swapdims", "t", "movedim", "moveaxis"}
+#: same values and shape, maybe another dtype or device: channels stay where they are
+_CASTS = ("to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "cpu", "cuda")
+#: reshapes that commute when the channels are the last dim and stay whole there
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "expand", "expand_as", "squeeze", "unsqueeze", "view_as",
+             "reshape_as", "repeat")
+#: ops that work along one dim (argument position of ``dim``): they commute unless that dim is the channel dim
 _DIM_ARG_OPS = {"narrow": 1, "select": 1, "split": 2, "chunk": 2, "unbind": 1, "index_select": 1,
-                "split_with_sizes": 2, "tensor_split": 2, "roll": 2, "repeat_interleave": 2}
+                "split_with_sizes": 2, "tensor_split": 2, "repeat_interleave": 2}
 
 
 def op_short(node: Node) -> str:
@@ -86,86 +91,166 @@ def _index_touches_last(index, ndim: int) -> bool | None:
     return not (isinstance(last, tuple) and last and last[0] == "slice" and last[1:] == (None, None, None))
 
 
-def step(node: Node, tensors: dict[int, TensorInfo], tid: int, axis: int, d: int, dropout_p: float | None = None):
+@dataclass(frozen=True)
+class OpCall:
+    """One op call as a rule sees it: the node, the followed input's shape, the op's outputs, and where the
+    norm's ``d`` channels sit in that input."""
+
+    node: Node
+    name: str
+    shape: tuple[int, ...]
+    outs: list[TensorInfo]
+    axis: int
+    d: int
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def arg(self, pos: int, name: str, default=None):
+        return _arg(self.node, pos, name, default)
+
+
+Step = Union[Pass, Block, None]
+Rule = Callable[[OpCall], Step]
+
+
+def _dropout(op: OpCall) -> Step:
+    p = op.arg(1, "p", 0.5)
+    return Pass(op.axis) if p == 0 else Block(f"dropout (p={p}) between norm and Linear")
+
+
+def _cast(op: OpCall) -> Step:
+    return Pass(op.axis) if op.outs[0].shape == op.shape else None
+
+
+def _permuted(op: OpCall, perm: list[int] | None) -> Step:
+    """Channels follow a permutation of the dims (output dim i is input dim perm[i])."""
+    if perm is None or len(perm) != op.ndim:
+        return None
+    new_axis = perm.index(op.axis)
+    return Pass(new_axis) if op.outs[0].shape[new_axis] == op.d else None
+
+
+def _t(op: OpCall) -> Step:
+    return _permuted(op, list(range(op.ndim))[::-1])
+
+
+def _permute(op: OpCall) -> Step:
+    perm = op.arg(1, "dims")
+    if isinstance(perm, tuple) and len(perm) == 1 and isinstance(perm[0], tuple):
+        perm = perm[0]
+    if not isinstance(perm, tuple) or len(op.node.info["args"]) > 2:  # x.permute(0, 2, 1): dims as varargs
+        perm = tuple(a for a in op.node.info["args"][1:])
+    return _permuted(op, _norm_dims(perm, op.ndim))
+
+
+def _movedim(op: OpCall) -> Step:
+    src, dst = _norm_dims(op.arg(1, "source"), op.ndim), _norm_dims(op.arg(2, "destination"), op.ndim)
+    if src is None or dst is None:
+        return None
+    order = [i for i in range(op.ndim) if i not in src]
+    perm: list = [None] * op.ndim
+    for s_, t_ in zip(src, dst):
+        perm[t_] = s_
+    it = iter(order)
+    return _permuted(op, [p if p is not None else next(it) for p in perm])
+
+
+def _transpose(op: OpCall) -> Step:
+    a, b = _norm_dims(op.arg(1, "dim0"), op.ndim), _norm_dims(op.arg(2, "dim1"), op.ndim)
+    if a is None or b is None:
+        return None
+    perm = list(range(op.ndim))
+    perm[a[0]], perm[b[0]] = perm[b[0]], perm[a[0]]
+    return _permuted(op, perm)
+
+
+def _mean(op: OpCall) -> Step:
+    """A mean over other dims (tokens) commutes with a per-channel affine; over the channels it does not."""
+    dims = _norm_dims(op.arg(1, "dim"), op.ndim)
+    if dims is None or op.axis in dims:
+        return None
+    keep = bool(op.arg(2, "keepdim", False))
+    return Pass(op.axis if keep else op.axis - sum(1 for x in dims if x < op.axis))
+
+
+def _pad(op: OpCall) -> Step:
+    if not op.node.target.endswith("functional.pad"):
+        return None
+    pads = op.arg(1, "pad")
+    mode = op.arg(2, "mode", "constant")
+    if not isinstance(pads, tuple) or op.axis != op.ndim - 1:
+        return Block("padding between norm and Linear")
+    if any(pads[0:2]):
+        return Block("zero-padding of channels between norm and Linear")
+    if any(pads):
+        return Block(f"{mode}-padding between norm and Linear (padded positions would see β)")
+    if op.outs[0].shape != op.shape:
+        return Block("padding between norm and Linear")
+    return Pass(op.axis, "a pad op on the path was a no-op at the probe shape; inputs that need padding "
+                         "would give padded positions β instead of 0")
+
+
+def _last_dim_whole(op: OpCall) -> Step:
+    """Channels last in, and every output still ends in the ``d`` channels: they passed through untouched."""
+    if all(len(o.shape) >= 1 and o.shape[-1] == op.d for o in op.outs):
+        return Pass(-1)
+    return Block(f"{op.name} reshapes the channel dim between norm and Linear")
+
+
+def _reshape(op: OpCall) -> Step:
+    if op.axis != op.ndim - 1:
+        return None
+    return _last_dim_whole(op)
+
+
+def _along_dim(pos: int, keyword: str = "dim", default: int | None = 0) -> Rule:
+    """Rule for an op working along the dim given at argument ``pos``; ``default`` when the call names none
+    (None: the op then works on the flattened tensor, across channels, so it is not followed)."""
+
+    def rule(op: OpCall) -> Step:
+        if op.axis != op.ndim - 1:
+            return None
+        dims = _norm_dims(op.arg(pos, keyword, default), op.ndim)
+        if dims is None or op.ndim - 1 in dims:
+            return Block(f"{op.name} over the channel dim between norm and Linear") if dims else None
+        return _last_dim_whole(op)
+
+    return rule
+
+
+def _getitem(op: OpCall) -> Step:
+    if op.axis != op.ndim - 1:
+        return None
+    touches = _index_touches_last(op.arg(1, "idx"), op.ndim)
+    if touches is None or touches:
+        return Block("channel slicing between norm and Linear")
+    return _last_dim_whole(op)
+
+
+#: op name (``op_short``) → how the channels move through it; ops not listed are ordinary consumers
+RULES: dict[str, Rule] = {
+    "dropout": _dropout,
+    **{name: _cast for name in _CASTS},
+    "t": _t, "permute": _permute, "movedim": _movedim, "moveaxis": _movedim,
+    "transpose": _transpose, "swapaxes": _transpose, "swapdims": _transpose,
+    "mean": _mean, "nanmean": _mean,
+    "pad": _pad,
+    **{name: _reshape for name in _RESHAPES},
+    **{name: _along_dim(pos) for name, pos in _DIM_ARG_OPS.items()},
+    "roll": _along_dim(2, "dims", None),  # x.roll(1) rolls the flattened tensor: elements change channel
+    "__getitem__": _getitem,
+}
+
+
+def step(node: Node, tensors: dict[int, TensorInfo], tid: int, axis: int, d: int,
+         dropout_p: float | None = None) -> Step:
     """Follow the channels of tensor ``tid`` through op ``node`` (see module doc)."""
-    if node.kind == "module":
+    if node.kind == "module" or not node.outputs or node.info.get("inplace"):
         return None
-    name = op_short(node)
+    rule = RULES.get(op_short(node))
+    if rule is None:
+        return None
     tin = tensors[tid]
-    ndim = len(tin.shape)
-    outs = [tensors[o] for o in node.outputs]
-    if not outs:
-        return None
-    if node.info.get("inplace"):
-        return None
-    if name == "dropout" or node.target.endswith("functional.dropout"):
-        p = _arg(node, 1, "p", 0.5)
-        return Pass(axis) if p == 0 else Block(f"dropout (p={p}) between norm and Linear")
-    if name in _CASTS:
-        return Pass(axis) if outs[0].shape == tin.shape else None
-    if name in _PERMUTES:
-        out = outs[0]
-        if name == "t":
-            perm = list(range(ndim))[::-1]
-        elif name == "permute":
-            perm = _arg(node, 1, "dims")
-            if isinstance(perm, tuple) and len(perm) == 1 and isinstance(perm[0], tuple):
-                perm = perm[0]
-            if not isinstance(perm, tuple) or len(node.info["args"]) > 2:
-                perm = tuple(a for a in node.info["args"][1:])
-            perm = _norm_dims(perm, ndim)
-        elif name in ("movedim", "moveaxis"):
-            src, dst = _norm_dims(_arg(node, 1, "source"), ndim), _norm_dims(_arg(node, 2, "destination"), ndim)
-            if src is None or dst is None:
-                return None
-            order = [i for i in range(ndim) if i not in src]
-            perm = [None] * ndim
-            for s_, t_ in zip(src, dst):
-                perm[t_] = s_
-            it = iter(order)
-            perm = [p if p is not None else next(it) for p in perm]
-        else:
-            a, b = _norm_dims(_arg(node, 1, "dim0"), ndim), _norm_dims(_arg(node, 2, "dim1"), ndim)
-            if a is None or b is None:
-                return None
-            perm = list(range(ndim))
-            perm[a[0]], perm[b[0]] = perm[b[0]], perm[a[0]]
-        if perm is None or len(perm) != ndim:
-            return None
-        new_axis = perm.index(axis)
-        return Pass(new_axis) if out.shape[new_axis] == d else None
-    if name == "mean" or name == "nanmean":
-        dims = _norm_dims(_arg(node, 1, "dim"), ndim)
-        if dims is None or axis in dims:
-            return None
-        keep = bool(_arg(node, 2, "keepdim", False))
-        return Pass(axis if keep else axis - sum(1 for x in dims if x < axis))
-    if name == "pad" and node.target.endswith("functional.pad"):
-        pads = _arg(node, 1, "pad")
-        mode = _arg(node, 2, "mode", "constant")
-        if not isinstance(pads, tuple) or axis != ndim - 1:
-            return Block("padding between norm and Linear")
-        if any(pads[0:2]):
-            return Block("zero-padding of channels between norm and Linear")
-        if any(pads):
-            return Block(f"{mode}-padding between norm and Linear (padded positions would see β)")
-        if outs[0].shape != tin.shape:
-            return Block("padding between norm and Linear")
-        return Pass(axis, "a pad op on the path was a no-op at the probe shape; inputs that need padding "
-                          "would give padded positions β instead of 0")
-    if name in _SAME_LAST:
-        if axis != ndim - 1:
-            return None
-        if name in _DIM_ARG_OPS:
-            pos = _DIM_ARG_OPS[name]
-            dims = _norm_dims(_arg(node, pos, "dims" if name == "roll" else "dim", 0), ndim)
-            if dims is None or ndim - 1 in dims:
-                return Block(f"{name} over the channel dim between norm and Linear") if dims else None
-        if name == "__getitem__":
-            touches = _index_touches_last(_arg(node, 1, "idx"), ndim)
-            if touches is None or touches:
-                return Block("channel slicing between norm and Linear")
-        if all(len(o.shape) >= 1 and o.shape[-1] == d for o in outs):
-            return Pass(-1)
-        return Block(f"{name} reshapes the channel dim between norm and Linear")
-    return None
+    return rule(OpCall(node, op_short(node), tin.shape, [tensors[o] for o in node.outputs], axis, d))

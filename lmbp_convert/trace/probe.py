@@ -18,12 +18,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from ..errors import ProbeError
 from . import probe_inputs as pi
 from .tracer import call_model
-
-
-class ProbeError(ValueError):
-    """The walker cannot build an input for this model by itself."""
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_map
 
+from ..errors import TraceError
 from .containers import children
 from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
 
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
-
-
-class TraceError(RuntimeError):
-    """The probe forward failed; the message says how to help the walker."""
-
-    module_calls: int = 0  # how far the forward got: the error of the try that got further is the one told
 
 
 _DEVICE_GETTER = torch.Tensor.device  # the getset descriptor: a mode sees `t.device` as a call of its __get__

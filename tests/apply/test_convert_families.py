@@ -27,7 +27,7 @@ def test_family_converts_with_exact_outputs(family):
     model = FAMILIES[family]().eval()
     ref_model = copy.deepcopy(model)
     probe, _, _ = make_probe(model, batch=3, seq=11)
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     assert report.verified, str(report)
     assert report.plan.norm_folds, str(report)
     assert report.plan.act_swaps or report.plan.gated_mlps, str(report)
@@ -88,7 +88,7 @@ def test_norm_only_gradients_equal_original(family):
     model = FAMILIES[family]().eval()  # eval: dropout off, so both runs see the same function
     ref = copy.deepcopy(model)
     probe, _, _ = make_probe(model)
-    _, report = convert(model, activations=False, gated_mlp=False, return_report=True)
+    report = convert(model, activations=False, gated_mlp=False).lmbp_report
     for m in (model, ref):
         out = _outputs_grad(m, probe)
         out.double().pow(2).mean().backward()

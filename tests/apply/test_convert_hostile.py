@@ -69,7 +69,7 @@ def test_dataclass_output_fields_are_traced_verified_and_get_the_affine_back(fro
     x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "cannot verify" warning
-        _, rep = convert(model, probe=x, return_report=True)
+        rep = convert(model, probe=x).lmbp_report
     assert rep.verification == "passed" and rep.verified, str(rep)
     with torch.no_grad():
         got, want = model(x), ref(x)
@@ -89,7 +89,7 @@ class _NoFloatOutput(nn.Module):
 def test_output_without_float_tensors_cannot_verify_and_says_why():
     model = _NoFloatOutput()
     with pytest.warns(UserWarning, match="holds no floating-point tensor"):
-        _, rep = convert(model, probe=torch.randn(2, 8), return_report=True)
+        rep = convert(model, probe=torch.randn(2, 8)).lmbp_report
     assert rep.verification == "cannot verify" and rep.verified is None
     assert "holds no floating-point tensor" in str(rep) and "NaN" not in str(rep)
 
@@ -107,7 +107,7 @@ def test_pre_hooks_on_blocks_that_receive_a_norm_output_refuse_that_fold():
     with torch.no_grad():
         model(**probe)
     before = dict(seen)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     skips = {s.name: s.reason for s in rep.plan.skips}
     assert "forward pre-hooks" in skips["model.layers.0.input_layernorm"], str(rep)
     assert "forward pre-hooks" in skips["model.layers.1.post_attention_layernorm"], str(rep)
@@ -141,7 +141,7 @@ def test_forward_hook_on_a_module_returning_the_norm_output_refuses_the_fold():
     bare.d.register_forward_pre_hook(lambda m, args: None)
     with pytest.raises(NothingToConvertError, match="d has forward pre-hooks"):
         convert(bare, probe=torch.randn(2, 8))
-    assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8), return_report=True)[1].swapped
+    assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8)).lmbp_report.swapped
 
 
 @pytest.mark.xfail(strict=True, reason="open (README states it): hidden_states of output_hidden_states=True calls hold "

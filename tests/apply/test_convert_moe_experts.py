@@ -28,7 +28,7 @@ def _expert_lists(model: nn.Module) -> list[nn.ModuleList]:
 def test_moe_family_converts_and_matches_on_another_input(arch):
     model = hf(arch, **CASES[arch]).eval()
     ref = copy.deepcopy(model)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     assert rep.verified, str(rep)
     pre_moe = {n for n, _ in model.named_modules() if n.endswith("post_attention_layernorm")}
     folded = {f.name for f in rep.plan.norm_folds}

@@ -34,7 +34,7 @@ def test_unlisted_family(arch):
         model = hf(arch, head=head, **overrides)
     model.eval()
     ref = copy.deepcopy(model)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     assert rep.verified, str(rep)
     assert len(rep.plan.norm_folds) >= min_norms and len(rep.plan.gated_mlps) >= min_gated, str(rep)
     if reason:

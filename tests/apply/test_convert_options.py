@@ -14,7 +14,7 @@ from tiny_models import FAMILIES
 
 def test_keywords_next_to_options_are_merged():
     model = FAMILIES["bert"]()
-    _, rep = convert(model, ConvertOptions(norms=False), bits=4, return_report=True)
+    rep = convert(model, ConvertOptions(norms=False), bits=4).lmbp_report
     assert rep.plan.act_swaps and all(a.bits == 4 for a in rep.plan.act_swaps)
     assert not rep.plan.norm_folds
 
@@ -38,11 +38,11 @@ def test_probe_is_an_argument_and_the_options_field_is_deprecated():
     probe = make_probe(model)[0]
     with pytest.warns(DeprecationWarning, match="probe"):
         opts = ConvertOptions(probe=probe)
-    _, rep = convert(FAMILIES["llama"](), opts, return_report=True)
+    rep = convert(FAMILIES["llama"](), opts).lmbp_report
     assert rep.verified
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _, rep = convert(model, probe=probe, return_report=True)
+        rep = convert(model, probe=probe).lmbp_report
     assert rep.verified and rep.plan.probe_unit == "sample"
     with pytest.raises(TypeError, match="probe"):
         convert(FAMILIES["llama"](), opts, probe={"input_ids": torch.ones(1, 3, dtype=torch.long)})
@@ -70,7 +70,7 @@ def test_options_changed_after_construction_are_checked_too():
     with pytest.raises(ValueError, match="bits"):
         convert(FAMILIES["bert"](), opts)
     opts.bits, opts.exclude = 3, "bert.encoder.layer.0.intermediate.intermediate_act_fn"  # patterns recompiled
-    _, rep = convert(FAMILIES["bert"](), opts, return_report=True)
+    rep = convert(FAMILIES["bert"](), opts).lmbp_report
     assert [a.name for a in rep.plan.act_swaps] == ["bert.encoder.layer.1.intermediate.intermediate_act_fn"]
 
 
@@ -82,7 +82,7 @@ def test_include_that_matches_nothing_names_the_pattern():
         convert(model, include=["model.layres.0.mlp"])
     assert_same(model, before, "include")
     with pytest.warns(UserWarning, match="include pattern.*typo"):  # one of several: warned, the rest converted
-        _, rep = convert(model, include=["model.norm", "typo"], return_report=True)
+        rep = convert(model, include=["model.norm", "typo"]).lmbp_report
     assert rep.swapped == ["model.norm"]
 
 
@@ -90,8 +90,31 @@ def test_exclude_that_matches_nothing_warns():
     model = FAMILIES["llama"]()
     with pytest.warns(UserWarning, match=r"exclude pattern\(s\) \['model\.layer\.0'\] match no module"
                                          r".*closest names: model.layers.0"):
-        _, rep = convert(model, exclude=["model.layer.0", "lm_head"], return_report=True)
+        rep = convert(model, exclude=["model.layer.0", "lm_head"]).lmbp_report
     assert "model.norm" not in rep.swapped  # lm_head excluded: nothing to fold into
     with warnings.catch_warnings():  # planning alone stays silent: the CLI reports patterns its own way
         warnings.simplefilter("error")
         plan_conversion(FAMILIES["llama"](), exclude=["model.layer.0"])
+
+
+def test_the_report_is_model_lmbp_report_and_the_other_ways_warn():
+    from lmbp_convert import last_report
+    from torch import nn
+
+    def model():
+        return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
+
+    probe = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the documented way warns about nothing
+        m = model()
+        assert convert(m, probe=probe) is m and m.lmbp_report.verified
+    m = model()
+    with pytest.warns(DeprecationWarning, match=r"return_report=True.*model\.lmbp_report") as rec:
+        out = convert(m, probe=probe, return_report=True)
+    assert rec[0].filename == __file__  # points at the caller
+    assert isinstance(out, tuple) and out[0] is m and out[1] is m.lmbp_report  # still works as before
+    with pytest.warns(DeprecationWarning, match=r"last_report.*model\.lmbp_report"):
+        assert last_report(m) is m.lmbp_report
+    with pytest.warns(DeprecationWarning):
+        assert last_report(model()) is None

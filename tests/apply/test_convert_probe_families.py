@@ -47,7 +47,7 @@ def _saved(model, probe):
 def test_plain_convert_builds_its_probe_verifies_and_saves(family):
     model = PROBE_FAMILIES[family]().eval()
     ref = copy.deepcopy(model)
-    _, report = convert(model, return_report=True)  # no probe given: convert() builds it
+    report = convert(model).lmbp_report  # no probe given: convert() builds it
     assert report.verification == "passed", str(report)
     probe, _, _ = make_probe(ref)
     before, after = _saved(ref, probe), _saved(model, probe)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import lmbp_convert.apply.rewrite as rewrite_mod
-from lmbp_convert import ConvertOptions, NothingToConvertError, ProbeError, TraceError, convert, last_report
+from lmbp_convert import ConvertOptions, NothingToConvertError, ProbeError, TraceError, convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from tiny_models import FAMILIES, hf
@@ -35,7 +35,7 @@ def test_model_without_probe_gets_a_clear_error():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
     with pytest.raises(ProbeError, match="pass probe="):
         convert(model)
-    _, report = convert(model, probe=torch.randn(2, 8), return_report=True)
+    report = convert(model, probe=torch.randn(2, 8)).lmbp_report
     assert [f.name for f in report.plan.norm_folds] == ["1"] and report.plan.norm_folds[0].targets[0].name == "2"
     assert [a.name for a in report.plan.act_swaps] == ["3"]
 
@@ -70,7 +70,7 @@ def test_rewrite_that_changes_outputs_is_rolled_back(monkeypatch):
         return (w * 1.5 if len(calls) <= 2 else w), b
 
     monkeypatch.setattr(rewrite_mod, "fold_affine", corrupt)
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     assert report.verified and report.rolled_back, str(report)
     assert "model.layers.0.input_layernorm" in report.rolled_back[0][0]
     assert any("rolled back" in s.reason for s in report.plan.skips)
@@ -85,11 +85,10 @@ def test_idempotent_and_reports_already_converted():
     model = FAMILIES["gpt2"]()
     convert(model)
     state = _state(model)
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     assert report.plan.empty and report.plan.already_converted
     assert "already converted" in str(report)
     assert _same(model, state)
-    assert last_report(model) is report
 
 
 def test_keeps_mode_dtype_device_and_requires_grad():
@@ -119,32 +118,32 @@ def test_state_dict_keys_are_kept():
 
 def test_include_exclude_by_name_and_regex():
     model = FAMILIES["llama"]()
-    _, rep = convert(model, exclude=[r"model\.layers\.0\..*", "model.norm"], return_report=True)
+    rep = convert(model, exclude=[r"model\.layers\.0\..*", "model.norm"]).lmbp_report
     names = rep.swapped
     assert names and not any(n.startswith("model.layers.0.") or n == "model.norm" for n in names)
     model = FAMILIES["llama"]()
-    _, rep = convert(model, include=["model.layers.1.input_layernorm"], return_report=True)
+    rep = convert(model, include=["model.layers.1.input_layernorm"]).lmbp_report
     assert rep.swapped == ["model.layers.1.input_layernorm"]
 
 
 def test_activation_and_norm_switches():
     model = FAMILIES["bert"]()
-    _, rep = convert(model, norms=False, return_report=True)
+    rep = convert(model, norms=False).lmbp_report
     assert rep.plan.act_swaps and not rep.plan.norm_folds
     model = FAMILIES["bert"]()
-    _, rep = convert(model, activations=False, return_report=True)
+    rep = convert(model, activations=False).lmbp_report
     assert rep.plan.norm_folds and not rep.plan.act_swaps
 
 
 def test_tied_head_is_skipped_with_reason_unless_untied():
     model = hf("llama", tie_word_embeddings=True)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     skip = {s.name: s.reason for s in rep.plan.skips}
     assert "tied" in skip["model.norm"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model = hf("llama", tie_word_embeddings=True)
     ref = copy.deepcopy(model).eval()
-    _, rep = convert(model, untie=True, return_report=True)
+    rep = convert(model, untie=True).lmbp_report
     assert "model.norm" in [f.name for f in rep.plan.norm_folds] and rep.verified
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     probe, _, _ = make_probe(model)
@@ -154,7 +153,7 @@ def test_tied_head_is_skipped_with_reason_unless_untied():
 
 def test_post_ln_reapplies_affine_on_residual_and_output():
     model = hf("bert", head="base")
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     sites = [r.describe() for f in rep.plan.norm_folds for r in f.reapply]
     assert any("encoder.layer.0.output" in s for s in sites)
     assert any("last_hidden_state" in s for s in sites)
@@ -183,7 +182,7 @@ def test_meta_model_is_planned_and_swapped_without_verification():
                                num_attention_heads=4, num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     assert rep.verified is None and "meta" in rep.notes[0]
     assert len(rep.plan.norm_folds) == 5
 
@@ -192,7 +191,7 @@ def test_report_is_printable_and_serialisable():
     import json
 
     model = FAMILIES["timm_swin"]()
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     text = str(rep)
     assert "layers.0.blocks.0.norm1" in text and "skipped:" in text and "per image" in text
     d = rep.to_dict()
@@ -219,7 +218,7 @@ def test_fold_into_lora_wrapped_linears_after_get_peft_model(family):
     model.eval()
     ref = copy.deepcopy(model)
     probe = make_probe(model)[0]
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     lora_targets = [t for f in rep.plan.norm_folds for t in f.targets if t.base]
     assert lora_targets and rep.verified, str(rep)
     with torch.no_grad():
@@ -231,6 +230,6 @@ def test_fold_into_lora_wrapped_linears_after_get_peft_model(family):
 
 def test_lora_with_dropout_and_norm_bias_is_blocked_with_reason():
     model = _lora(FAMILIES["timm_vit"](), lora_dropout=0.1)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     reasons = " ".join(s.reason for s in rep.plan.skips)
     assert "lora_dropout" in reasons

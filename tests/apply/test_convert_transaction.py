@@ -42,7 +42,7 @@ class Injector:
         self.target, self.exc = target, exc
         handle = torch.nn.modules.module.register_module_forward_pre_hook(self)
         try:
-            return convert(self.model, probe=self.probe, return_report=True, **self.run_kwargs)
+            return convert(self.model, probe=self.probe, **self.run_kwargs).lmbp_report
         finally:
             handle.remove()
 
@@ -88,7 +88,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     model.lmbp_report = "a user's attribute"  # what convert() would overwrite: must come back
     before = snapshot(model)
     counter = Injector(twin, probe)
-    _, report = counter.run()
+    report = counter.run()
     assert report.verified and len(report.rolled_back) == 1, str(report)
     n_units = len(report.swapped) + 1
     assert counter.forwards == 2 + n_units + 1, counter.forwards  # trace, verify, one per unit, final
@@ -104,7 +104,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
         assert caught.value is exc or caught.value.__cause__ is exc, repr(caught.value)  # trace wraps errors
         assert_same(model, before, f"{exc_type.__name__} at {target}")
     # after all that the model still converts, to the same result as its twin
-    _, again = inj.run()
+    again = inj.run()
     assert again.verified and again.swapped == report.swapped and again.rolled_back == report.rolled_back
 
 
@@ -170,7 +170,7 @@ def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, inclu
     probe = {"input_ids": torch.tensor([[3, 17, 42, 9]])}
     twin = hf(family, head="cls") if family == "bert" else hf(family)
     kwargs = {"untie": True} if family == "gpt2" else {}
-    _, report = convert(twin, include=include, probe=probe, return_report=True, **kwargs)
+    report = convert(twin, include=include, probe=probe, **kwargs).lmbp_report
     total = steps_done[0]
     assert report.verified and sorted(report.swapped) == sorted(include) and total >= len(include)
     for k in range(1, total + 1):

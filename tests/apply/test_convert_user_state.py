@@ -25,7 +25,7 @@ def test_hooks_on_a_swapped_activation_and_gated_mlp_move_to_the_new_module():
                                   with_kwargs=True)
     ref = copy.deepcopy(model)
     probe = {"input_ids": torch.tensor([[1, 2, 3, 4]])}
-    _, rep = convert(model, probe=probe, return_report=True)
+    rep = convert(model, probe=probe).lmbp_report
     assert rep.verified, str(rep)
     # the activation inside a gated MLP with hooks is swapped on its own (the fused op would not call it)
     assert isinstance(model.model.layers[0].mlp.act_fn, ApproxActivation)
@@ -64,7 +64,7 @@ def test_norm_with_output_hooks_is_refused_with_reason_and_pre_hooks_are_carried
     pre = []
     layer.post_attention_layernorm.register_forward_pre_hook(lambda m, args: pre.append(type(m).__name__))
     layer.self_attn.q_proj.register_forward_pre_hook(lambda m, args: None)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     skips = {s.name: s.reason for s in rep.plan.skips}
     assert "forward hook" in skips["model.layers.0.input_layernorm"]
     assert type(layer.input_layernorm).__name__ == "LlamaRMSNorm"
@@ -86,7 +86,7 @@ def test_linear_with_pre_hooks_is_not_folded_into_and_its_hooks_see_the_original
     probe = {"input_ids": torch.tensor([[1, 2, 3]])}
     with torch.no_grad():
         call_model(model, probe)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     fold = next(f for f in rep.plan.norm_folds if f.name == "model.layers.1.input_layernorm")
     assert [t.name for t in fold.targets] == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
     assert [r.module for r in fold.reapply] == ["model.layers.1.self_attn.k_proj"]
@@ -163,7 +163,7 @@ def test_quantized_linear_consumer_is_named_as_the_cause(quantize, what):
     attn = model.model.layers[0].self_attn
     for name in ("q_proj", "k_proj", "v_proj"):
         setattr(attn, name, quantize(getattr(attn, name)))
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     reason = {s.name: s.reason for s in rep.plan.skips}["model.layers.0.input_layernorm"]
     assert reason.startswith("consumer model.layers.0.self_attn.k_proj is a quantized Linear"), reason
     assert what in reason and "its weight cannot be folded" in reason

@@ -52,7 +52,7 @@ def _meta_converted(name):
     """Build on ``meta``, convert, ``to_empty``: how a large model is prepared before its weights are read."""
     with torch.device("meta"):
         model = _build(name)
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     assert report.plan.norm_folds, str(report)
     model.to_empty(device="cpu")
     if hasattr(model, "tie_weights"):  # to_empty gives tied parameters separate storage: tie them again

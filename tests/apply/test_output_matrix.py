@@ -116,7 +116,7 @@ def test_outputs_equal_the_unconverted_model(name, tmp_path):
     tuple_config = is_hf and _runs_with_tuple_config(ref, probe)
     if tuple_config:
         model.config.return_dict = False
-    _, report = convert(model, return_report=True, **kw)
+    report = convert(model, **kw).lmbp_report
     assert report.verified, str(report)
     if is_hf:
         model.config.return_dict = True
@@ -159,7 +159,7 @@ def test_bias_less_linear_fold_adds_no_state_dict_key():
     for build, kw in (BUILDS["gpt2_untied"], BUILDS["gpt2_cls"], BUILDS["timm_swin"]):
         model = build()
         keys = set(model.state_dict())
-        _, report = convert(model, return_report=True, **kw)
+        report = convert(model, **kw).lmbp_report
         assert any(f.beta == "shift" for f in report.plan.norm_folds), str(report)
         assert set(model.state_dict()) == keys
 
@@ -171,7 +171,7 @@ def test_convert_inside_a_meta_default_device_block():
         model = FAMILIES[name]().eval()
         ref = copy.deepcopy(model)
         with torch.device("meta"):
-            _, report = convert(model, return_report=True)
+            report = convert(model).lmbp_report
         assert report.verified, str(report)
         assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
         probe, _, _ = make_probe(model, batch=2, seq=9)

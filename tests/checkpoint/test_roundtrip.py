@@ -166,7 +166,7 @@ def test_convert_on_dst_swaps_without_folding_again(converted, arch, untie):
     # the norms the checkpoint could not fold stay out, so that only the prefolded ones are converted
     others = [n for n, m in model.named_modules() if "norm" in type(m).__name__.lower() and n not in folded]
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model, report = convert(model, activations=False, gated_mlp=False, exclude=others or None, return_report=True)
+    report = convert(model, activations=False, gated_mlp=False, exclude=others or None).lmbp_report
     assert sorted(f.name for f in report.plan.norm_folds) == sorted(folded)
     assert all(f.prefolded for f in report.plan.norm_folds)
     after = model.state_dict()

@@ -175,7 +175,7 @@ def test_timm_checkpoint_file(tmp_path, cli, fmt):
     # convert() on the loaded model, told what is folded, swaps the norms and changes no weight
     before_sd = {k: v.clone() for k, v in plain.state_dict().items()}
     mark_prefolded(plain, rec)
-    plain, report = convert(plain, activations=False, gated_mlp=False, return_report=True)
+    report = convert(plain, activations=False, gated_mlp=False).lmbp_report
     assert sorted(f.name for f in report.plan.norm_folds if f.prefolded) == sorted(rec["folded_norms"])
     after = plain.state_dict()
     assert all(torch.equal(v, after[k]) for k, v in before_sd.items() if k in after)

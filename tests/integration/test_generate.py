@@ -18,7 +18,7 @@ NEW = 8
 def test_greedy_generate_matches_original(arch):
     original = hf(arch).eval()
     converted = copy.deepcopy(original)
-    _, report = convert(converted, return_report=True)
+    report = convert(converted).lmbp_report
     assert report.plan.norm_folds, str(report)
     converted.eval()
     prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))

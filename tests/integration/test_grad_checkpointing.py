@@ -55,7 +55,7 @@ def test_hf_gradient_checkpointing(order, reentrant):
         _enable_hf(base, reentrant)
     else:
         _enable_hf(base, reentrant)
-        _, report = convert(base, return_report=True)
+        report = convert(base).lmbp_report
         assert report.verified and report.plan.norm_folds and report.plan.gated_mlps, str(report)
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
     if reentrant:
@@ -78,7 +78,7 @@ def test_timm_set_grad_checkpointing(order):
         model.set_grad_checkpointing(True)
     else:
         model.set_grad_checkpointing(True)
-        _, report = convert(model, return_report=True)
+        report = convert(model).lmbp_report
         assert report.verified and report.plan.norm_folds and report.plan.act_swaps, str(report)
     assert model.grad_checkpointing
     loss_ckpt, g_ckpt, bytes_ckpt = _grads(model, probe)

@@ -85,7 +85,7 @@ def test_convert_after_get_peft_model_keeps_function_with_trained_adapters():
     w_before = q.base_layer.weight.detach().clone()
     gamma = pm.base_model.model.model.layers[0].input_layernorm.weight.detach().clone()
 
-    _, report = convert(pm, return_report=True)
+    report = convert(pm).lmbp_report
     assert report.verified, str(report)
     folded = _lora_folded_targets(report)
     assert len(folded) == 2 * len(LLAMA_TARGETS), str(report)  # every adapter-wrapped Linear took the fold
@@ -103,7 +103,7 @@ def test_convert_after_get_peft_model_folds_beta_into_base_only():
     pm = get_peft_model(base, _lora(BERT_TARGETS))
     ids = _ids()
     ref_pm = copy.deepcopy(pm)
-    _, report = convert(pm, return_report=True)
+    report = convert(pm).lmbp_report
     assert report.verified, str(report)
     assert _lora_folded_targets(report), str(report)
     assert _rel(_logits(pm, ids), _logits(ref_pm, ids)) < 1e-5
@@ -126,7 +126,7 @@ def test_convert_after_get_peft_model_blocks_beta_with_lora_dropout():
     pm = get_peft_model(base, _lora(BERT_TARGETS, dropout=0.1))
     ids = _ids()
     ref = _logits(pm.eval(), ids)
-    _, report = convert(pm, return_report=True)
+    report = convert(pm).lmbp_report
     assert not _lora_folded_targets(report), str(report)
     reasons = " ".join(s.reason for s in report.plan.skips)
     assert "lora_dropout" in reasons, str(report)
@@ -284,7 +284,7 @@ def test_gated_mlps_with_dora_or_lora_dropout_convert_and_match(variant):
     pm = get_peft_model(hf("llama"), cfg)
     _randomize_lora_b(pm)
     ref = copy.deepcopy(pm)
-    _, report = convert(pm, activations=False, norms=False, return_report=True)
+    report = convert(pm, activations=False, norms=False).lmbp_report
     assert len(report.plan.gated_mlps) == pm.config.num_hidden_layers
     ids = _ids()
     grads = []

@@ -51,7 +51,7 @@ def test_affine_commuting_paths_fold_exactly(name):
     m, plan, x = _plan(COMMUTING[name])
     assert [f.name for f in plan.norm_folds] == ["norm"], plan.skips
     ref = m(x)
-    _, rep = convert(m, probe=x, activations=False, gated_mlp=False, return_report=True)
+    rep = convert(m, probe=x, activations=False, gated_mlp=False).lmbp_report
     assert rep.verified
     assert torch.allclose(m(x), ref, atol=1e-5)
 
@@ -117,7 +117,7 @@ class PostLN(nn.Module):
 def test_other_branch_at_module_boundary_gets_affine_reapplied():
     m, x = PostLN(), torch.randn(3, 8)
     ref = m(x)
-    _, rep = convert(m, probe=x, activations=False, gated_mlp=False, return_report=True)
+    rep = convert(m, probe=x, activations=False, gated_mlp=False).lmbp_report
     (fold,) = rep.plan.norm_folds
     assert [r.describe() for r in fold.reapply] == ["input arg 1 of res"]
     assert torch.allclose(m(x), ref, atol=1e-6)
@@ -182,7 +182,7 @@ class Gemmaish(nn.Module):
 def test_unlisted_norm_class_is_identified_by_behaviour():
     m, x = Gemmaish(), torch.randn(4, 8)
     ref = m(x)
-    _, rep = convert(m, probe=x, return_report=True)
+    rep = convert(m, probe=x).lmbp_report
     (fold,) = rep.plan.norm_folds
     assert (fold.kind, fold.param) == ("rms", "1+w")
     assert torch.allclose(m(x), ref, atol=1e-5)
