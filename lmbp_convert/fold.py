@@ -24,6 +24,8 @@ from typing import Literal, NamedTuple, Sequence, Union
 
 import torch
 
+from .errors import LmbpError
+
 __all__ = [
     "BiasMove", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",
     "fold_affine", "fold_bias", "fold_lora_a", "fold_rows", "fold_scale", "identity_weight_value", "matvec",
@@ -40,7 +42,7 @@ _IDENTITY = {"w": 1.0, "1+w": 0.0}  # parameterisation → the weight value whos
 _LAYOUTS = ("out_in", "in_out")
 
 
-class UnfoldError(ValueError):
+class UnfoldError(LmbpError, ValueError):
     """A folded weight has no unfolded equivalent (γ = 0 on a channel it still reads)."""
 
 

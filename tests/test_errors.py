@@ -15,7 +15,10 @@ from lmbp_convert import LmbpError, convert
 from tiny_models import FAMILIES
 
 #: exception classes that are control flow, not errors a user sees: (module, name) → why
-_NOT_ERRORS = {("lmbp_convert.cli", "_Terminated"): "SIGTERM turned into a BaseException, caught inside main()"}
+_NOT_ERRORS = {
+    ("lmbp_convert.cli", "_Terminated"): "SIGTERM turned into a BaseException, caught inside main()",
+    ("lmbp_convert.match.norm", "Refused"): "the norm matcher's early exit, caught there: its message becomes a skip reason",
+}
 
 
 def _package_exception_classes() -> dict[str, type]:
