@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kinds import GATED_ACT_KINDS
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2
 from .activations import ACTIVATIONS, act_code
@@ -53,8 +54,11 @@ _CONTIGUOUS = torch.contiguous_format
 
 __all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
 
-#: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths).
-ACT_KINDS = ("silu", "gelu", "gelu_tanh")
+#: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths); the list is
+#: `lmbp_convert.kinds.GATED_ACT_KINDS`, which the gated-MLP matcher reads too.
+ACT_KINDS = GATED_ACT_KINDS
+if not set(ACT_KINDS) <= set(ACTIVATIONS):  # pragma: no cover
+    raise AssertionError(f"gated_mlp: {sorted(set(ACT_KINDS) - set(ACTIVATIONS))} not in the activation table")
 
 
 class LoraAdapter(NamedTuple):
