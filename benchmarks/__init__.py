@@ -9,9 +9,10 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     kernels     per-kernel GB/s and the approx_act kernel variants on a CUDA GPU
     qlora       the QLoRA flow: fold on disk, 4-bit load, convert(), LoRA, steps; vs plain QLoRA (CUDA)
     checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
+    gated_recompute  the gated MLP's down projection fused vs called unchanged with h recomputed: bytes, CPU time
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in
-tests/benchmarks/ (e.g. ``gated_recompute``: the gated MLP that recomputes h for the down projection's backward).
+tests/benchmarks/ (e.g. ``gated_recompute`` and tests/benchmarks/test_gated_recompute.py).
 GPU correctness is tested, not benchmarked: tests/ops/test_cuda.py. scripts/gpu_run.sh runs the CUDA parts.
 """

@@ -444,6 +444,31 @@ def write_json(path: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def save_json(path: Optional[str], data: dict) -> None:
+    """``write_json`` where the run was given a path (``--json``); runs save after each part, so a run stopped
+    from outside keeps what it measured."""
+    if path:
+        write_json(path, data)
+
+
+def finish(data: dict, t0: float, path: Optional[str]) -> dict:
+    """Stamp the run's wall seconds since ``t0`` (``elapsed_s``), save it (``save_json``), return it."""
+    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    save_json(path, data)
+    return data
+
+
+def print_end(data: dict, render: Optional[Callable[[dict, str], Iterable[str]]] = None,
+              plot: Optional[str] = None) -> int:
+    """The end of a benchmark's ``main``: the charts ``render(data, plot)`` wrote (with ``--plot``), the run's
+    time; exit status 0."""
+    if plot and render is not None:
+        for p in render(data, plot):
+            print(f"wrote {p}")
+    print(f"\n{data['elapsed_s']} s")
+    return 0
+
+
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)

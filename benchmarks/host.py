@@ -254,8 +254,7 @@ def run(args, log=print) -> dict:
     except Exception as e:  # no Triton (e.g. macOS), or TRITON_INTERPRET set: nothing to measure here
         data["skipped"] = f"{type(e).__name__}: {e}"
         log(f"benchmarks.host: not measured ({data['skipped']})")
-        if args.json:
-            C.write_json(args.json, data)
+        C.save_json(args.json, data)
         return data
     data.update({"stub_mode": st.mode, "arch": st.arch, "stub_note": st.note})
     if st.note:
@@ -264,8 +263,7 @@ def run(args, log=print) -> dict:
     if "ops" in args.part_list:
         log(f"# per op, fwd + bwd, µs per call ({args.dtype}, {st.mode})")
         data["ops"] = bench_ops(C.DTYPES[args.dtype], args.rounds, 10 if args.quick else 200, log)
-        if args.json:
-            C.write_json(args.json, data)
+        C.save_json(args.json, data)
     if "vit" in args.part_list:
         log("# ViT-B/16 LoRA r4 step, host-time proxy")
         try:
@@ -273,10 +271,7 @@ def run(args, log=print) -> dict:
         except Exception as e:  # keep the op figures
             data["vit_proxy"] = {"error": f"{type(e).__name__}: {e}"}
             log(f"  ViT proxy FAILED: {data['vit_proxy']['error']}")
-    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    if args.json:
-        C.write_json(args.json, data)
-    return data
+    return C.finish(data, t0, args.json)
 
 
 def main(argv=None) -> int:

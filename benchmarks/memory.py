@@ -394,14 +394,10 @@ def run(args: argparse.Namespace, log=print) -> dict:
     for fam in fams:
         for mode in args.mode_list:
             data["blocks"] += measure_blocks(fam, mode, "cpu", compile_=not args.no_compile, log=log)
-            if args.json:
-                C.write_json(args.json, data)
+            C.save_json(args.json, data)
     if not args.no_scaling:
         data["scaling"] = measure_scaling(args.tiny, "cpu", log=log)
-    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    if args.json:
-        C.write_json(args.json, data)
-    return data
+    return C.finish(data, t0, args.json)
 
 
 def main(argv=None) -> int:
@@ -410,11 +406,7 @@ def main(argv=None) -> int:
     print("\n" + summary_table(data) + "\n\n" + full_table(data))
     if data["scaling"]:
         print("\n" + scaling_table(data))
-    if args.plot:
-        for p in render(data, args.plot):
-            print(f"wrote {p}")
-    print(f"\n{data['elapsed_s']} s")
-    return 0
+    return C.print_end(data, render, args.plot)
 
 
 if __name__ == "__main__":

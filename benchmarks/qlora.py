@@ -212,8 +212,7 @@ def run(args, log=print) -> dict:
     src, dst = os.path.join(work, "src"), os.path.join(work, "folded")
 
     def save() -> None:
-        if args.json:
-            C.write_json(args.json, data)
+        C.save_json(args.json, data)
 
     t_start = time.perf_counter()
     try:
@@ -240,9 +239,7 @@ def run(args, log=print) -> dict:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    data["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    save()
-    return data
+    return C.finish(data, t_start, args.json)
 
 
 def table(data: dict) -> str:

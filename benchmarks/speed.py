@@ -542,8 +542,7 @@ def gpu_run(args, log=print) -> dict:
     modes = args.mode_list
 
     def save():
-        if args.json:
-            C.write_json(args.json, data)
+        C.save_json(args.json, data)
 
     wanted = [n.strip() for n in args.sections.split(",") if n.strip()]
 
@@ -587,9 +586,7 @@ def gpu_run(args, log=print) -> dict:
         data[name] = part
         part["seconds"] = round(part.get("seconds", 0) + time.perf_counter() - t0, 1)
         save()
-    data["elapsed_s"] = round(time.perf_counter() - budget.t0, 1)
-    save()
-    return data
+    return C.finish(data, budget.t0, args.json)
 
 
 # ============================================================================================ report
@@ -853,16 +850,12 @@ def cpu_run(args, log=print) -> dict:
             for mode in args.mode_list:
                 reps = args.repeats * (1 if args.tiny else CPU_REPEAT_X[fam.name])
                 data["steps"] += cpu_step_times(fam, mode, reps, args.warmup, log)
-                if args.json:
-                    C.write_json(args.json, data)
+                C.save_json(args.json, data)
     if not args.no_convert_scaling:
         log("# convert() time vs parameters")
         data["convert"] = convert_scaling(CONVERT_SIZES_TINY if args.tiny else CONVERT_SIZES, log)
-    data["elapsed_s"] = round(time.perf_counter() - t0, 1)
     data["loadavg_end"] = _loadavg()
-    if args.json:
-        C.write_json(args.json, data)
-    return data
+    return C.finish(data, t0, args.json)
 
 
 def _loadavg() -> Optional[list]:
@@ -871,6 +864,11 @@ def _loadavg() -> Optional[list]:
         return [round(v, 2) for v in os.getloadavg()]
     except (OSError, AttributeError):
         return None
+
+
+def _render_gpu(data: dict, out_dir: str) -> list[str]:
+    path = os.path.join(out_dir, "bench_gpu.png")
+    return [path] if plot_gpu(data, path) else []
 
 
 def main(argv=None) -> int:
@@ -883,20 +881,13 @@ def main(argv=None) -> int:
             return 2
         data = gpu_run(args)
         print("\n" + gpu_tables(data))
-        if args.plot and plot_gpu(data, os.path.join(args.plot, "bench_gpu.png")):
-            print(f"wrote {os.path.join(args.plot, 'bench_gpu.png')}")
-        print(f"\n{data['elapsed_s']} s")
-        return 0
+        return C.print_end(data, _render_gpu, args.plot)
     data = cpu_run(args)
     if data["steps"]:
         print("\n" + cpu_table(data))
     if data["convert"]:
         print("\n" + convert_table(data))
-    if args.plot:
-        for p in render(data, args.plot):
-            print(f"wrote {p}")
-    print(f"\n{data['elapsed_s']} s")
-    return 0
+    return C.print_end(data, render, args.plot)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from torch import nn
 from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
+from .kinds import ConvertedModule
 from .report import ConversionReport
 
 __all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
@@ -144,7 +145,8 @@ def saves_plainly(model: nn.Module) -> bool:
 
 
 def _is_ms_norm(mod: nn.Module) -> bool:
-    return type(mod).__module__.startswith("lmbp_convert.nn") and hasattr(mod, "normalized_shape")
+    """A memory-sharing norm this package put in (the converted modules that normalise)."""
+    return isinstance(mod, ConvertedModule) and hasattr(mod, "normalized_shape")
 
 
 def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable[[str], str], rtol: float) -> None:

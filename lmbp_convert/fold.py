@@ -25,6 +25,7 @@ from typing import Literal, NamedTuple, Sequence, Union
 import torch
 
 from .errors import LmbpError
+from .kinds import WeightParam
 
 __all__ = [
     "BiasMove", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",
@@ -38,7 +39,7 @@ Param = Union[Literal["w", "1+w"], str]
 #: a Linear weight layout: "out_in" (nn.Linear) or "in_out" (HF Conv1D) (or a str-valued enum member)
 Layout = Union[Literal["out_in", "in_out"], str]
 
-_IDENTITY = {"w": 1.0, "1+w": 0.0}  # parameterisation → the weight value whose scale is 1
+_PARAMS = frozenset(p.value for p in WeightParam)
 _LAYOUTS = ("out_in", "in_out")
 
 
@@ -48,7 +49,7 @@ class UnfoldError(LmbpError, ValueError):
 
 def _param(param: Param) -> str:
     p = param.value if isinstance(param, Enum) else param
-    if p not in _IDENTITY:
+    if p not in _PARAMS:
         raise ValueError(f"unknown norm weight parameterisation {param!r}")
     return p
 
@@ -80,7 +81,7 @@ def effective_scale(weight: torch.Tensor, param: Param) -> torch.Tensor:
 
 def identity_weight_value(param: Param) -> float:
     """Weight value that makes the norm's affine the identity (1 for w, 0 for 1 + w)."""
-    return _IDENTITY[_param(param)]
+    return WeightParam(_param(param)).identity
 
 
 # -- fold -------------------------------------------------------------------------------------------------------

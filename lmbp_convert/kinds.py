@@ -3,7 +3,8 @@
 Each is a ``str`` enum: a member equals its value (``NormKind.RMS == "rms"``), prints as it, and serialises to
 JSON as it, so plans and reports written before these types existed read back unchanged. Open sets stay
 strings: activation kinds are the ops layer's table (`lmbp_convert.ops.activations`), so a new activation is one
-table entry, not an enum edit as well.
+table entry, not an enum edit as well (`GATED_ACT_KINDS` names those the fused gated-MLP op offers). The marker
+bases `ConvertedModule` and `ConvertedHook` are here too: every layer asks ``isinstance`` of them.
 """
 from __future__ import annotations
 
@@ -34,8 +35,14 @@ class WeightParam(StrChoice):
 
     @property
     def identity(self) -> float:
-        """The value of ``weight`` whose scale is 1."""
+        """The value of ``weight`` whose scale is 1 (the one table of it: `fold`, the norms and the rewrite read
+        it here)."""
         return 1.0 if self is WeightParam.W else 0.0
+
+    @property
+    def identity_fill(self) -> str:
+        """The memory-sharing norms' ``identity_affine`` spelling of that value: "one" or "zero"."""
+        return "one" if self.identity == 1.0 else "zero"
 
 
 class Layout(StrChoice):
@@ -68,9 +75,21 @@ class AffineState(StrChoice):
     KEPT = "kept"  # the norm applies γ, β itself
 
 
+#: The activation kinds the fused gated-MLP op computes (names of the ops layer's activation table). Here, in the
+#: leaf every layer reads, so the matcher (which must not import ops) and the op share one list; the ops table
+#: checks at import that each has an entry there.
+GATED_ACT_KINDS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh")
+
+
 class ConvertedModule:
     """Marker base of every module this package puts into a model: ``isinstance(m, ConvertedModule)`` says that
     ``m`` is already converted (a class check, not a module-name prefix)."""
+
+
+class ConvertedHook:
+    """Marker base of every hook object this package registers on a model's modules (the affine re-apply and
+    shift hooks, the fold-on-load hook): matching tells them from a user's hooks with ``isinstance``. It lives
+    here, not next to the hooks in ``apply``, because ``match`` reads it and must not import ``apply``."""
 
 
 class Verification(StrChoice):

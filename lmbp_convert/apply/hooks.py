@@ -13,15 +13,16 @@ import torch
 from torch import nn
 
 from ..fold import apply_affine, norm_scale, shift_behind_scale, shift_of
+from ..kinds import ConvertedHook
 from ..trace.containers import children, has_child, replace_child
 from ..trace.tracer import wants_tuple
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return norm_scale(norm.weight, getattr(norm, "reapply_param", "w")), getattr(norm, "bias", None)
+    return norm_scale(norm.weight, norm.param), getattr(norm, "bias", None)
 
 
-class ReapplyInput:
+class ReapplyInput(ConvertedHook):
     """Forward pre-hook: re-applies the norm's affine to one input of a module."""
 
     def __init__(self, norm: nn.Module, position: int | None, keyword: str | None):
@@ -54,7 +55,7 @@ def _replace(obj: Any, path: list, fn) -> Any:
     return replace_child(obj, key, _replace(value, rest, fn))
 
 
-class ReapplyOutput:
+class ReapplyOutput(ConvertedHook):
     """Forward hook on the model: re-applies the norm's affine where its output is returned.
 
     The paths name fields of the output as the trace saw it, in dict form for models that return a
@@ -102,7 +103,7 @@ def register_output_reapply(model: nn.Module, hook: ReapplyOutput) -> _Handles:
                     model.register_forward_hook(hook, prepend=True))
 
 
-class AddShift:
+class AddShift(ConvertedHook):
     """Forward hook on a Linear: adds W'·β', the norm's shift seen through this Linear's current weight.
 
     Used when a norm with β feeds a Linear that has no bias: folding β would need a new ``bias`` entry, which a

@@ -34,6 +34,7 @@ from torch import nn
 
 from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value, remove_shift,
                     shift_is_expressible, shift_through_scale, unfold_scale)
+from ..kinds import ConvertedHook
 from ..match.plan import NormFold
 
 
@@ -60,7 +61,7 @@ class _Target:
         self.added: torch.Tensor | None = None  # the W·β the live bias holds on top of its original value
 
 
-class FoldOnLoad:
+class FoldOnLoad(ConvertedHook):
     """load_state_dict pre-hook of a converted model for one folded norm (see the module docstring)."""
 
     def __init__(self, fold: NormFold, targets: list[_Target], awaiting: bool):

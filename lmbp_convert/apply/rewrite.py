@@ -12,8 +12,8 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
-from ..fold import effective_scale, fold_affine, fold_lora_a, identity_weight_value, shift_through_scale
-from ..kinds import BetaMode, NormKind, ReapplyKind
+from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
+from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
@@ -204,7 +204,7 @@ class UnitBuilder:
         cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
         if fold.reapply:  # other branches still need γ, β: the MS norm keeps them for the re-apply hooks
             return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
-        ident = "one" if identity_weight_value(fold.param) == 1.0 else "zero"
+        ident = WeightParam(fold.param).identity_fill
         new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
         if fold.kind is NormKind.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
             del new._buffers["bias"]

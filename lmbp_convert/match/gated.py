@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import Iterator, NamedTuple
 
 from ..catalogue import class_key
-from ..kinds import Layout
+from ..kinds import GATED_ACT_KINDS, Layout
 from ..trace.graph import Node, NodeKind
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
 from .roles import RoleKind, user_hooks
 
-FUSED_ACTS = ("silu", "gelu", "gelu_tanh")
+FUSED_ACTS = GATED_ACT_KINDS  # what the fused op computes (one list, shared with ops.gated_mlp)
 
 
 def match_gated_mlps(ctx: MatchContext) -> Iterator[GatedMLPSwap | Skip]:

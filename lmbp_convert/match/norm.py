@@ -16,7 +16,7 @@ from torch import nn
 
 from ..catalogue import class_key
 from ..fold import effective_scale, shift_is_expressible
-from ..kinds import BetaMode, NormKind, ReapplyKind
+from ..kinds import BetaMode, ConvertedHook, NormKind, ReapplyKind
 from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
@@ -258,7 +258,7 @@ def linear_problem(ctx: MatchContext, node: Node, tid: int, has_beta: bool) -> s
         return f"{name} takes the norm output as a secondary argument"
     if ctx.opt.excluded(name):
         return f"{name} is excluded by the options"
-    if any(not type(h).__module__.startswith("lmbp_convert") for h in mod._forward_pre_hooks.values()):
+    if any(_foreign(h) for h in mod._forward_pre_hooks.values()):
         return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
                 "affine (folded into its weight)")
     if ctx.g.module_calls.get(name, 0) != 1:
@@ -365,7 +365,7 @@ def site_for(ctx: MatchContext, reader: Reader, active: set[int]) -> ReapplySite
 
 def _foreign(hook) -> bool:
     """A hook the user (or another library) registered, not one of this package's re-apply hooks."""
-    return not type(getattr(hook, "__self__", hook)).__module__.startswith("lmbp_convert")
+    return not isinstance(getattr(hook, "__self__", hook), ConvertedHook)
 
 
 def _watched_by_user_hooks(ctx: MatchContext, norm: str, affine_less: set[int],

@@ -21,7 +21,7 @@ from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 __all__ = ["MSLayerNorm", "MSRMSNorm"]
 
 #: ``identity_affine`` spelling → the parameterisation whose identity the buffers hold
-_IDENTITY_PARAM = {"one": WeightParam.W, "zero": WeightParam.ONE_PLUS_W}
+_IDENTITY_PARAM = {p.identity_fill: p for p in WeightParam}
 
 
 def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:

@@ -27,7 +27,7 @@ if HAS_TRITON:
     _HookChain = getattr(knobs, "HookChain", type(None))
     from triton.runtime import driver as _triton_driver
 
-__all__ = ["LeanKernel", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2"]
+__all__ = ["LeanKernel", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2", "rows_view"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,6 +38,17 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def rows_view(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(t or a (rows, n) view of it with unit column stride, row stride) for a row-wise kernel; copies only when
+    no such view exists. A contiguous t is passed as is (its row stride is n): no reshape on the common path."""
+    if t.is_contiguous():
+        return t, n
+    t2 = t.reshape(-1, n)
+    if n > 1 and t2.stride(1) != 1:
+        t2 = t2.contiguous()
+    return t2, t2.stride(0)
 
 
 def _no_hooks(h: Any) -> bool:

@@ -38,8 +38,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..kinds import GATED_ACT_KINDS
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2
+from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 from .activations import ACTIVATIONS, act_code
 
 if HAS_TRITON:
@@ -53,8 +54,11 @@ _CONTIGUOUS = torch.contiguous_format
 
 __all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
 
-#: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths).
-ACT_KINDS = ("silu", "gelu", "gelu_tanh")
+#: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths); the list is
+#: `lmbp_convert.kinds.GATED_ACT_KINDS`, which the gated-MLP matcher reads too.
+ACT_KINDS = GATED_ACT_KINDS
+if not set(ACT_KINDS) <= set(ACTIVATIONS):  # pragma: no cover
+    raise AssertionError(f"gated_mlp: {sorted(set(ACT_KINDS) - set(ACTIVATIONS))} not in the activation table")
 
 
 class LoraAdapter(NamedTuple):
@@ -112,17 +116,6 @@ def _act_code(act: str) -> int:
     return act_code(act, ACT_KINDS, "gated_mlp")
 
 
-def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """(t or a (rows, n) view of it with unit column stride, row stride); copies only when no such view
-    exists. A contiguous t is passed as is (its row stride is n): no reshape on the common path."""
-    if t.is_contiguous():
-        return t, n
-    t2 = t.reshape(-1, n)
-    if n > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2, t2.stride(0)
-
-
 def _block(n: int) -> int:
     return min(1024, next_pow2(n))
 
@@ -133,7 +126,7 @@ def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype
     if g.numel() == 0:
         return _fwd_torch(g, u, act, h_dtype)
     n = g.shape[-1]
-    (g2, stride_g), (u2, stride_u) = _rows(g, n), _rows(u, n)
+    (g2, stride_g), (u2, stride_u) = rows_view(g, n), rows_view(u, n)
     m = g.numel() // n
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
     block = _block(n)
@@ -159,7 +152,7 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     if g.numel() == 0:
         return _bwd_torch(dh, g, u, act, h_dtype)
     n = g.shape[-1]
-    (dh2, stride_dh), (g2, stride_g), (u2, stride_u) = _rows(dh, n), _rows(g, n), _rows(u, n)
+    (dh2, stride_dh), (g2, stride_g), (u2, stride_u) = rows_view(dh, n), rows_view(g, n), rows_view(u, n)
     m = g.numel() // n
     if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
         dg = dh2.view(g.shape)

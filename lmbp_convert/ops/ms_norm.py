@@ -30,7 +30,7 @@ import torch
 
 from . import cpu_native
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2
+from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 
 _DTYPE_SET = frozenset(SUPPORTED_DTYPES)
 
@@ -143,17 +143,6 @@ if HAS_TRITON:
             tl.store(dx_row + off + cols, dx.to(DX.dtype.element_ty), mask=m)
 
 
-def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """(t or a (rows, n) view of it with unit column stride, row stride); copies only when no such view
-    exists. A contiguous t is passed as is (its row stride is n): no reshape on the common path."""
-    if t.is_contiguous():
-        return t, n
-    t2 = t.reshape(-1, n)
-    if n > 1 and t2.stride(1) != 1:
-        t2 = t2.contiguous()
-    return t2, t2.stride(0)
-
-
 def _num_warps(block: int) -> int:
     if block >= 8192:
         return 16
@@ -188,7 +177,7 @@ def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: to
     """
     if x.numel() == 0:
         return _fwd_torch(x, n, eps, is_rms, out_dtype)
-    x2, stride_x = _rows(x, n)
+    x2, stride_x = rows_view(x, n)
     m = x.numel() // n
     y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)  # rows of n: stride n
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -209,7 +198,7 @@ def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bo
     if y.numel() == 0:
         return _bwd_torch(g, y, rstd, is_rms, x_dtype)
     n = y.numel() // rstd.numel()
-    (g2, stride_g), (y2, stride_y) = _rows(g, n), _rows(y, n)
+    (g2, stride_g), (y2, stride_y) = rows_view(g, n), rows_view(y, n)
     m = rstd.numel()
     dx = torch.empty_like(y, dtype=x_dtype, memory_format=torch.contiguous_format)
     looped, block = _plan(n, chunk)

@@ -12,6 +12,7 @@ from torch import nn
 
 import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
+from lmbp_convert.kinds import ConvertedModule
 from model_state import assert_same, snapshot
 from tiny_models import hf
 
@@ -32,7 +33,7 @@ class Injector:
             self.forwards += 1
             if self.target == ("model", self.forwards):
                 raise self.exc
-        elif type(module).__module__.startswith("lmbp_convert.nn"):
+        elif isinstance(module, ConvertedModule):
             n = self.converted_calls[self.forwards] = self.converted_calls.get(self.forwards, 0) + 1
             if self.target == ("inside", self.forwards) and n == 1:
                 raise self.exc

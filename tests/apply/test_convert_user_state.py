@@ -96,6 +96,24 @@ def test_linear_with_pre_hooks_is_not_folded_into_and_its_hooks_see_the_original
     assert torch.allclose(inputs[2], inputs[0], rtol=1e-5, atol=1e-6)
 
 
+class _Capture:
+    """A user's callable-object pre-hook from a module whose name merely starts like this package's."""
+
+    __module__ = "lmbp_convert_plugins.capture"
+
+    def __call__(self, module, args):
+        return None
+
+
+def test_a_users_hook_is_told_from_ours_by_class_not_by_module_name():
+    model = hf("llama").eval()
+    model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(_Capture())
+    _, rep = convert(model, return_report=True)
+    fold = next(f for f in rep.plan.norm_folds if f.name == "model.layers.1.input_layernorm")
+    assert "model.layers.1.self_attn.k_proj" not in [t.name for t in fold.targets]
+    assert [r.module for r in fold.reapply] == ["model.layers.1.self_attn.k_proj"]
+
+
 def test_convert_after_an_optimizer_step_warns_about_orphaned_parameters():
     model = hf("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -11,7 +11,7 @@ class _Norm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.tensor([2.0, 3.0]))
         self.bias = nn.Parameter(torch.tensor([1.0, -1.0]))
-        self.reapply_param = param
+        self.param = param  # the declared field the re-apply hooks read (as on `_MSNorm`)
 
 
 def test_input_hook_positional_and_keyword():

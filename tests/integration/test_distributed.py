@@ -108,7 +108,9 @@ def saved_bytes_local(model: torch.nn.Module, name: str) -> int:
 
 
 def n_converted(model: torch.nn.Module) -> int:
-    return sum(type(m).__module__.startswith("lmbp_convert") for m in model.modules())
+    from lmbp_convert.kinds import ConvertedModule
+
+    return sum(isinstance(m, ConvertedModule) for m in model.modules())
 
 
 # ------------------------------------------------------------------------------------------ worker (a script)
