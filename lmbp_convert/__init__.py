@@ -18,12 +18,12 @@ _LAZY = {
     "convert": ".apply.convert", "last_report": ".apply.convert", "plan_conversion": ".apply.convert",
     "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
     "TraceError": ".errors", "SavedTensorLedger": ".memory", "ConvertOptions": ".options",
-    "ConversionReport": ".report",
+    "ConversionReport": ".report", "Probes": ".trace.second_probe",
 }
 
 __all__ = [
     "ConversionError", "ConversionReport", "ConvertOptions", "NothingToConvertError", "ProbeError",
-    "SavedTensorLedger", "TraceError", "convert", "last_report", "plan_conversion",
+    "Probes", "SavedTensorLedger", "TraceError", "convert", "last_report", "plan_conversion",
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see
@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .memory import SavedTensorLedger
     from .options import ConvertOptions
     from .report import ConversionReport
+    from .trace.second_probe import Probes
 
 
 def __getattr__(name: str) -> Any:

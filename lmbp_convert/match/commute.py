@@ -28,6 +28,8 @@ class Block:
 METADATA_OPS = {
     "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size", "nelement", "ndimension",
     "get_device", "is_floating_point", "is_complex", "storage_offset", "__len__", "untyped_storage",
+    # new tensors shaped like the input (an MoE block's output buffer): they read its shape and dtype only
+    "zeros_like", "ones_like", "empty_like", "full_like",
 }
 _CASTS = {"to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "detach_", "cpu", "cuda"}
 _SAME_LAST = {"view", "reshape", "flatten", "unflatten", "expand", "expand_as", "squeeze", "unsqueeze",

@@ -94,6 +94,10 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
 def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
     node = _single_call(ctx, name, mod)
     walk = walk_readers(ctx, node.outputs[0], nr)
+    unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
+    if isinstance(unseen, str):
+        raise Refused(unseen)
+    walk.targets.update(unseen)
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
@@ -157,6 +161,12 @@ def _beta_mode(mod: nn.Module, nr: NormRole, walk: Walk) -> BetaMode:
         raise Refused(f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel where β ≠ 0 (β "
                        "cannot move behind the scale)")
     return BetaMode.SHIFT
+
+
+def unseen_siblings(ctx: MatchContext, norm: str, walk: Walk, has_beta: bool) -> dict[str, LinearTarget] | str:
+    from .siblings import unseen_sibling_targets  # it builds on this module's walk
+
+    return unseen_sibling_targets(ctx, norm, walk, has_beta)
 
 
 # -- walk --------------------------------------------------------------------------------------------------
@@ -251,18 +261,23 @@ class _Walker:
 def linear_problem(ctx: MatchContext, node: Node, tid: int, has_beta: bool) -> str | None:
     """Why the Linear ``node`` cannot take the fold of the tensor ``tid`` (None: it can)."""
     name = node.target
-    mod = ctx.modules[name]
-    lora = ctx.roles[name].lora
     slots = node.info["slots"].get(tid, [])
     if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
         return f"{name} takes the norm output as a secondary argument"
+    if ctx.g.module_calls.get(name, 0) != 1:
+        return f"{name} is called {ctx.g.module_calls.get(name, 0)} times per forward"
+    return module_problem(ctx, name, has_beta)
+
+
+def module_problem(ctx: MatchContext, name: str, has_beta: bool) -> str | None:
+    """Why the Linear module ``name`` cannot take a fold, whatever its input (None: it can)."""
+    mod = ctx.modules[name]
+    lora = ctx.roles[name].lora
     if ctx.opt.excluded(name):
         return f"{name} is excluded by the options"
     if any(not type(h).__module__.startswith("lmbp_convert") for h in mod._forward_pre_hooks.values()):
         return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
                 "affine (folded into its weight)")
-    if ctx.g.module_calls.get(name, 0) != 1:
-        return f"{name} is called {ctx.g.module_calls.get(name, 0)} times per forward"
     if lora is not None:
         problem = lora_problem(name, mod, lora, has_beta)
         if problem:
