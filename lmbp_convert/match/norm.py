@@ -50,6 +50,7 @@ class Walk:
     blocks: list[str] = field(default_factory=list)  # why a Linear on the way cannot take the fold
     caveats: list[str] = field(default_factory=list)
     inplace: list[str] = field(default_factory=list)  # in-place ops on the affine-less tensor
+    opaque: list[str] = field(default_factory=list)  # modules applying their own weights to it (not nn.Linear)
     active_scopes: set[int] = field(default_factory=set)  # module calls on a path to a folded Linear
     seen: set[int] = field(default_factory=set)  # the affine-less tensors
 
@@ -103,7 +104,12 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> Nor
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
     if not walk.targets and not demoted:
         raise Refused(_no_target_reason(walk.blocks))
-    sites = reapply_sites(ctx, walk)
+    try:
+        sites = reapply_sites(ctx, walk)
+    except Refused as why:  # the real cause first: consumers the fold cannot go into
+        if walk.opaque:
+            raise Refused("; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})") from None
+        raise
     watched = _watched_by_user_hooks(ctx, name, walk.seen, sites)
     if watched:
         raise Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
@@ -255,7 +261,35 @@ class _Walker:
             return
         if isinstance(res, Block):
             w.blocks.append(f"{res.reason} ({self.ctx.scope_name(c)})")
+        elif op_short(c) in _WEIGHT_OPS:
+            own = _own_weight_use(self.ctx, c, self.d)
+            if own:
+                w.blocks.append(own)
+                w.opaque.append(own)
         w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}"))
+
+
+#: ops that apply a weight to their input: consumers a fold could in principle go into
+_WEIGHT_OPS = {"linear", "_grouped_mm", "grouped_mm", "matmul", "mm", "bmm", "baddbmm", "addmm", "einsum", "__matmul__"}
+
+
+def _own_weight_use(ctx: MatchContext, node: Node, d: int) -> str | None:
+    """A module that applies its own parameters to the norm's output through an op instead of an nn.Linear (an MoE
+    router's F.linear on its weight; experts held as 3-D parameters, applied to the routed tokens): the fold cannot
+    go into it (not supported), which the skip reason should say rather than "no Linear"."""
+    scope = ctx.scope_name(node)
+    mod = ctx.modules.get(scope)
+    if mod is None:
+        return None
+    for pname, p in mod.named_parameters(recurse=False):
+        if p.is_floating_point() and p.dim() >= 2 and d in p.shape[-2:]:
+            if p.dim() >= 3:
+                return (f"{scope} ({type(mod).__name__}) holds its experts as {p.dim()}-D parameters ({pname} "
+                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)}: folding into "
+                        "parameter experts is not supported")
+            return (f"{scope} ({type(mod).__name__}) applies its own weight ({pname} {tuple(p.shape)}) through "
+                    f"{op_short(node)}, not an nn.Linear: folding into it is not supported")
+    return None
 
 
 def linear_problem(ctx: MatchContext, node: Node, tid: int, has_beta: bool) -> str | None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import Probes, SavedTensorLedger, convert
+from lmbp_convert.trace.tracer import call_model
 from moe_models import Expert, RMSNorm, TinyMoE, routing, silent_probe
 
 D = 16
@@ -28,7 +29,8 @@ def _rel(a, b):
 def _saved_bytes(model, x):
     model.train()
     with SavedTensorLedger(model) as ledger:
-        model(x).float().pow(2).sum().backward()
+        out = call_model(model, x)
+        (out if isinstance(out, torch.Tensor) else out.logits).float().pow(2).sum().backward()
     model.zero_grad(set_to_none=True)
     return ledger.bytes
 
@@ -126,3 +128,50 @@ def test_probe_without_data_to_vary_says_it_verified_on_one_input():
         _, report = convert(model, probe=torch.zeros(2, 5, dtype=torch.long), return_report=True)
     assert report.verified_on == ["the traced probe"] and "on the traced probe only" in str(report)
     assert any("Probes(" in str(w.message) for w in caught)
+
+
+# -- transformers 5.x MoE families: experts are 3-D parameters ------------------------------------------------------
+MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48),
+       "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                         shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[]),
+       "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
+                         mlp_only_layers=[])}
+
+
+def _routes(model, probe):
+    """The top-k expert indices every router picks on ``probe`` (its last integer output)."""
+    picked, handles = [], []
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate"):
+            handles.append(mod.register_forward_hook(
+                lambda m, a, out: picked.append([o for o in out if not o.is_floating_point()][-1].clone())))
+    with torch.no_grad():
+        model.eval()(**probe)
+    for h in handles:
+        h.remove()
+    return picked
+
+
+@pytest.mark.parametrize("arch", list(MOE))
+def test_moe_families_verify_on_a_second_probe_keep_routing_and_name_the_parameter_experts(arch):
+    from lmbp_convert.trace.probe import make_probe
+    from tiny_models import hf
+
+    model = hf(arch, num_key_value_heads=2, **MOE[arch]).eval()
+    original = copy.deepcopy(model)
+    probe, fresh = make_probe(model)[0], make_probe(model, seed=2)[0]
+    routes = _routes(model, probe)
+    before = _saved_bytes(copy.deepcopy(original), probe)
+    _, report = convert(model, return_report=True)
+    assert report.verified and report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
+    assert "verification: passed on 2 inputs" in str(report)
+    skips = {s.name: s.reason for s in report.plan.skips}
+    reason = skips["model.layers.0.post_attention_layernorm"]
+    assert "model.layers.0.mlp.experts" in reason and "3-D parameters (gate_up_proj" in reason, reason
+    assert "model.layers.0.mlp.gate" in reason, reason
+    assert all(torch.equal(a, b) for a, b in zip(_routes(model, probe), routes))
+    with torch.no_grad():
+        assert _rel(model.eval()(**fresh).logits, original(**fresh).logits) <= 1e-5  # approx-BP forwards are exact
+    after = _saved_bytes(model, probe)
+    print(f"{arch}: saved bytes before {before} after {after}")
+    assert after < before
