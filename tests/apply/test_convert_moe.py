@@ -175,3 +175,17 @@ def test_moe_families_verify_on_a_second_probe_keep_routing_and_name_the_paramet
     after = _saved_bytes(model, probe)
     print(f"{arch}: saved bytes before {before} after {after}")
     assert after < before
+
+
+def test_unseen_targets_serialise_and_the_layer_stack_a_norm_lives_in_is_not_mirrored():
+    from lmbp_convert import plan_conversion
+    from lmbp_convert.match.plan import Plan
+    from tiny_models import hf
+
+    torch.manual_seed(0)
+    plan = plan_conversion(TinyMoE(D).eval(), probe=silent_probe(D))
+    again = Plan.from_dict(plan.to_dict())
+    assert again == plan and any(t.unseen for f in again.norm_folds for t in f.targets)
+    # decoder layers are a ModuleList too, but each layer's norms live inside it: no sibling layer is a consumer
+    llama = plan_conversion(hf("llama", num_hidden_layers=3))
+    assert llama.norm_folds and not any(t.unseen for f in llama.norm_folds for t in f.targets)
