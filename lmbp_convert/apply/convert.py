@@ -200,7 +200,7 @@ def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionR
     note = (f"verified on the traced probe only: {why}; a consumer the trace missed (a branch only other inputs "
             "take) would go unnoticed. Pass probe=lmbp_convert.Probes(first, second) to verify on more inputs")
     report.notes.append(note)
-    warnings.warn(f"convert() {note}", UserWarning, stacklevel=4)
+    warnings.warn(f"convert() {note}", UserWarning, stacklevel=3)
     return []
 
 
