@@ -21,11 +21,12 @@ _LAZY = {
     "LmbpError": ".errors", "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
     "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
+    "Probes": ".trace.second_probe",
 }
 
 __all__ = [
     "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions", "ExportError", "LmbpError",
-    "NothingToConvertError", "ProbeError", "SavedTensorLedger", "TraceError", "convert", "last_report",
+    "NothingToConvertError", "ProbeError", "Probes", "SavedTensorLedger", "TraceError", "convert", "last_report",
     "plan_conversion",
 ]
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .memory import SavedTensorLedger
     from .options import ConvertOptions
     from .report import ConversionReport
+    from .trace.second_probe import Probes
 
 
 def __getattr__(name: str) -> Any:

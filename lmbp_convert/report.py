@@ -24,6 +24,8 @@ class ConversionReport:
     verification: Verification = Verification.NOT_RUN
     relative_error: float | None = None  # over the finite outputs; None when nothing finite was compared
     rtol: float | None = None
+    #: the inputs verification compared on: the traced probe, then those the trace did not see
+    verified_on: list[str] = field(default_factory=list)
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -45,7 +47,12 @@ class ConversionReport:
                                                          "nothing finite to compare") + ")"
         err = "n/a" if self.relative_error is None else f"{self.relative_error:.2e}"
         passed = self.verification is Verification.PASSED
-        line = (f"verification: {'passed' if passed else 'FAILED'}; relative output error "
+        on = ""
+        if len(self.verified_on) > 1:
+            on = f" on {len(self.verified_on)} inputs ({'; '.join(self.verified_on)})"
+        elif self.verified_on:
+            on = " on the traced probe only"
+        line = (f"verification: {'passed' if passed else 'FAILED'}{on}; relative output error "
                 f"{err} (tolerance {self.rtol:.0e})")
         diff = next((n for n in self.notes if n.startswith("converted outputs differ")), None)
         return line + (f"; {diff}" if diff and not passed else "")

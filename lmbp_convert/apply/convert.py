@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..catalogue import load_catalogue
-from ..errors import NothingToConvertError
+from ..errors import NothingToConvertError, ProbeError, TraceError
 from ..match.norm import CONFIG_KEY, prefolded_norms
 from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
@@ -19,7 +20,8 @@ from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device
-from ..trace.probe import make_probe
+from ..trace.probe import make_probe, make_probe_with_output
+from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
@@ -48,6 +50,8 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     cat = load_catalogue()
     roles = assign_roles(model, cat)
+    if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
+        probe = probe[0]
     if probe is not None:
         count, unit = 0, "sample"
     else:
@@ -100,12 +104,15 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     branch, e.g. the residual of a post-LN encoder); gated MLPs use the memory-sharing fused op.
     Options: a ``ConvertOptions`` and/or its fields as keyword arguments (merged; a keyword contradicting a
     value the options object was built with is a TypeError). ``probe``: the input of the tracing and
-    verification forwards when the model's config cannot provide one.
+    verification forwards when the model's config cannot provide one; ``Probes(first, second, ...)`` for
+    several (the first is traced, the conversion is verified on all).
 
     All analysis happens before the first change. From the first change on, convert() is a transaction: on any
     exception (including KeyboardInterrupt) the model is restored exactly and the exception re-raised. Each
-    rewrite is checked on the probe against the original outputs and rolled back if it changes them. The
-    report is ``model.lmbp_report`` (``return_report=True`` is deprecated: it changes the return type).
+    rewrite is checked against the original outputs, on the traced probe and on a second input the trace did
+    not see (so a branch only other data takes, such as an MoE expert the probe routed no token to, shows up;
+    see `lmbp_convert.trace.second_probe`), and rolled back if it changes them. The report is
+    ``model.lmbp_report`` (``return_report=True`` is deprecated: it changes the return type).
     Errors: see ``lmbp_convert.errors``.
     """
     if return_report:
@@ -119,10 +126,10 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
 def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
              overrides: dict[str, Any]):
     t0 = time.perf_counter()
-    opt, probe = resolve_options(options, probe, overrides)
+    opt, given = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
         _check_patterns(model, opt)
-    plan = _plan(model, opt, probe)
+    plan = _plan(model, opt, given)
     probe, reference = plan.probe, plan.reference_output
     plan.probe = plan.reference_output = None  # the report keeps the plan: not the probe data and outputs
     report = ConversionReport(plan)
@@ -137,6 +144,9 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
             f"nothing to convert in {type(model).__name__}: no GELU/SiLU-family activation, no LayerNorm/RMSNorm "
             f"feeding a Linear (catalogue: lmbp_convert/patterns/catalogue.json). Candidates:\n{skipped}"
         )
+    checks = [Check(probe, reference, "the traced probe")]
+    if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
+        checks += _other_inputs(model, given, probe, report)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
     params_before = dict(_params(model))
@@ -144,7 +154,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
-        _verify(model, probe, reference, units, opt, report)
+        _verify(model, checks, units, opt, report)
         _warn_orphans(model, params_before)
         report.seconds = time.perf_counter() - t0
         _attach(model, report)
@@ -154,23 +164,86 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     return (model, report) if return_report else model
 
 
-def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: ConvertOptions,
+@dataclass(frozen=True)
+class Check:
+    """One verification input and the original model's output on it."""
+
+    probe: Any
+    reference: Any
+    how: str  # where the input came from, for the report
+
+
+def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport) -> list[Check]:
+    """The inputs verification uses besides the traced one, each with the original's output (one forward each):
+    the user's further `Probes`, else the automatic probe drawn with another seed, else one derived from the
+    user's probe (`lmbp_convert.trace.second_probe`). None found: a note and a warning, never an error."""
+    if isinstance(given, Probes):
+        return [Check(p, _reference(model, p, i + 2), f"probe {i + 2} of {len(given)}")
+                for i, p in enumerate(given[1:])]
+    if given is None:
+        try:
+            second, _, _, ref = make_probe_with_output(model, seed=1)
+        except ProbeError as exc:
+            why = f"the automatic probe with another seed was refused ({exc})"
+        else:
+            if ref is not None:
+                return [Check(second, ref, "a second automatic probe (seed 1)")]
+            why = "the automatic probe with another seed gave no output"
+    else:
+        refusals = []
+        for second, how in derived_inputs(traced):
+            try:
+                return [Check(second, run_probe(model, second), f"a second input, {how}")]
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model rejects this variant: try the next rule
+                refusals.append(f"{type(exc).__name__}: {exc}")
+        why = ("the model refused every input derived from the probe (" + "; ".join(refusals) + ")" if refusals
+               else "no tensor of the probe holds data that can be varied (only masks or non-tensors)")
+    note = (f"verified on the traced probe only: {why}; a consumer the trace missed (a branch only other inputs "
+            "take) would go unnoticed. Pass probe=lmbp_convert.Probes(first, second) to verify on more inputs")
+    report.notes.append(note)
+    warnings.warn(f"convert() {note}", UserWarning, stacklevel=3)
+    return []
+
+
+def _reference(model: nn.Module, probe: Any, number: int) -> Any:
+    try:
+        return run_probe(model, probe)
+    except Exception as exc:
+        raise TraceError(f"the model refused probe {number} of the Probes given to convert() "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
+def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
+    """The converted model against the original on every input: the worst of them (a mismatch first)."""
+    cmps = [compare_outputs(run_probe(model, c.probe), c.reference) for c in checks]
+    bad = next((c for c in cmps if c.mismatch is not None), None)
+    if bad is not None:
+        return bad
+    return Comparison(max(c.error for c in cmps), sum(c.compared for c in cmps))
+
+
+def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOptions,
             report: ConversionReport) -> None:
-    """Compare the converted outputs with the original's; roll back what changes them. A NaN is never a pass."""
+    """Compare the converted outputs with the original's on every input; roll back what changes them. A NaN is
+    never a pass."""
     if _is_meta(model) or not opt.verify:
         report.notes.append("meta device: planned and swapped, no weights to verify" if _is_meta(model)
                             else "verify=False")
         return
     rtol = opt.rtol if opt.rtol is not None else default_rtol(model)
     report.rtol = rtol
-    cmp = compare_outputs(run_probe(model, probe), reference)
+    cmp = _check_all(model, checks)
     if cmp.verdict(rtol) == FAILED:
-        cmp = _isolate_failures(model, probe, reference, units, rtol, report)
+        cmp = _isolate_failures(model, checks, units, rtol, report)
     report.verification = cmp.verdict(rtol)
     report.verified = {PASSED: True, FAILED: False}.get(report.verification)
     report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
+    report.verified_on = [c.how for c in checks]
     if cmp.mismatch:
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
+    reference = checks[0].reference
     if report.verification == CANNOT_VERIFY:
         why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
                "probe?): nothing to compare, the rewrites are unchecked")
@@ -181,18 +254,20 @@ def _verify(model: nn.Module, probe: Any, reference: Any, units: list, opt: Conv
         warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 
 
-def _isolate_failures(model, probe, reference, units, rtol, report) -> Comparison:
-    """Undo everything, then re-apply unit by unit, keeping only those that leave outputs unchanged."""
+def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
+    """Undo everything, then re-apply unit by unit, keeping only those that leave outputs unchanged on every
+    input."""
     for u, _ in reversed(units):
         u.undo()
     for u, item in units:
         u.apply()
-        cmp = compare_outputs(run_probe(model, probe), reference)
+        cmp = _check_all(model, checks)
         if cmp.verdict(rtol) == FAILED:
             u.undo()
             report.rolled_back.append((u.label, cmp.error))
-            report.plan.drop(item, "rolled back: changed the probe outputs beyond tolerance")
-    return compare_outputs(run_probe(model, probe), reference)
+            report.plan.drop(item, "rolled back: changed the outputs beyond tolerance on "
+                                   + ("the probe" if len(checks) == 1 else "the verification inputs"))
+    return _check_all(model, checks)
 
 
 def _restore(model: nn.Module, units: list, had_report: bool, old_report: Any, exc: BaseException) -> None:

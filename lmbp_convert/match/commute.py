@@ -32,6 +32,8 @@ class Block:
 METADATA_OPS = {
     "size", "dim", "numel", "stride", "is_contiguous", "data_ptr", "element_size", "nelement", "ndimension",
     "get_device", "is_floating_point", "is_complex", "storage_offset", "__len__", "untyped_storage",
+    # new tensors shaped like the input (an MoE block's output buffer): they read its shape and dtype only
+    "zeros_like", "ones_like", "empty_like", "full_like",
 }
 #: same values and shape, maybe another dtype or device: channels stay where they are
 _CASTS = ("to", "float", "half", "bfloat16", "double", "type", "type_as", "contiguous", "clone", "cpu", "cuda")

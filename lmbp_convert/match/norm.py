@@ -50,6 +50,7 @@ class Walk:
     blocks: list[str] = field(default_factory=list)  # why a Linear on the way cannot take the fold
     caveats: list[str] = field(default_factory=list)
     inplace: list[str] = field(default_factory=list)  # in-place ops on the affine-less tensor
+    opaque: list[str] = field(default_factory=list)  # modules applying their own weights to it (not nn.Linear)
     active_scopes: set[int] = field(default_factory=set)  # module calls on a path to a folded Linear
     seen: set[int] = field(default_factory=set)  # the affine-less tensors
 
@@ -94,12 +95,21 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
 def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
     node = _single_call(ctx, name, mod)
     walk = walk_readers(ctx, node.outputs[0], nr)
+    unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
+    if isinstance(unseen, str):
+        raise Refused(unseen)
+    walk.targets.update(unseen)
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
     if not walk.targets and not demoted:
         raise Refused(_no_target_reason(walk.blocks))
-    sites = reapply_sites(ctx, walk)
+    try:
+        sites = reapply_sites(ctx, walk)
+    except Refused as why:  # the real cause first: consumers the fold cannot go into
+        if walk.opaque:
+            raise Refused("; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})") from None
+        raise
     watched = _watched_by_user_hooks(ctx, name, walk.seen, sites)
     if watched:
         raise Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
@@ -157,6 +167,12 @@ def _beta_mode(mod: nn.Module, nr: NormRole, walk: Walk) -> BetaMode:
         raise Refused(f"{bare} has no bias to take the norm's shift, and γ = 0 on a channel where β ≠ 0 (β "
                        "cannot move behind the scale)")
     return BetaMode.SHIFT
+
+
+def unseen_siblings(ctx: MatchContext, norm: str, walk: Walk, has_beta: bool) -> dict[str, LinearTarget] | str:
+    from .siblings import unseen_sibling_targets  # it builds on this module's walk
+
+    return unseen_sibling_targets(ctx, norm, walk, has_beta)
 
 
 # -- walk --------------------------------------------------------------------------------------------------
@@ -245,24 +261,57 @@ class _Walker:
             return
         if isinstance(res, Block):
             w.blocks.append(f"{res.reason} ({self.ctx.scope_name(c)})")
+        elif op_short(c) in _WEIGHT_OPS:
+            own = _own_weight_use(self.ctx, c, self.d)
+            if own:
+                w.blocks.append(own)
+                w.opaque.append(own)
         w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}"))
+
+
+#: ops that apply a weight to their input: consumers a fold could in principle go into
+_WEIGHT_OPS = {"linear", "_grouped_mm", "grouped_mm", "matmul", "mm", "bmm", "baddbmm", "addmm", "einsum", "__matmul__"}
+
+
+def _own_weight_use(ctx: MatchContext, node: Node, d: int) -> str | None:
+    """A module that applies its own parameters to the norm's output through an op instead of an nn.Linear (an MoE
+    router's F.linear on its weight; experts held as 3-D parameters, applied to the routed tokens): the fold cannot
+    go into it (not supported), which the skip reason should say rather than "no Linear"."""
+    scope = ctx.scope_name(node)
+    mod = ctx.modules.get(scope)
+    if mod is None:
+        return None
+    for pname, p in mod.named_parameters(recurse=False):
+        if p.is_floating_point() and p.dim() >= 2 and d in p.shape[-2:]:
+            if p.dim() >= 3:
+                return (f"{scope} ({type(mod).__name__}) holds its experts as {p.dim()}-D parameters ({pname} "
+                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)}: folding into "
+                        "parameter experts is not supported")
+            return (f"{scope} ({type(mod).__name__}) applies its own weight ({pname} {tuple(p.shape)}) through "
+                    f"{op_short(node)}, not an nn.Linear: folding into it is not supported")
+    return None
 
 
 def linear_problem(ctx: MatchContext, node: Node, tid: int, has_beta: bool) -> str | None:
     """Why the Linear ``node`` cannot take the fold of the tensor ``tid`` (None: it can)."""
     name = node.target
-    mod = ctx.modules[name]
-    lora = ctx.roles[name].lora
     slots = node.info["slots"].get(tid, [])
     if not slots or slots[0] not in ((0, None), (None, "input"), (None, "x"), (None, "hidden_states")):
         return f"{name} takes the norm output as a secondary argument"
+    if ctx.g.module_calls.get(name, 0) != 1:
+        return f"{name} is called {ctx.g.module_calls.get(name, 0)} times per forward"
+    return module_problem(ctx, name, has_beta)
+
+
+def module_problem(ctx: MatchContext, name: str, has_beta: bool) -> str | None:
+    """Why the Linear module ``name`` cannot take a fold, whatever its input (None: it can)."""
+    mod = ctx.modules[name]
+    lora = ctx.roles[name].lora
     if ctx.opt.excluded(name):
         return f"{name} is excluded by the options"
     if any(_foreign(h) for h in mod._forward_pre_hooks.values()):
         return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
                 "affine (folded into its weight)")
-    if ctx.g.module_calls.get(name, 0) != 1:
-        return f"{name} is called {ctx.g.module_calls.get(name, 0)} times per forward"
     if lora is not None:
         problem = lora_problem(name, mod, lora, has_beta)
         if problem:

@@ -91,6 +91,7 @@ class LinearTarget:
     base: str | None = None  # LoRA-wrapped Linear: attribute of the base layer (folded like a Linear) ...
     lora_adapters: list[str] = field(default_factory=list)  # ... and adapters whose lora_A gets A·diag(γ)
     lora_a_attr: str | None = None
+    unseen: bool = False  # not run by the probe: a sibling of consumers in the same ModuleList/ModuleDict
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.layout)
@@ -166,7 +167,8 @@ class NormFold(PlanItem):
         self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
 
     def describe(self) -> list[str]:
-        into = ", ".join(t.name + (" (+bias)" if t.adds_bias else "") for t in self.targets)
+        into = ", ".join(t.name + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
+                         for t in self.targets)
         tag = " [weights already folded]" if self.prefolded else ""
         lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]
         lines += [f"      affine re-applied at {r.describe()}" for r in self.reapply]

@@ -172,13 +172,16 @@ def _to(inputs: Any, device: torch.device, dtype: torch.dtype) -> Any:
     return {k: move(v) for k, v in inputs.items()} if isinstance(inputs, dict) else move(inputs)
 
 
-def _refusal(model: nn.Module, inputs: Any, device: torch.device) -> Exception | None:
-    """Run the model on ``inputs`` (eval mode, no grad, RNG state kept); the exception it raises, if any."""
+def _refusal(model: nn.Module, inputs: Any, device: torch.device, outputs: list | None = None) -> Exception | None:
+    """Run the model on ``inputs`` (eval mode, no grad, RNG state kept); the exception it raises, if any (else
+    the output goes into ``outputs``, when given)."""
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            call_model(model, inputs)
+            out = call_model(model, inputs)
+        if outputs is not None:
+            outputs.append(out)
     except Exception as exc:  # a probe the model cannot take: try the next one
         return exc
     finally:
@@ -227,6 +230,19 @@ def _missing_error(model: nn.Module, missing: list[str], built: dict[str, Any]) 
 def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0) -> tuple[Any, int, str]:
     """Return (probe, count, unit): the input, and how many tokens/images/frames it holds (for per-unit figures).
     ``seed`` draws another input of the same shapes."""
+    return _make_probe(model, batch, seq, seed, None)
+
+
+def make_probe_with_output(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0
+                           ) -> tuple[Any, int, str, Any]:
+    """`make_probe` plus the model's output on the probe (eval mode, no grad) from the forward that checked the
+    model accepts it, so a caller that needs both pays one forward. On the meta device the output is None."""
+    outputs: list = []
+    probe, count, unit = _make_probe(model, batch, seq, seed, outputs)
+    return probe, count, unit, outputs[0] if outputs else None
+
+
+def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list | None) -> tuple[Any, int, str]:
     device, dtype = _device_dtype(model)
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     params = _signature(base)
@@ -252,7 +268,7 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0)
     tried: list[tuple[Candidate, Exception]] = []
     for cand in itertools.chain([first], more):
         cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
-        err = _refusal(model, cand.inputs, device)
+        err = _refusal(model, cand.inputs, device, outputs)
         if err is None:
             return cand.inputs, cand.count, cand.unit
         tried.append((cand, err))
