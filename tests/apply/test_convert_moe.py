@@ -46,7 +46,7 @@ def test_expert_the_probe_never_routed_to_is_folded_too(linear):
     before = _saved_bytes(copy.deepcopy(original), probe)
 
     # activations stay exact here (approx-BP activations change gradients by design), so gradients can be compared
-    _, report = convert(model, probe=probe, activations=False, return_report=True)
+    report = convert(model, probe=probe, activations=False).lmbp_report
     fold = next(f for f in report.plan.norm_folds if f.name == "norm")
     targets = {t.name: t.unseen for t in fold.targets}
     rel = [""] if linear else ["gate_proj", "up_proj"]
@@ -77,7 +77,7 @@ def test_unseen_expert_of_another_shape_refuses_the_fold_naming_it():
     model = TinyMoE(D).eval()
     model.moe.experts[3] = Expert(D, 8)  # not shaped like its siblings: its consumers are unknown
     original = copy.deepcopy(model)
-    _, report = convert(model, probe=silent_probe(D), return_report=True)
+    report = convert(model, probe=silent_probe(D)).lmbp_report
     skip = next(s for s in report.plan.skips if s.name == "norm")
     assert "moe.experts.3" in skip.reason and "not all known" in skip.reason
     with torch.no_grad():
@@ -104,7 +104,7 @@ def test_second_input_catches_a_consumer_the_trace_missed_and_rolls_the_fold_bac
     model = Branchy().eval()
     original = copy.deepcopy(model)
     probe = silent_probe(D)
-    _, report = convert(model, probe=probe, norms=True, return_report=True)
+    report = convert(model, probe=probe, norms=True).lmbp_report
     assert report.verified and len(report.verified_on) == 2, report
     assert [label for label, _ in report.rolled_back] == ["norm norm"]
     assert any(s.name == "norm" and "rolled back" in s.reason for s in report.plan.skips)
@@ -116,7 +116,7 @@ def test_user_given_probes_are_all_verified():
     torch.manual_seed(0)
     model = Branchy().eval()
     probe = silent_probe(D)
-    _, report = convert(model, probe=Probes(probe, _fresh()), return_report=True)
+    report = convert(model, probe=Probes(probe, _fresh())).lmbp_report
     assert report.verified_on == ["the traced probe", "probe 2 of 2"] and report.rolled_back
     assert "verification: passed on 2 inputs" in str(report)
 
@@ -125,7 +125,7 @@ def test_probe_without_data_to_vary_says_it_verified_on_one_input():
     model = nn.Sequential(nn.Embedding(10, D), RMSNorm(D), nn.Linear(D, 4))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _, report = convert(model, probe=torch.zeros(2, 5, dtype=torch.long), return_report=True)
+        report = convert(model, probe=torch.zeros(2, 5, dtype=torch.long)).lmbp_report
     assert report.verified_on == ["the traced probe"] and "on the traced probe only" in str(report)
     assert any("Probes(" in str(w.message) for w in caught)
 
@@ -162,7 +162,7 @@ def test_moe_families_verify_on_a_second_probe_keep_routing_and_name_the_paramet
     probe, fresh = make_probe(model)[0], make_probe(model, seed=2)[0]
     routes = _routes(model, probe)
     before = _saved_bytes(copy.deepcopy(original), probe)
-    _, report = convert(model, return_report=True)
+    report = convert(model).lmbp_report
     assert report.verified and report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
     assert "verification: passed on 2 inputs" in str(report)
     skips = {s.name: s.reason for s in report.plan.skips}

@@ -108,7 +108,7 @@ class _Capture:
 def test_a_users_hook_is_told_from_ours_by_class_not_by_module_name():
     model = hf("llama").eval()
     model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(_Capture())
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     fold = next(f for f in rep.plan.norm_folds if f.name == "model.layers.1.input_layernorm")
     assert "model.layers.1.self_attn.k_proj" not in [t.name for t in fold.targets]
     assert [r.module for r in fold.reapply] == ["model.layers.1.self_attn.k_proj"]
