@@ -72,7 +72,7 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
             continue
         if role.problem:
             yield Skip(name, class_key(mod), role.problem)
-        elif role.kind is RoleKind.NORM:
+        elif role.kind is RoleKind.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:

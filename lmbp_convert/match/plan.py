@@ -182,6 +182,30 @@ class NormFold(PlanItem):
 
 @register_item
 @dataclass
+class NormSwap(PlanItem):
+    """A norm without affine (no weight, no bias) swapped for a memory-sharing one: nothing to fold, its output
+    is kept for backward instead of its input, and the Linears reading it (``readers``) share that storage."""
+
+    tag = "norm_swaps"
+    noun = "affine-free norms"
+    heading = "affine-free norms → memory-sharing (nothing to fold)"
+
+    kind: NormKind
+    eps: float
+    shape: list[int]
+    readers: list[str] = field(default_factory=list)  # Linears that keep the same output for their backward
+    predicted_saved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.kind = NormKind(self.kind)
+
+    def describe(self) -> list[str]:
+        return [f"  {self.name} [{self.kind}, no affine, eps={self.eps:g}] → output shared with "
+                f"{', '.join(self.readers)}"]
+
+
+@register_item
+@dataclass
 class GatedMLPSwap(PlanItem):
     """A gated MLP (act(gate(x))·up(x) → down) replaced by the memory-sharing fused op over the same
     projection modules."""
