@@ -51,6 +51,7 @@ class PlanItem:
     tag: ClassVar[str] = ""  # its section in a serialised plan ("norm_folds"); unique among kinds
     noun: ClassVar[str] = ""  # plural for the report's summary line ("norms")
     heading: ClassVar[str] = ""  # first line of its report section
+    counted_when_none: ClassVar[bool] = True  # the report's summary line says "0 <noun>" (False: only if any)
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
@@ -189,6 +190,7 @@ class NormSwap(PlanItem):
     tag = "norm_swaps"
     noun = "affine-free norms"
     heading = "affine-free norms → memory-sharing (nothing to fold)"
+    counted_when_none = False  # rare (OLMo v1): not a "0 affine-free norms" in every report
 
     kind: NormKind
     eps: float
