@@ -101,18 +101,19 @@ def norm_size(module: nn.Module) -> tuple[int, ...] | str:
     return ()
 
 
-def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> float:
-    """The eps that explains ``z`` = normalised ``x`` (affine removed): from the smallest-scale row, where eps
-    matters most (z = c·(v + eps)^-1/2, so eps = mean(c²)/mean(z²) − v)."""
+def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> list[float]:
+    """Values of eps that explain ``z`` = normalised ``x`` (affine removed), one per row, smallest-scale rows
+    first (there eps matters most; z = c·(v + eps)^-1/2, so eps = mean(c²)/mean(z²) − v). Rows where a bias
+    swamps the normalised part give wrong values: the caller checks each against every row."""
     x, z = x.double(), z.double()
     c2, v = _centered(kind, x).pow(2).mean(-1).flatten(), _spread(kind, x).flatten()
     z2 = z.pow(2).mean(-1).flatten()
-    ok = (z2 > 0) & torch.isfinite(z2)
-    if not bool(ok.any()):
-        return float("nan")
-    i = torch.argmin(torch.where(ok, v, torch.full_like(v, float("inf"))))
-    eps = max(float(c2[i] / z2[i] - v[i]), 0.0)
-    return float(f"{eps:.3g}")  # eps values are round numbers; the check below confirms it
+    fits = []
+    for i in torch.argsort(v).tolist():
+        if float(z2[i]) > 0 and torch.isfinite(z2[i]):
+            eps = max(float(c2[i] / z2[i] - v[i]), 0.0)
+            fits.append(float(f"{eps:.3g}"))  # eps values are round numbers; the check confirms it
+    return list(dict.fromkeys(fits))
 
 
 def _rows_match(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
@@ -186,7 +187,7 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> N
             scale = norm_scale(pw.double(), param) if pw is not None else None
             z = y.double() - (pb.double() if pb is not None else 0.0)
             z = z / scale if scale is not None else z
-            for e in dict.fromkeys(v for v in (eps, fit_eps(kind, x, z)) if v is not None and v == v):
+            for e in dict.fromkeys(v for v in (eps, *fit_eps(kind, x, z)) if v is not None):
                 if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
                     role = NormRole(kind, param, e, shape, b is not None, affine=w is not None)
                     problem = _dtype_problem(module, x)
