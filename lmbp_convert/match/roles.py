@@ -163,7 +163,10 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> N
     if d < 2:
         return f"normalises {d} channel"
     gen = torch.Generator().manual_seed(1234)
-    probe = _probe_copy(module, torch.float32)
+    try:
+        probe = _probe_copy(module, torch.float32)
+    except Exception as exc:  # a module that cannot be copied (holds a handle, a lock ...) is not checked
+        return f"cannot be copied for the behaviour check ({type(exc).__name__}: {exc})"
     with torch.no_grad():
         if w is not None:
             probe.weight.copy_(torch.rand(d, generator=gen) + 0.5)
@@ -198,10 +201,9 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> N
 
 def _dtype_problem(module: nn.Module, x: torch.Tensor) -> str | None:
     """A memory-sharing norm returns its input's dtype: a norm that returns another one is not replaced."""
-    probe = _probe_copy(module, torch.bfloat16)
     with torch.no_grad():
         try:
-            y = probe(x[:, :2].to(torch.bfloat16))
+            y = _probe_copy(module, torch.bfloat16)(x[:, :2].to(torch.bfloat16))
         except Exception as exc:
             return f"fails on bfloat16 input ({type(exc).__name__}: {exc})"
     if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16:
