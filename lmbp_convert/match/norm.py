@@ -140,7 +140,7 @@ def no_target_reason(ctx: MatchContext, walk: Walk) -> str:
         if r.block and (is_linear or reach.linears or "quantized Linear" in r.block):
             blocks.append(r.block)
             continue
-        for lin, via in reach.linears.items():
+        for lin, via in reach.nearest().items():
             behind.setdefault(lin, via or r.what)
         ends += reach.ends
     quantized = sorted({b for b in blocks if "quantized Linear" in b})

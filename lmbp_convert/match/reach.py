@@ -19,6 +19,7 @@ CONSUMING_OPS = {
     "matmul", "__matmul__", "__rmatmul__", "bmm", "mm", "einsum", "linear", "scaled_dot_product_attention",
     "baddbmm", "addmm", "conv1d", "conv2d", "conv3d", "softmax", "log_softmax", "embedding", "cross_entropy",
 }
+_RESHAPES = {"view", "reshape", "unflatten", "flatten", "view_as", "reshape_as"}
 _BUDGET = 400  # tensors followed per reader: the residual stream reaches a Linear within a layer
 
 
@@ -27,16 +28,22 @@ class Reach:
     """Linears that read the channels (each with the first op on its path that breaks the fold) and where
     the channels end otherwise."""
 
-    linears: dict[str, str] = field(default_factory=dict)
+    linears: dict[str, str] = field(default_factory=dict)  # the nearest ones (fewest non-commuting ops)
     ends: list[str] = field(default_factory=list)
+    hops: dict[str, int] = field(default_factory=dict, repr=False)  # non-commuting ops on each Linear's path
+
+    def nearest(self) -> dict[str, str]:
+        """The Linears behind the fewest non-commuting ops (a residual stream reaches every later layer)."""
+        low = min(self.hops.values(), default=0)
+        return {k: v for k, v in self.linears.items() if self.hops[k] == low}
 
 
 def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: str | None = None) -> Reach:
     """Follow the channels on ``axis`` of tensor ``tid`` from its reader ``node`` (None: the model output)."""
     reach, seen = Reach(), set()
-    todo = [(node, tid, axis, blocked)]
+    todo = [(node, tid, axis, blocked, 0)]
     while todo and len(seen) < _BUDGET:
-        c, t, ax, why = todo.pop()
+        c, t, ax, why, hops = todo.pop()
         if c is None:
             reach.ends.append("the model output")
             continue
@@ -44,7 +51,8 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
         if c.kind is NodeKind.MODULE:
             role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
             if role.kind is RoleKind.LINEAR and last:
-                reach.linears.setdefault(c.target, why or "")
+                if hops < reach.hops.get(c.target, hops + 1):
+                    reach.linears[c.target], reach.hops[c.target] = why or "", hops
                 continue
             if role.kind not in (RoleKind.DROPOUT, RoleKind.IDENTITY):
                 reach.ends.append(c.target)
@@ -58,6 +66,7 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
                 continue
             res = step(c, ctx.g.tensors, t, ax, ctx.g.tensors[t].shape[ax])
             if not isinstance(res, Pass):
+                hops += 1
                 why = why or (res.reason if isinstance(res, Block) else f"{op_short(c)} in {ctx.scope_name(c)}")
         for o, oax in outs:
             if o in seen:
@@ -67,7 +76,7 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
                 reach.ends.append("the model output")
             for nxt in ctx.g.consumers(o):
                 if not is_metadata(nxt):
-                    todo.append((nxt, o, oax, why))
+                    todo.append((nxt, o, oax, why, hops))
     reach.ends = list(dict.fromkeys(reach.ends))
     return reach
 
@@ -80,5 +89,7 @@ def _through_op(ctx: MatchContext, c: Node, t: int, ax: int) -> list[tuple[int, 
     if isinstance(res, Pass):
         return [(o, res.axis % len(ctx.g.tensors[o].shape)) for o in c.outputs]
     ndim = len(ctx.g.tensors[t].shape)
+    if ax == ndim - 1 and op_short(c) in _RESHAPES:  # heads split off the channels: follow the last dim
+        return [(o, len(ctx.g.tensors[o].shape) - 1) for o in c.outputs if ctx.g.tensors[o].shape] or None
     kept = [(o, ax) for o in c.outputs if len(ctx.g.tensors[o].shape) == ndim]  # elementwise, cat, slices
     return kept or None

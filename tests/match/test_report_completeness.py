@@ -78,3 +78,14 @@ def test_umt5_final_norm_names_the_dropout_when_it_blocks():
 
 def _umt5_no_dropout():
     return _hf("AutoModelForSeq2SeqLM", "umt5", **_T5, dropout_rate=0.0)
+
+
+def test_post_norm_reasons_name_the_residual_add_and_the_nearest_linears():
+    """OLMo2 normalises block outputs before the residual add: the Linears are there, behind the add (named
+    nearest first, not every later layer), and its q/k norms feed attention only."""
+    plan = plan_conversion(hf("olmo2", num_key_value_heads=2).eval())
+    reasons = {s.name: s.reason for s in plan.skips}
+    post = reasons["model.layers.0.post_attention_layernorm"]
+    assert "reaches model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj only through add in model.layers.0" \
+        in post, post
+    assert "no Linear reads its channels" in reasons["model.layers.0.self_attn.q_norm"]
