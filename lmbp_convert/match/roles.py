@@ -113,7 +113,8 @@ def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> list[float]:
         if float(z2[i]) > 0 and torch.isfinite(z2[i]):
             eps = max(float(c2[i] / z2[i] - v[i]), 0.0)
             fits.append(float(f"{eps:.3g}"))  # eps values are round numbers; the check confirms it
-    return list(dict.fromkeys(fits))
+    raw = [max(float(c2[i] / z2[i] - v[i]), 0.0) for i in torch.argsort(v).tolist()[:1] if float(z2[i]) > 0]
+    return list(dict.fromkeys(fits + raw))  # a value that is not round: as fitted
 
 
 def _rows_match(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:

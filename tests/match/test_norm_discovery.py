@@ -185,3 +185,27 @@ def _expected_saving(rows):
     one_plus_w = D * 4  # ... and the 1P subclass's (1 + w) tensor
     rms = 2 * x  # the hand-written RMSNorm kept x (pow, mul), rsqrt (→ rstd) and x·rsqrt (the weight's mul)
     return 3 * layer + one_plus_w + rms  # Renamed, Shifted1P, BareLN; Scaler
+
+
+def test_an_eps_that_is_not_a_round_number_is_fitted_as_it_is():
+    role = identify_norm(BareLNWithEps(D, 1.2345678e-5), None, None)
+    assert isinstance(role, NormRole) and role.eps == pytest.approx(1.2345678e-5, rel=1e-3)
+
+
+class BareLNWithEps(BareLN):
+    def __init__(self, d, hidden):
+        super().__init__(d)
+        self._hidden = hidden
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, None, None, self._hidden)
+
+
+def test_affine_free_swap_round_trips_through_a_plan_file():
+    import json
+
+    from lmbp_convert.match.plan import Plan
+
+    plan = Plan(items=[NormSwap("n", "x:BareLN", "layer", 1e-5, [16], ["lin"], 64)])
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and again.items[0].kind is NormKind.LAYER
