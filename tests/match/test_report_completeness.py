@@ -19,6 +19,8 @@ MODELS = {
     "llama": FAMILIES["llama"], "bert": FAMILIES["bert"], "gpt2": FAMILIES["gpt2"], "vit": FAMILIES["vit"],
     "timm_vit": FAMILIES["timm_vit"], "t5": PROBE_FAMILIES["t5"], "umt5": PROBE_FAMILIES["umt5"],
     "bart": PROBE_FAMILIES["bart"], "persimmon": lambda: hf("persimmon", qk_layernorm=True),
+    # norms no catalogue names: LayerNorm1P (γ = 1 + w) and an affine-free LayerNorm (found by behaviour)
+    "nemotron": lambda: hf("nemotron", num_key_value_heads=2), "olmo": lambda: hf("olmo", num_key_value_heads=2),
 }
 
 
