@@ -69,7 +69,8 @@ class ConversionReport:
 
     def __str__(self) -> str:
         p = self.plan
-        counts = ", ".join(f"{len(p.of(kind))} {kind.noun}" for kind in p.kinds())
+        counts = ", ".join(f"{len(p.of(kind))} {kind.noun}" for kind in p.kinds()
+                           if p.of(kind) or kind.counted_when_none)
         lines = [f"lmbp-convert: {counts} converted; {len(p.skips)} skipped"]
         for kind in p.kinds():
             items = p.of(kind)

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
-from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, PlanItem
+from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
 
@@ -276,3 +276,14 @@ class UnitBuilder:
 
 
 BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp})
+
+
+@builds(NormSwap)
+def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
+    """The memory-sharing norm with no affine at all: same maths, same (empty) state dict."""
+    from ..nn.norms import MSLayerNorm, MSRMSNorm
+
+    unit = Unit(f"affine-free norm {swap.name}")
+    cls = MSLayerNorm if swap.kind is NormKind.LAYER else MSRMSNorm
+    builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
+    return unit

@@ -21,6 +21,7 @@ from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .plan import LinearTarget, NormFold, ReapplySite, Skip
+from .reach import follow
 from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk
@@ -38,6 +39,7 @@ class Reader(NamedTuple):
     tid: int
     axis: int  # where the norm's channels are in that tensor
     what: str  # how the report names the reader
+    block: str | None = None  # why the fold cannot pass this reader on its way to a Linear (if it is on one)
 
 
 @dataclass
@@ -73,7 +75,7 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
             continue
         if role.problem:
             yield Skip(name, class_key(mod), role.problem)
-        elif role.kind is RoleKind.NORM:
+        elif role.kind is RoleKind.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:
@@ -103,7 +105,10 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> Nor
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
     if not walk.targets and not demoted:
-        raise Refused(_no_target_reason(walk.blocks))
+        why = no_target_reason(ctx, walk)
+        if walk.opaque:  # the real cause first: consumers the fold cannot go into
+            why = "; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})"
+        raise Refused(why)
     try:
         sites = reapply_sites(ctx, walk)
     except Refused as why:  # the real cause first: consumers the fold cannot go into
@@ -137,16 +142,39 @@ def _single_call(ctx: MatchContext, name: str, mod: nn.Module) -> Node:
     return node
 
 
-def _no_target_reason(blocks: list[str]) -> str:
-    quantized = sorted({b for b in blocks if "quantized Linear" in b})
+def no_target_reason(ctx: MatchContext, walk: Walk) -> str:
+    """Why no Linear takes the fold, naming the real cause: a block counts only if a Linear lies beyond it
+    (`reach.follow`); otherwise the Linears reached only through a non-commuting op, or where the channels end."""
     why = "no Linear consumer reachable through affine-commuting ops"
+    blocks, behind, ends = [], {}, []
+    for r in walk.others:
+        reach = follow(ctx, r.node, r.tid, r.axis)
+        is_linear = r.node is not None and ctx.roles.get(r.node.target, Role(RoleKind.OTHER)).kind is RoleKind.LINEAR
+        if r.block and (is_linear or reach.linears or "quantized Linear" in r.block):
+            blocks.append(r.block)
+            continue
+        for lin, via in reach.nearest().items():
+            behind.setdefault(lin, via or r.what)
+        ends += reach.ends
+    quantized = sorted({b for b in blocks if "quantized Linear" in b})
     if quantized:  # the real cause first: there are Linear consumers, but their weights are quantized
         rest = sorted(set(blocks) - set(quantized))
         return "; ".join(quantized) + " (no other Linear consumer reachable through affine-commuting ops" + (
             f"; blocked: {'; '.join(rest)})" if rest else ")")
     if blocks:
-        why += f" (blocked: {'; '.join(sorted(set(blocks)))})"
-    return why
+        return why + f" (blocked: {'; '.join(sorted(set(blocks)))})"
+    if behind:
+        vias = sorted(set(behind.values()))
+        also = sorted({p for lin in behind if (p := _weight_problem(ctx, lin, ctx.modules[lin]))})
+        return (why + f": its output reaches {_some(sorted(behind))} only through {'; '.join(vias)}, which does not "
+                "commute with the norm's affine" + (f" (and {'; '.join(also)})" if also else ""))
+    if ends:
+        return why + f": no Linear reads its channels (they end in {_some(list(dict.fromkeys(ends)))})"
+    return why + ": its output is not read"
+
+
+def _some(names: list[str], n: int = 4) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def predicted_norm_bytes(ctx: MatchContext, node: Node, nr: NormRole) -> int:
@@ -217,8 +245,10 @@ class _Walker:
         last = axis == len(self.g.tensors[tid].shape) - 1
         if r.kind is RoleKind.LINEAR and last:
             return self._linear(c, r, tid, axis, via)
+        block = None
         if r.kind is RoleKind.DROPOUT and r.p:
-            w.blocks.append(f"dropout (p={r.p}) at {c.target} between norm and Linear")
+            block = f"dropout (p={r.p}) at {c.target} between norm and Linear"
+            w.blocks.append(block)
         elif r.kind in (RoleKind.DROPOUT, RoleKind.IDENTITY):
             w.active_scopes.update(c.scopes)
             self.frontier.extend((o, axis, via + [c.target]) for o in c.outputs)
@@ -226,16 +256,16 @@ class _Walker:
         else:
             quantized = quantized_linear(self.ctx.modules[c.target]) if last else None
             if quantized:
-                w.blocks.append(f"consumer {c.target} is a quantized Linear ({quantized}): its weight cannot be "
-                                "folded")
-        w.others.append(Reader(c, tid, axis, c.target))
+                block = f"consumer {c.target} is a quantized Linear ({quantized}): its weight cannot be folded"
+                w.blocks.append(block)
+        w.others.append(Reader(c, tid, axis, c.target, block))
 
     def _linear(self, c: Node, r: Role, tid: int, axis: int, via: list[str]) -> None:
         w = self.walk
         problem = linear_problem(self.ctx, c, tid, self.has_beta)
         if problem is not None:
             w.blocks.append(problem)
-            w.others.append(Reader(c, tid, axis, c.target))
+            w.others.append(Reader(c, tid, axis, c.target, problem))
             return
         mod = self.ctx.modules[c.target]
         adapters = list(getattr(mod, r.lora["adapters_A"]).keys()) if r.lora else []
@@ -259,14 +289,15 @@ class _Walker:
                 ax = res.axis if res.axis >= 0 else len(self.g.tensors[o].shape) + res.axis
                 self.frontier.append((o, ax, via + [op_short(c)]))
             return
-        if isinstance(res, Block):
-            w.blocks.append(f"{res.reason} ({self.ctx.scope_name(c)})")
+        block = f"{res.reason} ({self.ctx.scope_name(c)})" if isinstance(res, Block) else None
+        if block:
+            w.blocks.append(block)
         elif op_short(c) in _WEIGHT_OPS:
             own = _own_weight_use(self.ctx, c, self.d)
             if own:
                 w.blocks.append(own)
                 w.opaque.append(own)
-        w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}"))
+        w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", block))
 
 
 #: ops that apply a weight to their input: consumers a fold could in principle go into

@@ -51,6 +51,7 @@ class PlanItem:
     tag: ClassVar[str] = ""  # its section in a serialised plan ("norm_folds"); unique among kinds
     noun: ClassVar[str] = ""  # plural for the report's summary line ("norms")
     heading: ClassVar[str] = ""  # first line of its report section
+    counted_when_none: ClassVar[bool] = True  # the report's summary line says "0 <noun>" (False: only if any)
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
@@ -180,6 +181,31 @@ class NormFold(PlanItem):
         d["targets"] = [LinearTarget(**t) for t in d.get("targets", [])]
         d["reapply"] = [ReapplySite(**r) for r in d.get("reapply", [])]
         return cls(**d)
+
+
+@register_item
+@dataclass
+class NormSwap(PlanItem):
+    """A norm without affine (no weight, no bias) swapped for a memory-sharing one: nothing to fold, its output
+    is kept for backward instead of its input, and the Linears reading it (``readers``) share that storage."""
+
+    tag = "norm_swaps"
+    noun = "affine-free norms"
+    heading = "affine-free norms → memory-sharing (nothing to fold)"
+    counted_when_none = False  # rare (OLMo v1): not a "0 affine-free norms" in every report
+
+    kind: NormKind
+    eps: float
+    shape: list[int]
+    readers: list[str] = field(default_factory=list)  # Linears that keep the same output for their backward
+    predicted_saved_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.kind = NormKind(self.kind)
+
+    def describe(self) -> list[str]:
+        return [f"  {self.name} [{self.kind}, no affine, eps={self.eps:g}] → output shared with "
+                f"{', '.join(self.readers)}"]
 
 
 @register_item

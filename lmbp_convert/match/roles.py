@@ -1,8 +1,10 @@
-"""Decide which role each module plays (activation, norm, Linear-like, dropout), from the catalogue.
+"""Decide which role each module plays (activation, norm, Linear-like, dropout).
 
-Norms are also identified *by behaviour*: a copy of the module is run on a small random input with random
-weights and compared with LayerNorm / RMSNorm formulas, with weight ``w`` or ``(1 + w)``. That catches a wrong
-catalogue entry and lets any class named like a norm (``*RMSNorm``) be supported without an entry.
+Norms are found *by behaviour*, not by name: every leaf module whose parameters are at most a per-channel
+``weight`` and ``bias`` is run (a copy, random γ, β) on a probe tensor and compared with LayerNorm / RMSNorm
+over the last dim, with scale ``w``, ``1 + w`` or none; eps is read from an attribute or fitted from the output.
+The catalogue only makes this faster (a listed class has a known kind) and names norm-like classes, whose
+failure to behave as a norm is reported rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ class NormRole:
     kind: NormKind
     param: WeightParam
     eps: float
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # () for a norm without weight or size attribute: any size (taken from the trace)
     has_bias: bool
+    affine: bool = True  # False: no weight and no bias (nothing to fold; the memory-sharing norm needs none)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NormKind(self.kind))
@@ -56,60 +59,169 @@ class Role:
             object.__setattr__(self, "layout", Layout(self.layout))
 
 
-def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                eps: float) -> torch.Tensor:
-    x = x.double()
-    if kind is NormKind.LAYER:
-        y = (x - x.mean(-1, keepdim=True)) * torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + eps)
-    else:
-        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    y = y * norm_scale(w.double(), param)
+    """The norm's maths in fp64 (``w`` None: no scale)."""
+    y = normalized(kind, x.double(), eps)
+    y = y * norm_scale(w.double(), param) if w is not None else y
     return y + b.double() if b is not None else y
 
 
-def identify_norm(module: nn.Module, entry: dict, eps: float | None) -> NormRole | str:
-    """Return the norm's role, or a string saying why it is not a usable norm."""
+def normalized(kind: NormKind, x: torch.Tensor, eps: float) -> torch.Tensor:
+    return _centered(kind, x) * torch.rsqrt(_spread(kind, x) + eps)
+
+
+def _centered(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True) if kind is NormKind.LAYER else x
+
+
+def _spread(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
+    """What the norm divides by (before eps): the variance (LayerNorm) or the mean square (RMSNorm)."""
+    return x.var(-1, unbiased=False, keepdim=True) if kind is NormKind.LAYER else x.pow(2).mean(-1, keepdim=True)
+
+
+#: attributes that may hold the normalised size of a norm without weight (else: any size)
+SIZE_ATTRIBUTES = ("normalized_shape", "hidden_size", "dim", "d_model", "embed_dim", "num_features")
+_PROBE_D = 24  # channels a size-agnostic norm is probed with
+#: row scales of the probe: ordinary rows, and rows small enough that eps decides the output (to fit it)
+_ROW_SCALES = (3.0, 1.0, 1e-2, 1e-4, 1e-6, 1e-8)
+
+
+def norm_size(module: nn.Module) -> tuple[int, ...] | str:
+    """The normalised size of a norm: its weight's shape, else a size attribute, else () (any size)."""
     w = getattr(module, "weight", None)
-    b = getattr(module, "bias", None)
-    if not isinstance(w, torch.Tensor):
-        return "norm has no weight (nothing to fold); left as is"
-    if w.dim() != 1:
-        return f"normalised shape {tuple(w.shape)} is not a single channel dim"
-    if b is not None and not isinstance(b, torch.Tensor):
-        b = None
-    if eps is None:
-        return "no eps attribute found (catalogue eps_attributes)"
-    if not w.is_floating_point():
-        return f"weight dtype {w.dtype} cannot be folded"
-    d = w.shape[0]
+    if isinstance(w, torch.Tensor):
+        return tuple(w.shape)
+    for attr in SIZE_ATTRIBUTES:
+        v = getattr(module, attr, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return (v,)
+        if isinstance(v, (tuple, list, torch.Size)) and all(isinstance(i, int) for i in v):
+            return tuple(v)
+    return ()
+
+
+def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> list[float]:
+    """Values of eps that explain ``z`` = normalised ``x`` (affine removed), one per row, smallest-scale rows
+    first (there eps matters most; z = c·(v + eps)^-1/2, so eps = mean(c²)/mean(z²) − v). Rows where a bias
+    swamps the normalised part give wrong values: the caller checks each against every row."""
+    x, z = x.double(), z.double()
+    c2, v = _centered(kind, x).pow(2).mean(-1).flatten(), _spread(kind, x).flatten()
+    z2 = z.pow(2).mean(-1).flatten()
+    fits = []
+    for i in torch.argsort(v).tolist():
+        if float(z2[i]) > 0 and torch.isfinite(z2[i]):
+            eps = max(float(c2[i] / z2[i] - v[i]), 0.0)
+            fits.append(float(f"{eps:.3g}"))  # eps values are round numbers; the check confirms it
+    raw = [max(float(c2[i] / z2[i] - v[i]), 0.0) for i in torch.argsort(v).tolist()[:1] if float(z2[i]) > 0]
+    return list(dict.fromkeys(fits + raw))  # a value that is not round: as fitted
+
+
+def _rows_match(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
+    """Every row within ``rtol`` of the reference, relative to that row's size (rows differ by 10^8 in scale)."""
+    y, ref = y.double().flatten(0, -2), ref.flatten(0, -2)
+    err = (y - ref).norm(dim=-1)
+    return bool(torch.all(err <= rtol * ref.norm(dim=-1) + 1e-30))
+
+
+def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
+    """(2, rows, d): rows at every scale of `_ROW_SCALES`; a 3-D input so that a norm over another axis
+    (GroupNorm, a channel-first norm) fails or differs."""
+    rows = [(torch.randn(2, 1, d, generator=gen) * 3 + 1) * s for s in _ROW_SCALES]
+    return torch.cat(rows, dim=1)
+
+
+def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     probe = copy.deepcopy(module)
     if any(t.device.type == "meta" for t in list(probe.parameters()) + list(probe.buffers())):
         probe = probe.to_empty(device="cpu")
-    probe = probe.to(device="cpu", dtype=torch.float32)
+    return probe.to(device="cpu", dtype=dtype).eval()
+
+
+def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> NormRole | str:
+    """Return the norm's role, or a string saying why it is not a usable norm.
+
+    By behaviour: a copy of the module, with random γ, β, runs on a probe tensor and must match LayerNorm or
+    RMSNorm over the last dim, with scale w, 1 + w or none (no weight), ± bias. ``entry`` (a catalogue entry)
+    may fix the kind and parameterisation; ``eps`` (an attribute value) is tried first, then eps is fitted from
+    the output. The module must also return bf16 for bf16 input, as the memory-sharing norm does."""
+    w = getattr(module, "weight", None)
+    b = getattr(module, "bias", None)
+    w = w if isinstance(w, torch.Tensor) else None
+    b = b if isinstance(b, torch.Tensor) else None
+    shape = norm_size(module)
+    if len(shape) > 1:
+        return f"normalised shape {shape} is not a single channel dim"
+    if w is None and b is not None:
+        return "norm has a bias but no weight"
+    for t, what in ((w, "weight"), (b, "bias")):
+        if t is not None and (t.dim() != 1 or not t.is_floating_point() or (shape and t.shape != shape)):
+            return f"{what} of shape {tuple(t.shape)} and dtype {t.dtype} is not a per-channel float vector"
+    for name, buf in module.named_buffers(recurse=False):
+        if buf.is_floating_point() and buf.numel() and name not in ("weight", "bias"):
+            return f"norm has buffer {name!r}; not a plain LayerNorm/RMSNorm"
+    d = shape[0] if shape else _PROBE_D
+    if d < 2:
+        return f"normalises {d} channel"
     gen = torch.Generator().manual_seed(1234)
+    try:
+        probe = _probe_copy(module, torch.float32)
+    except Exception as exc:  # a module that cannot be copied (holds a handle, a lock ...) is not checked
+        return f"cannot be copied for the behaviour check ({type(exc).__name__}: {exc})"
     with torch.no_grad():
-        probe.weight.copy_(torch.rand(d, generator=gen, device="cpu") + 0.5)
+        if w is not None:
+            probe.weight.copy_(torch.rand(d, generator=gen) + 0.5)
         if b is not None:
-            probe.bias.copy_(torch.randn(d, generator=gen, device="cpu"))
-        for name, buf in probe.named_buffers(recurse=False):
-            if buf.is_floating_point() and buf.numel() and name not in ("weight", "bias"):
-                return f"norm has buffer {name!r}; not a plain LayerNorm/RMSNorm"
-        x = torch.randn(3, d, generator=gen, device="cpu") * 3 + 1
+            probe.bias.copy_(torch.randn(d, generator=gen))
+        x = _probe_input(d, gen)
         try:
-            y = probe.eval()(x)
+            y = probe(x)
         except Exception as exc:
             return f"behaviour check failed to run ({type(exc).__name__}: {exc})"
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
-        return "norm does not map a (N, C) tensor to the same shape"
-    kinds = [NormKind(entry["kind"])] if entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
-    params = [WeightParam(entry["param"])] if entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
+        return "does not map a (..., C) tensor to one of the same shape"
+    pw = probe.weight.detach() if w is not None else None
+    pb = probe.bias.detach() if b is not None else None
+    kinds = [NormKind(entry["kind"])] if entry and entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
+    params = [WeightParam(entry["param"])] if entry and entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
+    if w is None:
+        params = [WeightParam.W]
     for kind in kinds:
         for param in params:
-            ref = _reference(kind, param, x, probe.weight.detach(), probe.bias.detach() if b is not None else None, eps)
-            if torch.allclose(y.double(), ref, rtol=1e-4, atol=1e-4):
-                return NormRole(kind, param, eps, (d,), b is not None)
+            scale = norm_scale(pw.double(), param) if pw is not None else None
+            z = y.double() - (pb.double() if pb is not None else 0.0)
+            z = z / scale if scale is not None else z
+            for e in dict.fromkeys(v for v in (eps, *fit_eps(kind, x, z)) if v is not None):
+                if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
+                    role = NormRole(kind, param, e, shape, b is not None, affine=w is not None)
+                    problem = _dtype_problem(module, x)
+                    return problem if problem else role
     expected = "/".join(f"{k}({p})" for k in kinds for p in params)
-    return f"behaviour does not match {expected} norm over the last dim (catalogue entry wrong or exotic norm)"
+    return f"behaviour does not match {expected} norm over the last dim"
+
+
+def _dtype_problem(module: nn.Module, x: torch.Tensor) -> str | None:
+    """A memory-sharing norm returns its input's dtype: a norm that returns another one is not replaced."""
+    with torch.no_grad():
+        try:
+            y = _probe_copy(module, torch.bfloat16)(x[:, :2].to(torch.bfloat16))
+        except Exception as exc:
+            return f"fails on bfloat16 input ({type(exc).__name__}: {exc})"
+    if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16:
+        return f"returns {getattr(y, 'dtype', type(y).__name__)} for bfloat16 input (a memory-sharing norm keeps " \
+               "the input dtype)"
+    return None
+
+
+def could_be_norm(module: nn.Module) -> bool:
+    """Cheap structural filter before the behaviour check: a leaf (no child modules) whose parameters are
+    at most a per-channel ``weight`` and ``bias``. Containers are never norms, whatever their name."""
+    if next(module.children(), None) is not None:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) - {"weight", "bias"}:
+        return False
+    return all(p.dim() == 1 for p in params.values())
 
 
 def quantized_linear(module: nn.Module) -> str | None:
@@ -155,11 +267,9 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     if act is not None:
         return Role(RoleKind.ACTIVATION, act=act)
     entry = cat.norm_entry(mod)
-    if entry is not None:
-        found = identify_norm(mod, entry, cat.eps_of(mod))
-        if isinstance(found, NormRole):
-            return Role(RoleKind.NORM, norm=found)
-        return Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
+    leaf = next(mod.children(), None) is None  # containers are never norms, whatever their name
+    if entry is not None and entry.get("kind") and leaf:  # listed: kind and param are known
+        return _norm_role(mod, entry, cat)
     layout = cat.linear_layout(mod)
     if layout is not None:
         return Role(RoleKind.LINEAR, layout=layout)
@@ -178,7 +288,18 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
         return Role(RoleKind.DROPOUT, p=p)
     if cat.is_identity(mod):
         return Role(RoleKind.IDENTITY)
+    if could_be_norm(mod) or (entry is not None and leaf):  # by behaviour: whatever acts as a norm is one
+        role = _norm_role(mod, entry, cat)
+        if role.kind is RoleKind.NORM or entry is not None:  # named like a norm: say why it is not one
+            return role
     return Role(RoleKind.OTHER)
+
+
+def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue) -> Role:
+    found = identify_norm(mod, entry, cat.eps_of(mod))
+    if isinstance(found, NormRole):
+        return Role(RoleKind.NORM, norm=found)
+    return Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
 
 
 def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):

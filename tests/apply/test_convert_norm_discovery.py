@@ -1,0 +1,87 @@
+"""Real families whose norms only behaviour finds: Nemotron's LayerNorm1P (γ = 1 + w, a name no catalogue
+lists) and OLMo's affine-free LayerNorm (no weight, no bias, eps only in code). Plain convert(), verified, and
+the bytes saved for backward counted exactly (SavedTensorLedger)."""
+import copy
+
+import pytest
+import torch
+
+from lmbp_convert import SavedTensorLedger, convert
+from lmbp_convert.kinds import WeightParam
+from lmbp_convert.match.plan import NormSwap
+from lmbp_convert.trace.probe import make_probe
+from lmbp_convert.trace.tracer import call_model
+from tiny_models import hf
+
+SMALL = dict(num_key_value_heads=2)
+
+
+def _saved(model, probe, mode):
+    model.train()
+    with SavedTensorLedger(model) as led:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            call_model(model, probe)
+    return led.bytes
+
+
+def _convert_and_measure(arch, mode):
+    model = hf(arch, **SMALL)
+    if mode == "bf16":
+        model = model.to(torch.bfloat16)
+    model.eval()
+    ref = copy.deepcopy(model)
+    _, rep = convert(model, return_report=True)  # no probe: convert() builds it
+    assert rep.verification == "passed", str(rep)
+    probe, _, _ = make_probe(ref, batch=2, seq=32)
+    before, after = _saved(ref, probe, mode), _saved(model, probe, mode)
+    print(f"{arch} {mode}: {before} -> {after} bytes ({1 - after / before:.1%})")
+    return model, rep, before, after
+
+
+# measured exactly (fp32 is exact; bf16/autocast depend on the CPU kernels, so they get a floor)
+OLMO = {"fp32": (795648, 450304)}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+def test_olmo_affine_free_norms_become_memory_sharing(mode):
+    model, rep, before, after = _convert_and_measure("olmo", mode)
+    swaps = rep.plan.of(NormSwap)
+    assert len(swaps) == 5 and not rep.plan.skips, str(rep)  # 2 layers × 2 + final; none "nothing to fold"
+    assert all(s.eps == pytest.approx(1e-5) for s in swaps)  # fitted: OlmoLayerNorm has no eps attribute
+    assert not list(model.model.norm.parameters()) and not list(model.model.norm.buffers())  # same state dict
+    assert 1 - after / before >= 0.35, (before, after)
+    if mode == "fp32":
+        assert (before, after) == OLMO["fp32"]
+
+
+NEMOTRON = {"fp32": (565504, 481024)}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
+def test_nemotron_layernorm1p_folds_as_one_plus_w(mode):
+    model, rep, before, after = _convert_and_measure("nemotron", mode)
+    folds = rep.plan.norm_folds
+    assert len(folds) == 5 and not rep.plan.skips, str(rep)  # was NothingToConvertError
+    assert all(f.param is WeightParam.ONE_PLUS_W and f.has_bias for f in folds)
+    assert after < before
+    # Below 20 %: Nemotron's MLP activation is squared ReLU (relu2), not a GELU/SiLU-family activation with an
+    # approximate backward, so its full intermediate stays saved; every norm there is converted (no skips).
+    act = type(model.model.layers[0].mlp.act_fn).__name__
+    assert act == "ReLUSquaredActivation" and not rep.plan.act_swaps and not rep.plan.gated_mlps
+    if mode == "fp32":
+        assert (before, after) == NEMOTRON["fp32"]
+
+
+def test_olmo_norm_swaps_save_exactly_each_norms_input_and_mean(monkeypatch):
+    """The swaps alone, against the same conversion without them: each affine-free norm stops keeping its input
+    (rows × d fp32) and LayerNorm's per-row mean; its output is the Linears' saved input already."""
+    from lmbp_convert.match import planner
+    from lmbp_convert.match.norm_free import match_affine_free_norms
+
+    _, _, _, with_swaps = _convert_and_measure("olmo", "fp32")
+    monkeypatch.setattr(planner, "MATCHERS", [m for m in planner.MATCHERS if m is not match_affine_free_norms])
+    _, rep, before, without = _convert_and_measure("olmo", "fp32")
+    assert not rep.plan.of(NormSwap)
+    rows, d = 2 * 32, 64
+    assert without - with_swaps == 5 * (rows * d * 4 + rows * 4) == 83200
+    print(f"olmo fp32 without swaps: {1 - without / before:.1%}, with: {1 - with_swaps / before:.1%}")
