@@ -57,15 +57,36 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
         nodes = inside.get(sc.idx, [])
         mods = [n for n in nodes if n.kind is NodeKind.MODULE]
         acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.ACTIVATION]
-        if len(acts) != 1 or not sc.module:
+        if not sc.module or not ctx.opt.selected(sc.module):
             continue
-        if not ctx.opt.selected(sc.module):
+        if not acts:
+            reason = _unknown_gate(ctx, sc, nodes, mods, children.get(sc.idx, []))
+            if reason:
+                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), reason)
+            continue
+        if len(acts) != 1:
             continue
         swap_or_reason = _match(ctx, sc, nodes, acts[0], children.get(sc.idx, []))
         if isinstance(swap_or_reason, GatedMLPSwap):
             yield swap_or_reason, None
         elif swap_or_reason:
             yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
+
+
+def _unknown_gate(ctx, sc, nodes, mods, child_scopes) -> str | None:
+    """Why a module gated by something that is no catalogued activation (GLU's sigmoid) is not fused, or None
+    when no submodule's output is multiplied into what reaches a Linear."""
+    calls = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.OTHER]
+    for child in ctx.g.scopes:  # submodules without a role are walked into by the tracer: their calls
+        if child.parent == sc.idx and child.module in child_scopes and child.module in ctx.modules:
+            calls.append(Node(-1, NodeKind.MODULE, child.module, list(child.args), list(child.outputs), ()))
+    for node in calls:
+        if len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue
+        if isinstance(_tail(ctx, sc, nodes, node), (_Tail, str)):
+            return (f"gated MLP with {type(ctx.modules[node.target]).__name__} ({node.target}) as its activation "
+                    f"has no fused op (fused: {', '.join(FUSED_ACTS)})")
+    return None
 
 
 class _Tail(NamedTuple):
@@ -141,7 +162,7 @@ def _tail(ctx, sc, nodes, act) -> _Tail | str | None:
         node = _only_consumer(ctx, sc, t)
         if isinstance(node, str):  # a submodule the tracer walked into: look past it for the down projection
             child = next((c for c in ctx.g.scopes if c.module == node and c.parent == sc.idx and t in c.args), None)
-            if child is None or len(child.outputs) != 1:
+            if child is None or len(child.outputs) != 1 or len(child.args) != 1:
                 return None
             blocker = blocker or node
             t = child.outputs[0]
@@ -152,8 +173,10 @@ def _tail(ctx, sc, nodes, act) -> _Tail | str | None:
         if role is not None and role.kind is RoleKind.LINEAR:
             down = node
             break
-        if blocker is None and not _walkable_pre(ctx, node, pre):
-            blocker = node
+        if not _walkable_pre(ctx, node, pre):
+            if len(node.inputs) != 1:  # not a unary step on the product: no longer the MLP's hidden path
+                return None
+            blocker = blocker or node
         pre.append(node)
         t = node.outputs[0]
     else:
@@ -209,8 +232,10 @@ def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _
     other = next(t for t in mul.inputs if t != act.outputs[0])
     found = _projections(ctx.g, producers, linears, producers.get(act.inputs[0]), producers.get(other), act)
     if found is None:
+        src = [producers.get(t) for t in (act.inputs[0], other)]
+        gate, up = (_describe(n) if n is not None else "an input" for n in src)
         return ("gated MLP whose gate and up are not two Linear projections (or one split in two halves) of the "
-                "module's input")
+                f"module's input: the gate comes from {gate}, the up side from {up}")
     projections, gate_first, extra_op = found
     if child_scopes:
         return (f"gated MLP whose forward runs submodules the fused op would not run "

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmbp_convert import SavedTensorLedger, convert
+from lmbp_convert import SavedTensorLedger, convert, plan_conversion
 from lmbp_convert.nn.gated_mlp import MSGatedMLP
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
@@ -184,7 +184,7 @@ def test_t5_fp32_wo_in_a_bf16_model_keeps_the_cast():
     assert a.wo.weight.grad.dtype == torch.float32
 
     def rel(p, q):  # the fused GELU-tanh rounds once in bf16 where NewGELU's chain of bf16 ops rounds at each
-        return float((p.float() - q.float()).norm() / q.float().norm())
+        return float((p.detach().float() - q.detach().float()).norm() / q.detach().float().norm())
     assert rel(oa, ob) < 1e-2 and rel(xa.grad, xb.grad) < 2e-2 and rel(a.wo.weight.grad, b.wo.weight.grad) < 2e-2
 
 
@@ -262,3 +262,40 @@ def test_mambaout_gated_conv_mlp_is_reported_with_its_reason():
     blocks = [n for n, m in model.named_modules() if type(m).__name__ == "GatedConvBlock"]
     reasons = {s.name: s.reason for s in rep.plan.skips}
     assert blocks and all("gated MLP whose gate and up" in reasons.get(b, "") for b in blocks), str(rep)
+
+
+class _TimmMlp(nn.Module):
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("gate_last", [True, False])
+def test_timm_glumlp_gated_half_follows_gate_last(gate_last):
+    """GluMlp chunks fc1's output: ``gate_last`` (its default) gates the second half."""
+    from timm.layers.mlp import GluMlp
+
+    torch.manual_seed(0)
+    model = _TimmMlp(GluMlp(D, 2 * FF, act_layer=nn.GELU, gate_last=gate_last))
+    ref = copy.deepcopy(model)
+    x = torch.randn(2, 4, D)
+    _, rep = convert(model, probe=x, norms=False, activations=False, return_report=True)
+    assert [(s.gate_up, s.gate_first) for s in rep.plan.gated_mlps] == [("fc1", not gate_last)], str(rep)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    oa, ob = model.train()(xa), ref.train()(xb)
+    torch.testing.assert_close(oa, ob, rtol=1e-5, atol=1e-6)
+    oa.pow(2).sum().backward(), ob.pow(2).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.mlp.fc1.weight.grad, ref.mlp.fc1.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_timm_glumlp_with_its_default_sigmoid_is_reported():
+    from timm.layers.mlp import GluMlp
+
+    plan = plan_conversion(_TimmMlp(GluMlp(D, 2 * FF)), probe=torch.randn(2, 4, D))
+    assert not plan.gated_mlps
+    assert any(s.name == "mlp" and "Sigmoid (mlp.act) as its activation has no fused op" in s.reason
+               for s in plan.skips), plan.skips
