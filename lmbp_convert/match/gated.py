@@ -19,7 +19,7 @@ import torch
 
 from ..catalogue import class_key
 from ..kinds import Layout
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, NodeKind, ScopeCall
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
@@ -49,10 +49,10 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
     for node in g.nodes:
         if node.scopes and not is_metadata(node):
             inside.setdefault(node.scopes[-1], []).append(node)
-    children: dict[int, list[str]] = {}
+    children: dict[int, list[ScopeCall]] = {}
     for sc in g.scopes:
         if sc.parent is not None:
-            children.setdefault(sc.parent, []).append(sc.module)
+            children.setdefault(sc.parent, []).append(sc)
     for sc in g.scopes:
         nodes = inside.get(sc.idx, [])
         mods = [n for n in nodes if n.kind is NodeKind.MODULE]
@@ -73,17 +73,17 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
             yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
 
 
-def _unknown_gate(ctx, sc, nodes, mods, child_scopes) -> str | None:
+def _unknown_gate(ctx, sc, nodes, mods, kids: list[ScopeCall]) -> str | None:
     """Why a module gated by something that is no catalogued activation (GLU's sigmoid) is not fused, or None
     when no submodule's output is multiplied into what reaches a Linear."""
     calls = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.OTHER]
-    for child in ctx.g.scopes:  # submodules without a role are walked into by the tracer: their calls
-        if child.parent == sc.idx and child.module in child_scopes and child.module in ctx.modules:
+    for child in kids:  # submodules without a role are walked into by the tracer: their calls
+        if child.module in ctx.modules:
             calls.append(Node(-1, NodeKind.MODULE, child.module, list(child.args), list(child.outputs), ()))
     for node in calls:
         if len(node.inputs) != 1 or len(node.outputs) != 1:
             continue
-        if isinstance(_tail(ctx, sc, nodes, node), (_Tail, str)):
+        if isinstance(_tail(ctx, sc, nodes, node, kids), (_Tail, str)):
             return (f"gated MLP with {type(ctx.modules[node.target]).__name__} ({node.target}) as its activation "
                     f"has no fused op (fused: {', '.join(FUSED_ACTS)})")
     return None
@@ -107,12 +107,12 @@ class _Shape(NamedTuple):
     gate_first: bool
 
 
-def _match(ctx, sc, nodes, act, child_scopes) -> GatedMLPSwap | str | None:
+def _match(ctx, sc, nodes, act, kids: list[ScopeCall]) -> GatedMLPSwap | str | None:
     """The swap, a reason it cannot be converted, or None when the scope is not a gated MLP at all."""
-    tail = _tail(ctx, sc, nodes, act)
+    tail = _tail(ctx, sc, nodes, act, kids)
     if not isinstance(tail, _Tail):
         return tail
-    shape = _gated_shape(ctx, sc, nodes, act, tail, child_scopes)
+    shape = _gated_shape(ctx, sc, nodes, act, tail, sorted({k.module for k in kids}))
     if isinstance(shape, str):
         return shape
     attrs = _attributes(ctx, sc, act, shape)
@@ -151,7 +151,7 @@ def _describe(node: Node) -> str:
     return node.target if node.kind is NodeKind.MODULE else f"op {op_short(node)}"
 
 
-def _tail(ctx, sc, nodes, act) -> _Tail | str | None:
+def _tail(ctx, sc, nodes, act, kids: list[ScopeCall]) -> _Tail | str | None:
     """The product's way to the module output, a reason when it looks gated but is not fusible, or None when
     the activation's output is not multiplied into something that reaches a Linear (not a gated MLP)."""
     mul = _only_consumer(ctx, sc, act.outputs[0])
@@ -161,7 +161,7 @@ def _tail(ctx, sc, nodes, act) -> _Tail | str | None:
     for _ in range(len(nodes) + len(ctx.g.scopes)):
         node = _only_consumer(ctx, sc, t)
         if isinstance(node, str):  # a submodule the tracer walked into: look past it for the down projection
-            child = next((c for c in ctx.g.scopes if c.module == node and c.parent == sc.idx and t in c.args), None)
+            child = next((c for c in kids if c.module == node and t in c.args), None)
             if child is None or len(child.outputs) != 1 or len(child.args) != 1:
                 return None
             blocker = blocker or node
@@ -191,7 +191,7 @@ def _tail(ctx, sc, nodes, act) -> _Tail | str | None:
         node = _only_consumer(ctx, sc, t)
         role = _role(ctx, node) if isinstance(node, Node) else None
         if role is None or role.kind not in POST_DOWN_ROLES:
-            what = ("is used twice" if node is None else f"feeds {node}" if isinstance(node, str)
+            what = ("is used more than once, or outside the module," if node is None else f"feeds {node}" if isinstance(node, str)
                     else f"feeds {_describe(node)}")
             return _Tail(mul, pre, down, post, f"gated MLP whose down projection's output ({down.target}) {what}, "
                                                "not the module's output")
@@ -238,8 +238,7 @@ def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _
                 f"module's input: the gate comes from {gate}, the up side from {up}")
     projections, gate_first, extra_op = found
     if child_scopes:
-        return (f"gated MLP whose forward runs submodules the fused op would not run "
-                f"({', '.join(sorted(set(child_scopes)))})")
+        return f"gated MLP whose forward runs submodules the fused op would not run ({', '.join(child_scopes)})"
     known = {id(n) for n in (act, mul, tail.down, *tail.pre, *tail.post, *projections.values())}
     known |= {id(extra_op)} if extra_op is not None else set()
     stray = [n for n in mods + ops if id(n) not in known]
