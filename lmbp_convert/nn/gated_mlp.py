@@ -15,10 +15,13 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
 Between the product and the down projection, ``pre_down`` children (Dropout, Identity, a norm) run in order,
 then an optional cast to the down projection's weight dtype (``cast_to_down``); ``post_down`` children
 (Dropout, Identity) run on the output. While the pre-down chain is an identity (nn.Identity, Dropout with p = 0
-or in eval, no cast needed) it is skipped and the down projection runs as above; otherwise (Dropout with p > 0
-in training, a norm, a cast) the chain and the down projection are called unchanged as one consumer through
-`gated_act_recomputed`: what the chain saves of h itself (a norm's input, a cast of h) is recomputed, while a new
-tensor it makes (dropout's mask and output, a norm's output) is kept as eager autograd keeps it.
+or in eval, no cast needed) it is skipped and the down projection runs as above. A leading nn.Dropout with p > 0
+in training is applied to u instead (dropout(act(g)·u) = act(g)·dropout(u), the same mask from the same draw;
+equal up to rounding of the order of the two products), so the down projection still reads the product and only
+dropout's mask is kept, not the dropped product. Otherwise (a norm, a cast) the rest of the chain and the down
+projection are called unchanged as one consumer through `gated_act_recomputed`: what the chain saves of h
+itself (a norm's input, a cast of h) is recomputed, while a new tensor it makes (a norm's output) is kept as
+eager autograd keeps it.
 
 ``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the
 fused path it keeps the rank-r A(h) of a LoRA adapter (the fused op recomputes it) and computes act(g) once
@@ -29,6 +32,7 @@ from __future__ import annotations
 from typing import Literal, Mapping, Optional, Sequence, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kinds import ConvertedModule
@@ -103,6 +107,12 @@ def _is_identity(m: nn.Module) -> bool:
         return True
     return (isinstance(m, nn.Dropout) and type(m).forward is nn.Dropout.forward
             and (m.p == 0 or not m.training))
+
+
+def _is_plain_dropout(m: nn.Module) -> bool:
+    """nn.Dropout itself (an elementwise mask, no hook or patched forward seeing its input)."""
+    return (isinstance(m, nn.Dropout) and type(m).forward is nn.Dropout.forward and "forward" not in m.__dict__
+            and not m._forward_hooks and not m._forward_pre_hooks)
 
 
 def down_support(down: nn.Module) -> str:
@@ -189,6 +199,12 @@ class MSGatedMLP(ConvertedModule, nn.Module):
     def _down_of_product(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         down = getattr(self, self.down_name)
         pre = [getattr(self, name) for name in self.pre_down]
+        while pre and _is_plain_dropout(pre[0]):
+            # dropout(act(g)·u) = act(g)·dropout(u): the same mask (same draw) moves onto u, so the down
+            # projection's input stays the recomputable product instead of a new tensor that must be kept
+            if not _is_identity(pre[0]):
+                u = F.dropout(u, pre[0].p, training=True)  # never in place: u may be a chunk of gate_up's output
+            pre = pre[1:]
         weight = getattr(down, "weight", None)
         cast = (self.cast_to_down and isinstance(weight, torch.Tensor) and weight.dtype != g.dtype
                 and weight.dtype.is_floating_point)  # T5 leaves int8 weights alone
