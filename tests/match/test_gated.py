@@ -301,3 +301,30 @@ def test_timm_glumlp_with_its_default_sigmoid_is_reported():
     assert not plan.gated_mlps
     assert any(s.name == "mlp" and "Sigmoid (mlp.act) as its activation has no fused op" in s.reason
                for s in plan.skips), plan.skips
+
+
+def test_plan_with_identity_chains_round_trips():
+    from lmbp_convert.match.plan import Plan
+
+    plan = plan_conversion(eva02_swiglu_norm())
+    back = Plan.from_dict(plan.to_dict())
+    assert [s.to_dict() for s in back.gated_mlps] == [s.to_dict() for s in plan.gated_mlps]
+    assert back.gated_mlps[0].pre_down == ["drop1", "norm"] and back.gated_mlps[0].post_down == ["drop2"]
+
+
+def test_a_hooked_dropout_sees_the_product():
+    """A hook on the dropout must see what it saw before (the product): the dropout is then not moved onto u
+    but called on the product inside the recompute path."""
+    model = _Wrap(nn.Dropout(0.5))
+    convert(model, probe=torch.randn(2, 4, D), norms=False, activations=False)
+    seen = []
+    model.mlp.middle.register_forward_hook(lambda m, args, out: seen.append(args[0].detach()))
+    model.train()
+    x = torch.randn(2, 4, D, requires_grad=True)
+    torch.manual_seed(3)
+    out = model(x)
+    mlp = model.mlp
+    h = torch.nn.functional.silu(mlp.gate(x)) * mlp.up(x)
+    torch.testing.assert_close(seen[0], h.detach())
+    out.sum().backward()
+    assert x.grad is not None and mlp.down.weight.grad is not None
