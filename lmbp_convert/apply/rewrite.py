@@ -265,13 +265,18 @@ class UnitBuilder:
         unit = Unit(f"gated MLP {swap.name}")
         old = self.modules[swap.name]
         names = [n for n in (swap.gate, swap.up, swap.gate_up, swap.down) if n]
+        names += [*swap.pre_down, *swap.post_down]
         children = {n: getattr(old, n) for n in names}
-        kw = dict(act_kind=swap.act, down=swap.down, modules=children, gate_first=swap.gate_first)
+        kw = dict(act_kind=swap.act, down=swap.down, modules=children, gate_first=swap.gate_first,
+                  pre_down=swap.pre_down, post_down=swap.post_down, cast_to_down=swap.cast_to_down)
         if swap.gate_up:
             kw["gate_up"] = swap.gate_up
         else:
             kw["gate"], kw["up"] = swap.gate, swap.up
-        self.swap_module(unit, swap.name, MSGatedMLP(**kw))
+        new = MSGatedMLP(**kw)
+        self.swap_module(unit, swap.name, new)
+        for n, child in children.items():  # a later unit swapping a child (an inner norm) reaches both parents
+            self.aliases.setdefault(id(child), []).append((new, n))
         return unit
 
 

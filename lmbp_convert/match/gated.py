@@ -1,24 +1,39 @@
 """Gated-MLP pattern, found from data flow inside one module call:
 
     x ─┬─ gate ── act ──┐
-       └─ up ───────────┴─ mul ── down ── (module output)
+       └─ up ───────────┴─ mul ── [pre-down chain] ── down ── [post-down chain] ── (module output)
 
-or Phi-3 style ``gate_up(x).chunk(2, -1)`` feeding act and mul. The module is replaced by ``MSGatedMLP`` over
-the same projection submodules (same names, same state_dict keys), which saves only the gate and up outputs.
+or a fused ``gate_up(x).chunk(2, -1)`` (Phi-3, ModernBERT, timm GluMlp) feeding act and mul. The pre-down chain
+is what models put between the product and the down projection: Dropout (any p: the module is run inside the
+fused MLP, see `lmbp_convert.nn.gated_mlp`), nn.Identity, a norm (timm SwiGLU's inner ``norm``), and a dtype
+cast to the down projection's weight dtype (T5 / UMT5 keep ``wo`` in fp32); the post-down chain is Dropout /
+Identity (timm's ``drop2``). The module is replaced by ``MSGatedMLP`` over the same submodules (same names, same
+state_dict keys), which saves only the gate and up outputs of the product. A module that looks gated (one
+activation whose output is multiplied into what reaches a Linear) but cannot be fused is reported with why.
 """
 from __future__ import annotations
 
 from typing import Iterator, NamedTuple
 
+import torch
+
 from ..catalogue import class_key
 from ..kinds import GATED_ACT_KINDS, Layout
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, NodeKind, ScopeCall
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
 from .roles import RoleKind, user_hooks
 
 FUSED_ACTS = GATED_ACT_KINDS  # what the fused op computes (one list, shared with ops.gated_mlp)
+
+#: modules walked through between the product and the down projection (run inside the fused MLP)
+PRE_DOWN_ROLES = (RoleKind.DROPOUT, RoleKind.IDENTITY, RoleKind.NORM)
+#: modules walked through after the down projection
+POST_DOWN_ROLES = (RoleKind.DROPOUT, RoleKind.IDENTITY)
+#: tensor methods that only change the dtype
+CAST_OPS = ("to", "type", "float", "half", "bfloat16", "double")
+_MULS = ("mul", "__mul__", "__rmul__")
 
 
 def match_gated_mlps(ctx: MatchContext) -> Iterator[GatedMLPSwap | Skip]:
@@ -34,35 +49,72 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
     for node in g.nodes:
         if node.scopes and not is_metadata(node):
             inside.setdefault(node.scopes[-1], []).append(node)
-    nested = {sc.parent for sc in g.scopes if sc.parent is not None}
+    children: dict[int, list[ScopeCall]] = {}
+    for sc in g.scopes:
+        if sc.parent is not None:
+            children.setdefault(sc.parent, []).append(sc)
     for sc in g.scopes:
         nodes = inside.get(sc.idx, [])
         mods = [n for n in nodes if n.kind is NodeKind.MODULE]
         acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.ACTIVATION]
-        if len(acts) != 1 or not sc.module or sc.idx in nested:
+        if not sc.module or not ctx.opt.selected(sc.module):
             continue
-        if not ctx.opt.selected(sc.module):
+        if not acts:
+            reason = _unknown_gate(ctx, sc, nodes, mods, children.get(sc.idx, []))
+            if reason:
+                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), reason)
             continue
-        swap_or_reason = _match(ctx, sc, nodes, acts[0])
+        if len(acts) != 1:
+            continue
+        swap_or_reason = _match(ctx, sc, nodes, acts[0], children.get(sc.idx, []))
         if isinstance(swap_or_reason, GatedMLPSwap):
             yield swap_or_reason, None
         elif swap_or_reason:
             yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
 
 
+def _unknown_gate(ctx, sc, nodes, mods, kids: list[ScopeCall]) -> str | None:
+    """Why a module gated by something that is no catalogued activation (GLU's sigmoid) is not fused, or None
+    when no submodule's output is multiplied into what reaches a Linear."""
+    calls = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.OTHER]
+    for child in kids:  # submodules without a role are walked into by the tracer: their calls
+        if child.module in ctx.modules:
+            calls.append(Node(-1, NodeKind.MODULE, child.module, list(child.args), list(child.outputs), ()))
+    for node in calls:
+        if len(node.inputs) != 1 or len(node.outputs) != 1:
+            continue
+        if isinstance(_tail(ctx, sc, nodes, node, kids), (_Tail, str)):
+            return (f"gated MLP with {type(ctx.modules[node.target]).__name__} ({node.target}) as its activation "
+                    f"has no fused op (fused: {', '.join(FUSED_ACTS)})")
+    return None
+
+
+class _Tail(NamedTuple):
+    """From the product to the module output: mul → pre-down chain → down → post-down chain."""
+
+    mul: Node
+    pre: list  # Nodes: modules of PRE_DOWN_ROLES, then cast ops
+    down: Node
+    post: list  # Nodes: modules of POST_DOWN_ROLES
+    post_problem: str | None  # why down's output does not reach the module output through them
+
+
 class _Shape(NamedTuple):
     """A module call whose data flow is act(gate(x))·up(x) → down (or gate_up(x).chunk(2) for gate and up)."""
 
     projections: dict  # "gate", "up" or "gate_up" → its Linear node
-    down: Node
+    tail: _Tail
     gate_first: bool
 
 
-def _match(ctx, sc, nodes, act) -> GatedMLPSwap | str | None:
+def _match(ctx, sc, nodes, act, kids: list[ScopeCall]) -> GatedMLPSwap | str | None:
     """The swap, a reason it cannot be converted, or None when the scope is not a gated MLP at all."""
-    shape = _gated_shape(ctx, sc, nodes, act)
-    if shape is None:
-        return None
+    tail = _tail(ctx, sc, nodes, act, kids)
+    if not isinstance(tail, _Tail):
+        return tail
+    shape = _gated_shape(ctx, sc, nodes, act, tail, sorted({k.module for k in kids}))
+    if isinstance(shape, str):
+        return shape
     attrs = _attributes(ctx, sc, act, shape)
     if isinstance(attrs, str):
         return attrs
@@ -72,35 +124,138 @@ def _match(ctx, sc, nodes, act) -> GatedMLPSwap | str | None:
         name=sc.module, cls=class_key(module), act=ctx.roles[act.target].act, act_module=act.target,
         gate=attrs.get("gate"), up=attrs.get("up"), gate_up=attrs.get("gate_up"), down=attrs["down"],
         gate_first=shape.gate_first, predicted_saved_bytes=saved,
+        pre_down=[attrs[f"pre:{n.target}"] for n in tail.pre if n.kind is NodeKind.MODULE],
+        post_down=[attrs[f"post:{n.target}"] for n in tail.post],
+        cast_to_down=any(n.kind is NodeKind.OP for n in tail.pre),
     )
 
 
-def _gated_shape(ctx, sc, nodes, act) -> _Shape | None:
+def _only_consumer(ctx, sc, tid: int) -> Node | str | None:
+    """The one node consuming ``tid`` inside the call ``sc``: a node of its own, or the name of the submodule
+    call (a container the tracer walked into) that consumes it; None when there are none or several."""
+    cons = [n for n in ctx.g.consumers(tid) if not is_metadata(n) and sc.idx in n.scopes]
+    if len(cons) != 1:
+        return None
+    node = cons[0]
+    if node.scopes[-1] == sc.idx:
+        return node
+    child = ctx.g.scopes[node.scopes[node.scopes.index(sc.idx) + 1]]
+    return child.module
+
+
+def _role(ctx, node: Node):
+    return ctx.roles.get(node.target) if node.kind is NodeKind.MODULE else None
+
+
+def _describe(node: Node) -> str:
+    return node.target if node.kind is NodeKind.MODULE else f"op {op_short(node)}"
+
+
+def _tail(ctx, sc, nodes, act, kids: list[ScopeCall]) -> _Tail | str | None:
+    """The product's way to the module output, a reason when it looks gated but is not fusible, or None when
+    the activation's output is not multiplied into something that reaches a Linear (not a gated MLP)."""
+    mul = _only_consumer(ctx, sc, act.outputs[0])
+    if not isinstance(mul, Node) or mul.kind is not NodeKind.OP or op_short(mul) not in _MULS or len(mul.inputs) != 2:
+        return None
+    pre, t, blocker = [], mul.outputs[0], None
+    for _ in range(len(nodes) + len(ctx.g.scopes)):
+        node = _only_consumer(ctx, sc, t)
+        if isinstance(node, str):  # a submodule the tracer walked into: look past it for the down projection
+            child = next((c for c in kids if c.module == node and t in c.args), None)
+            if child is None or len(child.outputs) != 1 or len(child.args) != 1:
+                return None
+            blocker = blocker or node
+            t = child.outputs[0]
+            continue
+        if node is None or len(node.outputs) != 1:
+            return None
+        role = _role(ctx, node)
+        if role is not None and role.kind is RoleKind.LINEAR:
+            down = node
+            break
+        if not _walkable_pre(ctx, node, pre):
+            if len(node.inputs) != 1:  # not a unary step on the product: no longer the MLP's hidden path
+                return None
+            blocker = blocker or node
+        pre.append(node)
+        t = node.outputs[0]
+    else:
+        return None
+    if blocker is not None:
+        what = blocker if isinstance(blocker, str) else _describe(blocker)
+        return (f"gated MLP with {what} between the product and the down projection "
+                f"{down.target}: only Dropout, Identity, a norm and a cast to the down projection's dtype are "
+                f"run inside the fused op")
+    post, t = [], down.outputs[0]
+    while sc.outputs != [t]:
+        node = _only_consumer(ctx, sc, t)
+        role = _role(ctx, node) if isinstance(node, Node) else None
+        if role is None or role.kind not in POST_DOWN_ROLES:
+            what = ("is used more than once, or outside the module," if node is None else f"feeds {node}" if isinstance(node, str)
+                    else f"feeds {_describe(node)}")
+            return _Tail(mul, pre, down, post, f"gated MLP whose down projection's output ({down.target}) {what}, "
+                                               "not the module's output")
+        post.append(node)
+        t = node.outputs[0]
+    return _Tail(mul, pre, down, post, None)
+
+
+def _walkable_pre(ctx, node: Node, pre: list) -> bool:
+    """Whether ``node`` may sit between the product and the down projection: a module of PRE_DOWN_ROLES (none
+    after a cast: the cast is replayed right before the down projection) or a dtype-only cast."""
+    role = _role(ctx, node)
+    if role is not None:
+        return role.kind in PRE_DOWN_ROLES and not any(n.kind is NodeKind.OP for n in pre)
+    return node.kind is NodeKind.OP and _is_cast(node)
+
+
+def _is_cast(node: Node) -> bool:
+    if op_short(node) not in CAST_OPS:
+        return False
+    args, kwargs = node.info.get("args", ()), node.info.get("kwargs", {})
+    others = [a for a in args[1:]] + [v for k, v in kwargs.items() if k == "dtype"]
+    extra = set(kwargs) - {"dtype", "non_blocking", "copy"}
+    return not extra and all(_is_dtype(a) for a in others)
+
+
+def _is_dtype(a) -> bool:
+    return isinstance(a, torch.dtype) or (isinstance(a, str) and a.startswith("torch.") and
+                                          isinstance(getattr(torch, a[6:], None), torch.dtype))
+
+
+def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _Shape | str:
     mods = [n for n in nodes if n.kind is NodeKind.MODULE]
     ops = [n for n in nodes if n.kind is NodeKind.OP]
-    linears = [n for n in mods if ctx.roles[n.target].kind is RoleKind.LINEAR]
-    if len(linears) not in (2, 3) or len(mods) != len(linears) + 1:
-        return None
     producers = {o: n for n in nodes for o in n.outputs}
-    muls = [n for n in ops if op_short(n) in ("mul", "__mul__", "__rmul__")]
-    if len(muls) != 1 or len(muls[0].inputs) != 2 or act.outputs[0] not in muls[0].inputs:
-        return None
-    mul = muls[0]
-    downs = [n for n in linears if n.inputs and n.inputs[0] == mul.outputs[0]]
-    if len(downs) != 1 or sc.outputs != downs[0].outputs:
-        return None
+    mul = tail.mul
+    linears = [n for n in mods if ctx.roles[n.target].kind is RoleKind.LINEAR]
     other = next(t for t in mul.inputs if t != act.outputs[0])
     found = _projections(ctx.g, producers, linears, producers.get(act.inputs[0]), producers.get(other), act)
     if found is None:
-        return None
+        src = [producers.get(t) for t in (act.inputs[0], other)]
+        gate, up = (_describe(n) if n is not None else "an input" for n in src)
+        return ("gated MLP whose gate and up are not two Linear projections (or one split in two halves) of the "
+                f"module's input: the gate comes from {gate}, the up side from {up}")
     projections, gate_first, extra_op = found
-    allowed_ops = {id(mul)} | ({id(extra_op)} if extra_op is not None else set())
-    if any(id(n) not in allowed_ops for n in ops):
-        return None
+    if child_scopes:
+        return f"gated MLP whose forward runs submodules the fused op would not run ({', '.join(child_scopes)})"
+    known = {id(n) for n in (act, mul, tail.down, *tail.pre, *tail.post, *projections.values())}
+    known |= {id(extra_op)} if extra_op is not None else set()
+    stray = [n for n in mods + ops if id(n) not in known]
+    if stray:
+        return f"gated MLP whose forward also runs {_describe(stray[0])}, which the fused op would not run"
+    if tail.post_problem:
+        return tail.post_problem
     xs = {p.inputs[0] for p in projections.values()}
     if len(xs) != 1 or set(sc.args) != xs:
-        return None
-    return _Shape(projections, downs[0], gate_first)
+        return "gated MLP whose gate and up do not both read the module's only input"
+    if tail.pre and tail.pre[-1].kind is NodeKind.OP:
+        weight = getattr(ctx.modules[tail.down.target], "weight", None)
+        want = str(weight.dtype).removeprefix("torch.") if isinstance(weight, torch.Tensor) else None
+        got = str(ctx.g.tensors[tail.pre[-1].outputs[0]].dtype).removeprefix("torch.")
+        if got != want:
+            return f"gated MLP casting the product to {got}, not to the down projection's weight dtype {want}"
+    return _Shape(projections, tail, gate_first)
 
 
 def _projections(g, producers, linears, gate_node, up_node, act):
@@ -130,21 +285,28 @@ def _attributes(ctx, sc, act, shape: _Shape) -> dict[str, str] | str:
     act_kind = ctx.roles[act.target].act
     if act_kind not in FUSED_ACTS:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
-    if ctx.roles[shape.down.target].layout is not Layout.OUT_IN:
-        return f"down projection {shape.down.target} is not an nn.Linear"
+    tail = shape.tail
+    if ctx.roles[tail.down.target].layout is not Layout.OUT_IN:
+        return f"down projection {tail.down.target} is not an nn.Linear"
     prefix = sc.module + "."
     attrs = {}
-    for role, node in [*shape.projections.items(), ("down", shape.down), ("act", act)]:
+    chain = [(f"pre:{n.target}", n) for n in tail.pre if n.kind is NodeKind.MODULE]
+    chain += [(f"post:{n.target}", n) for n in tail.post]
+    for role, node in [*shape.projections.items(), ("down", tail.down), ("act", act), *chain]:
         if not node.target.startswith(prefix) or "." in node.target[len(prefix):]:
-            return f"{role} projection {node.target} is not a direct child of {sc.module}"
+            what = role.split(":")[0] if ":" in role else f"{role} projection"
+            return f"{what} {node.target} is not a direct child of {sc.module}"
         attrs[role] = node.target[len(prefix):]
+    names = [v for k, v in attrs.items() if k != "act"]
+    if len(set(names)) != len(names):
+        return f"gated MLP that calls one of its submodules twice ({', '.join(names)})"
     return _extra_state(ctx, sc, attrs) or attrs
 
 
 def _extra_state(ctx, sc, attrs: dict[str, str]) -> str | None:
     """Parameters or buffers of the MLP that the fused op (which keeps only the projections) would drop."""
     module = ctx.modules[sc.module]
-    kept = {attrs[k] for k in ("gate", "up", "gate_up", "down") if k in attrs}
+    kept = {v for k, v in attrs.items() if k != "act"}
     for cname, child in module.named_children():
         if cname not in kept and cname != attrs["act"] and any(True for _ in child.parameters()):
             return f"{sc.module}.{cname} holds parameters the fused op would drop"

@@ -226,13 +226,17 @@ class GatedMLPSwap(PlanItem):
     down: str
     gate_first: bool = True
     predicted_saved_bytes: int = 0
+    pre_down: list[str] = field(default_factory=list)  # children run between the product and down (dropout, norm)
+    post_down: list[str] = field(default_factory=list)  # children run on down's output (dropout, identity)
+    cast_to_down: bool = False  # the product is cast to the down projection's weight dtype (T5's fp32 ``wo``)
 
     def claims(self) -> set[str]:
         return {self.name, self.act_module}  # its activation is computed inside the fused op
 
     def describe(self) -> list[str]:
         lay = self.gate_up if self.gate_up else f"{self.gate}, {self.up}"
-        return [f"  {self.name} ({self.act}; {lay} → {self.down})"]
+        chain = [*self.pre_down, *(["cast"] if self.cast_to_down else []), self.down, *self.post_down]
+        return [f"  {self.name} ({self.act}; {lay} → {' → '.join(chain)})"]
 
 
 @dataclass

@@ -12,15 +12,27 @@ tail ``down(act(g)·u)`` to `lmbp_convert.ops.gated_mlp`. How the down projectio
   of h (h, a view or a cast of it) into a recipe recomputed from g and u in backward. Exact; it saves g, u and
   whatever the module saves besides h.
 
+Between the product and the down projection, ``pre_down`` children (Dropout, Identity, a norm) run in order,
+then an optional cast to the down projection's weight dtype (``cast_to_down``); ``post_down`` children
+(Dropout, Identity) run on the output. While the pre-down chain is an identity (nn.Identity, Dropout with p = 0
+or in eval, no cast needed) it is skipped and the down projection runs as above. A leading nn.Dropout with p > 0
+in training is applied to u instead (dropout(act(g)·u) = act(g)·dropout(u), the same mask from the same draw;
+equal up to rounding of the order of the two products), so the down projection still reads the product and only
+dropout's mask is kept, not the dropped product. Otherwise (a norm, a cast) the rest of the chain and the down
+projection are called unchanged as one consumer through `gated_act_recomputed`: what the chain saves of h
+itself (a norm's input, a cast of h) is recomputed, while a new tensor it makes (a norm's output) is kept as
+eager autograd keeps it.
+
 ``down_mode="recompute"`` runs every down projection that way, with no knowledge of the module. Against the
 fused path it keeps the rank-r A(h) of a LoRA adapter (the fused op recomputes it) and computes act(g) once
 more in backward; docs/gated_recompute.md has the measurements.
 """
 from __future__ import annotations
 
-from typing import Literal, Mapping, Optional, get_args
+from typing import Literal, Mapping, Optional, Sequence, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kinds import ConvertedModule
@@ -86,6 +98,23 @@ def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
     return adapters
 
 
+def _is_identity(m: nn.Module) -> bool:
+    """A module that returns its input unchanged in its current mode, with no hook or patched forward observing
+    the call: nn.Identity, nn.Dropout with p = 0 or in eval."""
+    if m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+        return False
+    if type(m).forward is nn.Identity.forward:
+        return True
+    return (isinstance(m, nn.Dropout) and type(m).forward is nn.Dropout.forward
+            and (m.p == 0 or not m.training))
+
+
+def _is_plain_dropout(m: nn.Module) -> bool:
+    """nn.Dropout itself (an elementwise mask, no hook or patched forward seeing its input)."""
+    return (isinstance(m, nn.Dropout) and type(m).forward is nn.Dropout.forward and "forward" not in m.__dict__
+            and not m._forward_hooks and not m._forward_pre_hooks)
+
+
 def down_support(down: nn.Module) -> str:
     """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"`` (called
     unchanged, h recomputed for its backward), the latter also for the PEFT LoRA features the fused op does not
@@ -115,7 +144,10 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         gate, up: attribute names of separate gate / up projections, or
         gate_up: attribute name of a fused projection whose output is chunked in two along the last dim;
         gate_first: with ``gate_up``, whether the first half is the gate (Phi-3: True).
-        modules: the projection modules by attribute name; exactly the names above.
+        pre_down: attribute names of modules run in order between the product and ``down`` (Dropout, a norm);
+        post_down: attribute names of modules run in order on ``down``'s output (Dropout, Identity);
+        cast_to_down: cast the product to ``down.weight``'s dtype before ``down`` when they differ (T5);
+        modules: the modules by attribute name; exactly the names above.
         down_mode: ``"fused"`` (default) or ``"recompute"`` (see the module docstring).
 
     The modules are registered under those names, so the state_dict keys equal the replaced MLP's (as long
@@ -125,7 +157,8 @@ class MSGatedMLP(ConvertedModule, nn.Module):
 
     def __init__(self, act_kind: str, down: str, gate: Optional[str] = None, up: Optional[str] = None,
                  gate_up: Optional[str] = None, gate_first: bool = True, *,
-                 modules: Mapping[str, nn.Module], down_mode: DownMode = "fused") -> None:
+                 modules: Mapping[str, nn.Module], down_mode: DownMode = "fused", pre_down: Sequence[str] = (),
+                 post_down: Sequence[str] = (), cast_to_down: bool = False) -> None:
         super().__init__()
         if down_mode not in DOWN_MODES:
             raise ValueError(f"MSGatedMLP: unknown down_mode {down_mode!r}; expected one of {DOWN_MODES}")
@@ -134,7 +167,7 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         fused = gate_up is not None
         if fused == (gate is not None or up is not None) or (not fused and (gate is None or up is None)):
             raise ValueError("MSGatedMLP: give either gate and up, or gate_up")
-        names = [gate_up, down] if fused else [gate, up, down]
+        names = ([gate_up, down] if fused else [gate, up, down]) + list(pre_down) + list(post_down)
         if len(set(names)) != len(names):
             raise ValueError(f"MSGatedMLP: projection names must be distinct, got {names}")
         if set(modules) != set(names):
@@ -148,6 +181,8 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         self.down_name = down
         self.gate_name, self.up_name, self.gate_up_name = gate, up, gate_up
         self.gate_first = bool(gate_first)
+        self.pre_down, self.post_down = tuple(pre_down), tuple(post_down)
+        self.cast_to_down = bool(cast_to_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_name is not None:
@@ -156,7 +191,29 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         else:
             g = getattr(self, self.gate_name)(x)
             u = getattr(self, self.up_name)(x)
+        out = self._down_of_product(g, u)
+        for name in self.post_down:
+            out = getattr(self, name)(out)
+        return out
+
+    def _down_of_product(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         down = getattr(self, self.down_name)
+        pre = [getattr(self, name) for name in self.pre_down]
+        while pre and _is_plain_dropout(pre[0]):
+            # dropout(act(g)·u) = act(g)·dropout(u): the same mask (same draw) moves onto u, so the down
+            # projection's input stays the recomputable product instead of a new tensor that must be kept
+            if not _is_identity(pre[0]):
+                u = F.dropout(u, pre[0].p, training=True)  # never in place: u may be a chunk of gate_up's output
+            pre = pre[1:]
+        weight = getattr(down, "weight", None)
+        cast = (self.cast_to_down and isinstance(weight, torch.Tensor) and weight.dtype != g.dtype
+                and weight.dtype.is_floating_point)  # T5 leaves int8 weights alone
+        if cast or not all(_is_identity(m) for m in pre):
+            def consumer(h: torch.Tensor) -> torch.Tensor:
+                for m in pre:
+                    h = m(h)
+                return down(h.to(weight.dtype) if cast else h)
+            return gated_act_recomputed(g, u, self.act_kind, consumer)
         if self.down_mode == "recompute":
             return gated_act_recomputed(g, u, self.act_kind, down)
         kind = down_support(down)
@@ -176,4 +233,6 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         else:
             layout = f"{self.gate_name}, {self.up_name}"
         mode = "" if self.down_mode == "fused" else f", down_mode={self.down_mode}"
-        return f"act={self.act_kind}, layout={layout}, down={self.down_name}{mode}"
+        chain = "".join(f"{n} → " for n in self.pre_down) + ("cast → " if self.cast_to_down else "")
+        post = "".join(f" → {n}" for n in self.post_down)
+        return f"act={self.act_kind}, layout={layout}, down={chain}{self.down_name}{post}{mode}"
