@@ -10,6 +10,7 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     qlora       the QLoRA flow: fold on disk, 4-bit load, convert(), LoRA, steps; vs plain QLoRA (CUDA)
     checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
     gated_recompute  the gated MLP's down projection fused vs called unchanged with h recomputed: bytes, CPU time
+    gated_identity   gated MLPs behind Dropout / Identity / casts / an inner norm (T5, UMT5, ModernBERT, EVA02): bytes
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in
