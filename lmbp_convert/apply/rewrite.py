@@ -198,7 +198,14 @@ class UnitBuilder:
 
     @staticmethod
     def _ms_norm(fold: NormFold, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-        """The memory-sharing norm that replaces the folded one."""
+        """The memory-sharing norm that replaces the folded one (emitting the dtype the original emitted)."""
+        new = UnitBuilder._ms_norm_for(fold, weight, bias)
+        if fold.out_dtype is not None:
+            new.out_dtype = getattr(torch, fold.out_dtype.rsplit(".", 1)[-1])
+        return new
+
+    @staticmethod
+    def _ms_norm_for(fold: NormFold, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
         cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm

@@ -122,7 +122,15 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> Nor
     beta = _beta_mode(mod, nr, walk)
     return NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
                     list(walk.targets.values()), sites, sorted(set(walk.caveats)),
-                    predicted_norm_bytes(ctx, node, nr), beta=beta)
+                    predicted_norm_bytes(ctx, node, nr), beta=beta, out_dtype=emitted_dtype(ctx, node))
+
+
+def emitted_dtype(ctx: MatchContext, node: Node) -> str | None:
+    """The dtype the original norm cast its output to, where it differs from its input's (T5's norms cast to a
+    half-precision weight, so an fp32 residual stream meets bf16 Linears): the memory-sharing norm must emit the
+    same, or the next Linear gets another dtype. None: it kept the input's."""
+    src, out = ctx.g.tensors[node.inputs[0]].dtype, ctx.g.tensors[node.outputs[0]].dtype
+    return out if out != src else None
 
 
 def _single_call(ctx: MatchContext, name: str, mod: nn.Module) -> Node:

@@ -163,6 +163,7 @@ class NormFold(PlanItem):
     predicted_saved_bytes: int = 0
     prefolded: bool = False  # weights already folded on disk (checkpoint CLI): swap only
     beta: BetaMode = BetaMode.FOLD
+    out_dtype: str | None = None  # what the original cast its output to when unlike its input ("bfloat16")
 
     def __post_init__(self) -> None:
         self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)

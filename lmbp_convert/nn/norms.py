@@ -47,6 +47,8 @@ class _MSNorm(ConvertedModule, nn.Module):
         self.affine = AffineState.FOLDED
         #: how ``weight`` (identity buffer or kept Parameter) gives the scale
         self.param = _IDENTITY_PARAM[identity_affine] if identity_affine is not None else WeightParam.W
+        #: the dtype the replaced norm cast its output to (T5: its half-precision weight's); None: the input's
+        self.out_dtype: torch.dtype | None = None
         if identity_affine is not None:
             kw = {"dtype": dtype, "device": device}
             self.register_buffer("weight", torch.full(self.normalized_shape, self.param.identity, **kw))
@@ -74,6 +76,7 @@ class _MSNorm(ConvertedModule, nn.Module):
             self.affine = AffineState.REAPPLIED if legacy is not None else AffineState.FOLDED
             fill = self.__dict__.get("identity_affine")
             self.param = WeightParam(legacy) if legacy is not None else _IDENTITY_PARAM.get(fill, WeightParam.W)
+        self.__dict__.setdefault("out_dtype", None)
 
     @property
     def kind(self) -> str:
@@ -92,6 +95,8 @@ class _MSNorm(ConvertedModule, nn.Module):
         s = f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}"
         if self.identity_affine is not None:
             s += f", identity_affine={self.identity_affine!r}"
+        if self.out_dtype is not None:
+            s += f", out_dtype={self.out_dtype}"
         if self.affine is not AffineState.FOLDED:
             s += f", affine={self.affine}, param={self.param}"
         return s
@@ -109,7 +114,8 @@ class MSLayerNorm(_MSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_trailing(x, self.normalized_shape, "MSLayerNorm")
-        return ms_norm_unchecked(x, self._n, self.eps, False)
+        y = ms_norm_unchecked(x, self._n, self.eps, False)
+        return y if self.out_dtype is None else y.to(self.out_dtype)
 
 
 class MSRMSNorm(_MSNorm):
@@ -123,4 +129,5 @@ class MSRMSNorm(_MSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_trailing(x, self.normalized_shape, "MSRMSNorm")
-        return ms_norm_unchecked(x, self._n, self.eps, True)
+        y = ms_norm_unchecked(x, self._n, self.eps, True)
+        return y if self.out_dtype is None else y.to(self.out_dtype)
