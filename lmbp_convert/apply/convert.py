@@ -20,7 +20,7 @@ from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device
-from ..trace.probe import make_probe, make_probe_with_output
+from ..trace.probe import find_probe, make_probe_with_output
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
@@ -52,12 +52,13 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     roles = assign_roles(model, cat)
     if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
         probe = probe[0]
-    if probe is not None:
-        count, unit = 0, "sample"
-    else:
-        probe, count, unit = make_probe(model)
+    is_leaf = is_leaf_factory(model, roles)
     with eval_mode(model):
-        graph, out = trace(model, probe, is_leaf_factory(model, roles))
+        if probe is not None:
+            count, unit = 0, "sample"
+            graph, out = trace(model, probe, is_leaf)
+        else:  # the trace is the probe's acceptance check: one forward, not two
+            probe, count, unit, (graph, out) = find_probe(model, lambda p: trace(model, p, is_leaf))
     plan = make_plan(model, graph, roles, opt, prefolded_norms(model))
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit

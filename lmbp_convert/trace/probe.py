@@ -4,8 +4,8 @@ tree (timm).
 Every input the signature names and the config can size is built (text ids, pixels, raw audio, audio features,
 decoder ids), with the alternatives the config leaves open (2-D or multiple-choice 3-D ids, ids closing with
 eos, channel-first or channel-last features, a short clip or the fixed window an encoder requires, a batch of one);
-the first combination the model runs on, in eval mode and without grad (one extra forward of a tiny input), is the
-probe. When none can be built or none runs, ProbeError names the
+the first combination the model runs on, in eval mode and without grad, is the probe. `find_probe` runs the
+caller's own work (the trace) as that check, so choosing the probe costs no extra forward. When none can be built or none runs, ProbeError names the
 arguments to pass, with an example.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 from torch import nn
@@ -21,6 +21,8 @@ from torch import nn
 from ..errors import ProbeError
 from . import probe_inputs as pi
 from .tracer import call_model
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -230,19 +232,26 @@ def _missing_error(model: nn.Module, missing: list[str], built: dict[str, Any]) 
 def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0) -> tuple[Any, int, str]:
     """Return (probe, count, unit): the input, and how many tokens/images/frames it holds (for per-unit figures).
     ``seed`` draws another input of the same shapes."""
-    return _make_probe(model, batch, seq, seed, None)
+    probe, count, unit, _ = find_probe(model, None, batch, seq, seed=seed)
+    return probe, count, unit
 
 
 def make_probe_with_output(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0
                            ) -> tuple[Any, int, str, Any]:
     """`make_probe` plus the model's output on the probe (eval mode, no grad) from the forward that checked the
     model accepts it, so a caller that needs both pays one forward. On the meta device the output is None."""
-    outputs: list = []
-    probe, count, unit = _make_probe(model, batch, seq, seed, outputs)
-    return probe, count, unit, outputs[0] if outputs else None
+    return find_probe(model, None, batch, seq, seed=seed)
 
 
-def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list | None) -> tuple[Any, int, str]:
+def find_probe(model: nn.Module, accept: Callable[[Any], T] | None, batch: int = 2, seq: int = 8, *,
+               seed: int = 0) -> tuple[Any, int, str, T | Any]:
+    """Return (probe, count, unit, result): the first candidate the model takes, and ``accept(probe)``.
+
+    ``accept`` is the work the caller wants done on the probe (the trace), run as the acceptance check itself,
+    so the model runs once on the winning candidate instead of once to check it and once more to use it. When
+    it raises, a plain forward (eval mode, no grad) decides whose failure that was: the model refuses the
+    candidate, so the next one is tried; or the model takes it, so ``accept``'s own error is raised. With
+    ``accept=None`` the result is the plain forward's output (None on the meta device)."""
     device, dtype = _device_dtype(model)
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     params = _signature(base)
@@ -268,15 +277,37 @@ def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list
     tried: list[tuple[Candidate, Exception]] = []
     for cand in itertools.chain([first], more):
         cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
-        err = _refusal(model, cand.inputs, device, outputs)
-        if err is None:
-            return cand.inputs, cand.count, cand.unit
-        tried.append((cand, err))
+        result = _accepted(model, cand.inputs, device, accept)
+        if not isinstance(result, _Refused):
+            return cand.inputs, cand.count, cand.unit, result
+        tried.append((cand, result.error))
     cand, err = tried[0]
     if device.type == "meta":  # a meta forward cannot answer data-dependent checks: the trace will tell
-        return cand.inputs, cand.count, cand.unit
+        return cand.inputs, cand.count, cand.unit, accept(cand.inputs) if accept is not None else None
     shown = cand.inputs if isinstance(cand.inputs, dict) else {(required[:1] or ["input"])[0]: cand.inputs}
     raise ProbeError(
         f"{type(model).__name__} refused every probe built from its config and signature ({len(tried)} tried); "
         f"the first failed with {type(err).__name__}: {err}; pass probe=... (a tensor, a tuple of positional "
         f"args or a dict of keyword args the model accepts), e.g. {example(shown)}") from err
+
+
+@dataclass(frozen=True)
+class _Refused:
+    error: Exception
+
+
+def _accepted(model: nn.Module, inputs: Any, device: torch.device, accept: Callable[[Any], T] | None
+              ) -> T | Any | _Refused:
+    """``accept(inputs)``, or the plain forward's output without one; `_Refused` when the model refuses
+    ``inputs``. An ``accept`` failure on an input the model takes is ``accept``'s own, and is raised."""
+    if accept is None:
+        outputs: list = []
+        err = _refusal(model, inputs, device, outputs)
+        return _Refused(err) if err is not None else (outputs[0] if outputs else None)
+    try:
+        return accept(inputs)
+    except Exception as exc:
+        err = _refusal(model, inputs, device)
+        if err is None:
+            raise
+        return _Refused(err)

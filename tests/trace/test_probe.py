@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from lmbp_convert import ProbeError, convert
-from lmbp_convert.trace.probe import make_probe
+from lmbp_convert import plan_conversion
+from lmbp_convert.trace.probe import find_probe, make_probe
 from lmbp_convert.trace.tracer import call_model
 from probe_families import PROBE_FAMILIES
 
@@ -152,3 +153,45 @@ def test_config_without_sizes_names_the_main_input():
 def test_unknown_model_gets_an_example_from_its_first_layer():
     with pytest.raises(ProbeError, match=r"argument `input`.*convert\(model, probe=torch.randn\(2, 8\)\)"):
         make_probe(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)))
+
+
+def _count_forwards(model):
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    return calls
+
+
+def test_planning_with_the_automatic_probe_runs_the_model_once():
+    """The trace is the probe's acceptance check: choosing the probe costs no forward of its own."""
+    model = PROBE_FAMILIES["t5"]()
+    calls = _count_forwards(model)
+    plan_conversion(model)
+    assert len(calls) == 1
+
+
+def test_a_refused_candidate_is_skipped_before_the_trace_and_the_next_one_traced():
+    model = PROBE_FAMILIES["bert_multiple_choice"]()  # refuses the 2-D ids, takes the 3-D ones
+    calls = _count_forwards(model)
+    plan = plan_conversion(model)
+    assert plan.probe["input_ids"].dim() == 3
+    # the 2-D candidate: refused by the trace, then by a plain forward; the 3-D one: traced once
+    assert len(calls) == 3
+
+
+def test_a_failure_of_the_callers_work_on_an_input_the_model_takes_is_raised():
+    class Boom(Exception):
+        pass
+
+    def accept(inputs):
+        raise Boom("the trace's own failure")
+
+    model = PROBE_FAMILIES["t5"]()
+    with pytest.raises(Boom):
+        find_probe(model, accept)
+
+
+def test_find_probe_returns_what_accept_returned():
+    model = PROBE_FAMILIES["t5"]()
+    probe, count, unit, result = find_probe(model, lambda p: ("traced", sorted(p)))
+    assert result == ("traced", ["decoder_input_ids", "input_ids"])
+    assert (count, unit) == make_probe(model)[1:]
