@@ -306,7 +306,7 @@ def _accepted(model: nn.Module, inputs: Any, device: torch.device, accept: Calla
         return _Refused(err) if err is not None else (outputs[0] if outputs else None)
     try:
         return accept(inputs)
-    except Exception as exc:
+    except Exception:
         err = _refusal(model, inputs, device)
         if err is None:
             raise
