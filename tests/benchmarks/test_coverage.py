@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import coverage
 from benchmarks import coverage_expected as E
-from benchmarks.families import GROUPS, group_of, registry
+from benchmarks.families import GROUPS, FamilyUnavailable, group_of, registry
 
 #: (family, mode) cells run in the fast loop: each cause and each kind of model at least once (seconds each);
 #: the other cells are `slow` (the whole matrix takes minutes on 2 cores)
@@ -21,6 +21,8 @@ CELLS = [pytest.param(f, m, marks=() if (f, m) in FAST else pytest.mark.slow, id
 @pytest.mark.parametrize("family, mode", CELLS)
 def test_family_converts_verifies_and_saves_or_says_why(family, mode):
     row = coverage.measure(registry()[family], mode)
+    if (row["error"] or "").startswith(FamilyUnavailable.__name__):  # an older transformers than the matrix's
+        pytest.skip(row["error"])
     problems = E.problems(family, mode, row)
     assert not problems, "\n".join(problems)
 
