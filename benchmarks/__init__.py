@@ -11,6 +11,9 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
     gated_recompute  the gated MLP's down projection fused vs called unchanged with h recomputed: bytes, CPU time
     gated_identity   gated MLPs behind Dropout / Identity / casts / an inner norm (T5, UMT5, ModernBERT, EVA02): bytes
+    coverage    every family of the matrix, plain convert(model) in fp32 / bf16 / autocast: saved bytes, or why not
+                (docs/coverage.md; floors and causes tested from coverage_expected)
+    families    the tiny random-init model of every family (the tests build theirs here too)
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in

@@ -53,19 +53,27 @@ class SavedTensorLedger:
     _VIEW_FNS = ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
                  "UnsafeViewBackward0", "AliasBackward0")
 
+    def _through_views(self, fn):
+        """The first grad_fn below ``fn``'s chain of single-input views (``fn`` itself if it is no view); None where
+        a view has more than one input."""
+        while type(fn).__name__ in self._VIEW_FNS:
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            if len(nxt) != 1:
+                return None
+            fn = nxt[0]
+        return fn
+
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
-        """A cast copy of a parameter made by autocast (or a view of one), not an activation."""
+        """A cast copy of a parameter made by autocast, of a view of one (``x @ self.weight.T``, Falcon's Linear),
+        or a view of such a copy: not an activation."""
         fn = t.grad_fn
         if fn is not None:
-            while type(fn).__name__ in self._VIEW_FNS:
-                nxt = [f for f, _ in fn.next_functions if f is not None]
-                if len(nxt) != 1:
-                    return False
-                fn = nxt[0]
+            fn = self._through_views(fn)
             if type(fn).__name__ != "ToCopyBackward0":
                 return False
             nxt = [f for f, _ in fn.next_functions if f is not None]
-            return len(nxt) == 1 and isinstance(getattr(nxt[0], "variable", None), nn.Parameter)
+            src = self._through_views(nxt[0]) if len(nxt) == 1 else None
+            return isinstance(getattr(src, "variable", None), nn.Parameter)
         if t.requires_grad:
             return False
         for p in self._params_by_numel.get(t.numel(), ()):  # frozen weights: a plain cast copy

@@ -9,7 +9,7 @@ from lmbp_convert import convert
 from lmbp_convert.export import ExportError, plain_state_dict, save_pretrained
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf, timm_swin
+from benchmarks.families import hf, timm_swin
 
 
 def _out(model, probe):

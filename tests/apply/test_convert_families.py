@@ -8,7 +8,7 @@ import torch
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import FAMILIES, hf
+from benchmarks.families import FAMILIES, hf
 
 
 def _outputs(model, probe):

@@ -12,7 +12,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.errors import NothingToConvertError
 from lmbp_convert.trace.probe import make_probe
-from tiny_models import hf
+from benchmarks.families import hf
 
 
 def test_convert_inside_inference_mode_leaves_a_trainable_model():

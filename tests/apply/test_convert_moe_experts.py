@@ -10,7 +10,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf
+from benchmarks.families import hf
 
 MOE = dict(num_key_value_heads=2, num_experts_per_tok=2)
 CASES = {

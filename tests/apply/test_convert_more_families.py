@@ -8,7 +8,7 @@ import torch
 from lmbp_convert import convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf
+from benchmarks.families import hf
 
 SMALL_LM = dict(num_key_value_heads=2)
 CASES = {
@@ -50,7 +50,7 @@ def test_unlisted_family(arch):
 def _distilbert():
     from transformers import AutoConfig, AutoModel
 
-    from tiny_models import randomize_norms
+    from benchmarks.families import randomize_norms
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("distilbert", dim=64, hidden_dim=256, n_layers=2, n_heads=4, vocab_size=128)

@@ -11,7 +11,7 @@ from lmbp_convert.kinds import WeightParam
 from lmbp_convert.match.plan import NormSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf
+from benchmarks.families import hf
 
 SMALL = dict(num_key_value_heads=2)
 

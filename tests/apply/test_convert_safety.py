@@ -9,7 +9,7 @@ import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import ConvertOptions, NothingToConvertError, ProbeError, TraceError, convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import FAMILIES, hf
+from benchmarks.families import FAMILIES, hf
 
 
 def _state(model):

@@ -14,7 +14,7 @@ import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
 from lmbp_convert.kinds import ConvertedModule
 from model_state import assert_same, snapshot
-from tiny_models import hf
+from benchmarks.families import hf
 
 class Injector:
     """Counts whole-model forwards (and, per forward, calls of converted modules); raises at a chosen point:

@@ -11,7 +11,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.nn.activations import ApproxActivation
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import FAMILIES, hf
+from benchmarks.families import FAMILIES, hf
 
 
 def test_hooks_on_a_swapped_activation_and_gated_mlp_move_to_the_new_module():

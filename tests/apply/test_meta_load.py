@@ -16,7 +16,7 @@ import torch
 from lmbp_convert import convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import FAMILIES, hf
+from benchmarks.families import FAMILIES, hf
 
 pytestmark = pytest.mark.compat  # meta init and the state-dict load paths differ across transformers releases
 

@@ -11,7 +11,7 @@ import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
 from lmbp_convert.apply.verify import CANNOT_VERIFY, FAILED, PASSED, compare_outputs
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf
+from benchmarks.families import hf
 
 INF, NAN = math.inf, math.nan
 

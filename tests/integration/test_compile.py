@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmbp_convert import SavedTensorLedger, convert
-from tiny_models import hf
+from benchmarks.families import hf, timm_vit
 
 pytestmark = pytest.mark.slow  # torch.compile of whole models: minutes on 2 cores
 
@@ -120,7 +120,7 @@ FULLGRAPH = {
     "llama": (lambda: hf("llama", num_hidden_layers=1), _llama_batch),
     "bert": (lambda: hf("bert", head="cls", num_hidden_layers=1, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0), _bert_batch),
-    "vit": (lambda: __import__("tiny_models").timm_vit(), _vit_batch),
+    "vit": (timm_vit, _vit_batch),
 }
 
 

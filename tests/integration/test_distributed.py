@@ -49,10 +49,10 @@ WORKER_TIMEOUT_S = 240
 # ------------------------------------------------------------------------------------------ shared by all runs
 def build(name: str) -> torch.nn.Module:
     """The tiny model, converted with defaults (no dropout anywhere: LLaMA has none, timm's ViT defaults to 0)."""
-    import tiny_models
+    from benchmarks import families
     from lmbp_convert import convert
 
-    model = tiny_models.FAMILIES[name]()
+    model = families.FAMILIES[name]()
     convert(model)
     return model.train()
 
@@ -209,11 +209,11 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     """Single process, same converted model, whole global batch each step."""
-    import tiny_models
+    from benchmarks import families
 
     out = {}
     for name in MODELS:
-        saved_original = saved_bytes_local(tiny_models.FAMILIES[name](), name)
+        saved_original = saved_bytes_local(families.FAMILIES[name](), name)
         model = build(name)
         saved_converted = saved_bytes_local(model, name)
         init = {k: v.detach().clone() for k, v in model.state_dict().items()}

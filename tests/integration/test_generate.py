@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmbp_convert import convert
-from tiny_models import hf
+from benchmarks.families import hf
 
 NEW = 8
 

@@ -10,7 +10,7 @@ import torch
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf, timm_vit
+from benchmarks.families import hf, timm_vit
 
 
 def _loss(model, probe):

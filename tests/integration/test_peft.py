@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from lmbp_convert import SavedTensorLedger, convert  # noqa: E402
 from lmbp_convert.export import ExportError, plain_state_dict  # noqa: E402
 from lmbp_convert.nn.norms import MSLayerNorm, MSRMSNorm  # noqa: E402
-from tiny_models import hf  # noqa: E402
+from benchmarks.families import hf  # noqa: E402
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # exactly the norm-fed Linears
 BERT_TARGETS = ["query", "key", "value", "intermediate.dense"]

@@ -16,11 +16,12 @@ from lmbp_convert import convert
 from lmbp_convert.export import plain_state_dict, save_pretrained
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from tiny_models import hf, timm_swin, timm_vit
+from benchmarks.families import hf, timm_swin, timm_vit
 
 pytestmark = pytest.mark.slow  # trains, saves and reloads every family
 
-TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the checkout root: the loader subprocess imports the tiny-model builders (benchmarks.families) from it
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name → (builder, convert kwargs, parameters to freeze during "fine-tuning", plain loader)
 HF_CASES = {
@@ -68,7 +69,7 @@ _LOADER = textwrap.dedent(r"""
             if name == "lmbp_convert" or name.startswith("lmbp_convert."):
                 raise ImportError("lmbp_convert is blocked in this process")
     sys.meta_path.insert(0, _Block())
-    sys.path.insert(0, TESTS_DIR)
+    sys.path.insert(0, ROOT_DIR)
     import torch, transformers
     records = []
     class _H(logging.Handler):
@@ -86,8 +87,8 @@ _LOADER = textwrap.dedent(r"""
             model, info = cls.from_pretrained(job["path"], output_loading_info=True)
             info = {k: [str(x) for x in v] for k, v in info.items()}
         else:
-            import tiny_models
-            model = getattr(tiny_models, name)()
+            from benchmarks import families
+            model = getattr(families, name)()
             res = model.load_state_dict(torch.load(job["path"]), strict=True)
             info = {"missing_keys": list(res.missing_keys), "unexpected_keys": list(res.unexpected_keys)}
         model.eval()
@@ -100,7 +101,7 @@ _LOADER = textwrap.dedent(r"""
         results[name] = {"rel": rel, "info": info, "warnings": list(records),
                          "lmbp_loaded": any(m.startswith("lmbp_convert") for m in sys.modules)}
     print("RESULTS" + json.dumps(results))
-""").replace("TESTS_DIR", repr(TESTS_DIR))
+""").replace("ROOT_DIR", repr(ROOT_DIR))
 
 
 @pytest.fixture(scope="module")

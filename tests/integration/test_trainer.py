@@ -7,7 +7,7 @@ import torch
 from lmbp_convert import convert
 from lmbp_convert.export import save_pretrained
 from lmbp_convert.nn.norms import MSLayerNorm, MSRMSNorm
-from tiny_models import hf
+from benchmarks.families import hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

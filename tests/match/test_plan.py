@@ -2,7 +2,7 @@ import json
 
 from lmbp_convert import plan_conversion
 from lmbp_convert.match.plan import Plan
-from tiny_models import hf
+from benchmarks.families import hf
 
 
 def test_plan_round_trips_through_json():

@@ -9,8 +9,7 @@ from lmbp_convert.apply.convert import plan_conversion
 from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.match.roles import RoleKind, assign_roles
 
-from probe_families import _T5, PROBE_FAMILIES, _hf
-from tiny_models import FAMILIES, hf
+from benchmarks.families import FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
 
 _NORM_NAME = re.compile(r"(?i).*norm.*")
 _ACT_NAME = re.compile(r"(?i).*(gelu|silu|swish).*")
@@ -79,7 +78,7 @@ def test_umt5_final_norm_names_the_dropout_when_it_blocks():
 
 
 def _umt5_no_dropout():
-    return _hf("AutoModelForSeq2SeqLM", "umt5", **_T5, dropout_rate=0.0)
+    return hf_auto("AutoModelForSeq2SeqLM", "umt5", **T5_SMALL, dropout_rate=0.0)
 
 
 def test_post_norm_reasons_name_the_residual_add_and_the_nearest_linears():

@@ -8,7 +8,7 @@ from lmbp_convert import ProbeError, convert
 from lmbp_convert import plan_conversion
 from lmbp_convert.trace.probe import find_probe, make_probe
 from lmbp_convert.trace.tracer import call_model
-from probe_families import PROBE_FAMILIES
+from benchmarks.families import PROBE_FAMILIES
 
 
 def _shapes(probe):
@@ -17,7 +17,7 @@ def _shapes(probe):
     return {k: tuple(v.shape) for k, v in probe.items()}
 
 
-# what each family's probe must be, from the tiny configs in probe_families (batch 2, seq 8)
+# what each family's probe must be, from the tiny configs in benchmarks.families.PROBE_FAMILIES (batch 2, seq 8)
 EXPECTED = {
     # decoder ids sized like the text, opening with decoder_start_token_id where the config sets one
     "t5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
