@@ -1,9 +1,9 @@
 // Native CPU kernels for lmbp_convert's ops: one pass over memory per direction, fp32 maths in registers,
 // one rounding to the output dtype (no fp32 copies of bf16/fp16 tensors).
 //
-// Plain C++ without torch headers (so it builds in seconds). The approx-act kernels have explicit AVX-512 and
-// AVX2+FMA loops (intrinsics, picked by the macros -march=native defines; see "SIMD"); everything else, and
-// those on other CPUs (NEON, ...), are branch-free scalar loops the compiler vectorises for the host CPU. Multi-threading uses OpenMP with the
+// Plain C++ without torch headers (so it builds in seconds). The approx-act and MS-norm kernels have explicit
+// AVX-512 and AVX2+FMA loops (intrinsics, picked by the macros -march=native defines; see "SIMD"); the tails,
+// and every kernel on other CPUs (NEON, ...), are branch-free scalar loops the compiler vectorises for the host. Multi-threading uses OpenMP with the
 // same chunking as ATen's at::parallel_for; the library links the libgomp torch already loaded, so both share
 // one thread pool. Called through ctypes from cpu_native.py, which owns every check (dtypes, contiguity,
 // sizes): these functions trust their arguments.
@@ -205,6 +205,7 @@ static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }
+static inline float vhsum(VF a) { return _mm512_reduce_add_ps(a); }
 static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
 static inline VF vabs(VF a) { return _mm512_abs_ps(a); }
 static inline VF vround(VF a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -275,6 +276,12 @@ static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 static inline VF vmin(VF a, VF b) { return _mm256_min_ps(a, b); }
+static inline float vhsum(VF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 static inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
 static inline VF vabs(VF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
 static inline VF vround(VF a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -577,10 +584,47 @@ static inline float row_sum(int64_t n, const F& f) {
   return s;
 }
 
+#ifdef LMBP_SIMD
+// Sum over a row of f(v) for v the row's values in fp32: two vector accumulators, then the scalar tail.
+template <typename T, typename VFn, typename SFn>
+static inline float vrow_sum(const T* p, int64_t n, const VFn& vf, const SFn& sf) {
+  VF a0 = vset(0.0f), a1 = vset(0.0f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    a0 = vadd(a0, vf(VIO<T>::load(p + i)));
+    a1 = vadd(a1, vf(VIO<T>::load(p + i + kLanes)));
+  }
+  for (; i + kLanes <= n; i += kLanes) a0 = vadd(a0, vf(VIO<T>::load(p + i)));
+  float s = vhsum(vadd(a0, a1));
+  for (; i < n; ++i) s += sf(ld(p, i));
+  return s;
+}
+#endif
+
 template <typename TI, typename TO>
 static void norm_fwd_impl(const TI* x, TO* y, float* rstd, int64_t rows, int64_t n, float eps, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+#ifdef LMBP_SIMD
+    if constexpr (kVec<TI> && kVec<TO>) {  // straight from the row (L1/L2 after the first pass), no fp32 copy
+      for (int64_t r = r0; r < r1; ++r) {
+        const TI* xr = x + r * n;
+        float mean = 0.0f;
+        if (!rms) mean = vrow_sum(xr, n, [](VF v) { return v; }, [](float v) { return v; }) / float(n);
+        const VF vm = vset(mean);
+        float var = vrow_sum(xr, n, [&](VF v) { VF d = vsub(v, vm); return vmul(d, d); },
+                             [&](float v) { float d = v - mean; return d * d; }) / float(n);
+        float rs = 1.0f / std::sqrt(var + eps);
+        const VF vr = vset(rs);
+        TO* yr = y + r * n;
+        int64_t i = 0;
+        for (; i + kLanes <= n; i += kLanes) vstore_out(yr + i, vmul(vsub(VIO<TI>::load(xr + i), vm), vr));
+        for (; i < n; ++i) st(yr, i, (ld(xr, i) - mean) * rs);
+        rstd[r] = rs;
+      }
+      return;
+    }
+#endif
     std::vector<float> buf(n);
     float* xf = buf.data();
     for (int64_t r = r0; r < r1; ++r) {
@@ -601,6 +645,42 @@ template <typename TY, typename TD>
 static void norm_bwd_impl(const TY* g, const TY* y, const float* rstd, TD* dx, int64_t rows, int64_t n, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+#ifdef LMBP_SIMD
+    if constexpr (kVec<TY> && kVec<TD>) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const TY* gr = g + r * n;
+        const TY* yr = y + r * n;
+        VF s0 = vset(0.0f), s1 = vset(0.0f), p0 = vset(0.0f), p1 = vset(0.0f);  // sum g, sum g*y
+        int64_t i = 0;
+        for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+          VF g0 = VIO<TY>::load(gr + i), g1 = VIO<TY>::load(gr + i + kLanes);
+          s0 = vadd(s0, g0);
+          s1 = vadd(s1, g1);
+          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+          p1 = vfma(g1, VIO<TY>::load(yr + i + kLanes), p1);
+        }
+        for (; i + kLanes <= n; i += kLanes) {
+          VF g0 = VIO<TY>::load(gr + i);
+          s0 = vadd(s0, g0);
+          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+        }
+        float sg = vhsum(vadd(s0, s1)), sgy = vhsum(vadd(p0, p1));
+        for (; i < n; ++i) {
+          sg += ld(gr, i);
+          sgy += ld(gr, i) * ld(yr, i);
+        }
+        const float mg = rms ? 0.0f : sg / float(n), mgy = sgy / float(n), rs = rstd[r];
+        const VF vmg = vset(mg), vmgy = vset(mgy), vrs = vset(rs);
+        TD* dr = dx + r * n;
+        for (i = 0; i + kLanes <= n; i += kLanes) {
+          VF d = vsub(vsub(VIO<TY>::load(gr + i), vmg), vmul(VIO<TY>::load(yr + i), vmgy));
+          vstore_out(dr + i, vmul(d, vrs));
+        }
+        for (; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
+      }
+      return;
+    }
+#endif
     for (int64_t r = r0; r < r1; ++r) {
       const TY* gr = g + r * n;
       const TY* yr = y + r * n;
