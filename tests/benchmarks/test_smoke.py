@@ -99,12 +99,24 @@ def test_speed_cpu(tmp_path, monkeypatch):
     args = S.parse_args(["--tiny", "--families", "vit", "--modes", "bf16", "--repeats", "1", "--warmup", "0",
                          "--json", str(tmp_path / "speed.json")])
     monkeypatch.setattr(S, "CONVERT_SIZES_TINY", S.CONVERT_SIZES_TINY[:1])
+    threads = torch.get_num_threads()
     data = S.cpu_run(args, log=lambda *a: None)
     assert {r["variant"] for r in data["steps"]} == {S.V_ORIG, S.V_CONV, S.V_CKPT}
     assert all(r["median_s"] > 0 for r in data["steps"])
     assert data["convert"][0]["verified"] is True and data["convert"][0]["convert_s"] > 0
     assert json.loads((tmp_path / "speed.json").read_text())["steps"]
     assert "converted / original" in S.cpu_table(data)
+    assert data["threads"] == 1 and data["clock"] == "thread_time" and torch.get_num_threads() == threads
+
+
+def test_speed_cpu_modes_and_threads():
+    """Without --modes the CPU steps run each family's default modes (ViT/BERT add fp32); --threads picks torch's."""
+    a = S.parse_args([])
+    assert a.threads == 1 and a.modes is None
+    assert S.CPU_MODES["vit"] == S.CPU_MODES["bert"] == ("fp32", "bf16", "autocast")
+    assert S.parse_args(["--threads", "2", "--modes", "fp32"]).mode_list == ["fp32"]
+    with pytest.raises(SystemExit):
+        S.parse_args(["--threads", "0"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

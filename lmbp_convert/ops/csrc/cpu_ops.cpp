@@ -3,10 +3,10 @@
 //
 // Plain C++ without torch headers (so it builds in seconds). The approx-act and MS-norm kernels have explicit
 // AVX-512 and AVX2+FMA loops (intrinsics, picked by the macros -march=native defines; see "SIMD"); the tails,
-// and every kernel on other CPUs (NEON, ...), are branch-free scalar loops the compiler vectorises for the host. Multi-threading uses OpenMP with the
-// same chunking as ATen's at::parallel_for; the library links the libgomp torch already loaded, so both share
-// one thread pool. Called through ctypes from cpu_native.py, which owns every check (dtypes, contiguity,
-// sizes): these functions trust their arguments.
+// and every kernel on other CPUs (NEON, ...), are branch-free scalar loops the compiler vectorises for the host.
+// Multi-threading uses OpenMP with the same chunking as ATen's at::parallel_for; the library links the libgomp
+// torch already loaded, so both share one thread pool. Called through ctypes from cpu_native.py, which owns
+// every check (dtypes, contiguity, sizes): these functions trust their arguments.
 //
 // Semantics mirror the PyTorch path of approx_act.py / ms_norm.py (see their docstrings):
 //   approx_act forward: y = act(x) in fp32, rounded once to x's dtype; code = #thresholds x exceeds (fp32
@@ -217,7 +217,9 @@ static inline VF vpow2n(VF n) {  // 2**n for integral n in the normal range
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 // where(a > b, x, y)
-static inline VF vsel_gt(VF a, VF b, VF x, VF y) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x); }
+static inline VF vsel_gt(VF a, VF b, VF x, VF y) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
+}
 // codes: #thresholds v exceeds (fp32 compare, NaN exceeds none), as an int vector
 template <int NTHR>
 static inline VI vcodes(VF v, const VF* thr) {
@@ -260,9 +262,12 @@ template <> struct VIO<bf16> {
   }
 };
 template <> struct VIO<f16> {
-  static inline VF load(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static inline VF load(const f16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline void store(f16* p, VF v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };
 #else  // AVX2 + FMA
@@ -309,7 +314,9 @@ static inline VI vunpack(uint64_t bits) {  // 8 lanes: at most 32 bits
   return _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32((1 << S) - 1));
 }
 struct SlopeTable { VF lo, hi; };
-static inline SlopeTable vtable(const float* slopes16) { return {_mm256_loadu_ps(slopes16), _mm256_loadu_ps(slopes16 + 8)}; }
+static inline SlopeTable vtable(const float* slopes16) {
+  return {_mm256_loadu_ps(slopes16), _mm256_loadu_ps(slopes16 + 8)};
+}
 static inline VF vlookup(const SlopeTable& tab, VI code) {  // 16 entries: two 8-entry permutes, bit 3 picks
   VF a = _mm256_permutevar8x32_ps(tab.lo, code), b = _mm256_permutevar8x32_ps(tab.hi, code);
   return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
