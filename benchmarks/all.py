@@ -168,8 +168,11 @@ def ops_section(ops: dict | None) -> list[str]:
             f"median of {ops.get('runs')} interleaved runs after {ops.get('warmup')} warm-up, "
             f"{ops.get('threads')} thread, `time.{ops.get('clock')}`; `python -m benchmarks.ops --cpu-targets` "
             f"({ops.get('machine')}). CPU kernels: {ops.get('cpu_kernels')}. Both sides allocate the same outputs, "
-            "and at these sizes the first touch of that fresh memory (page faults) is a large and variable share of "
-            "every figure, most of all in fp32: ratios within a few percent of the target move between runs.",
+            "and the first touch of fresh memory (page faults) is a large share of these figures: fp32 outputs of "
+            "this size are always fresh `mmap`s, and whether a bf16 one is depends on glibc's dynamic trim "
+            "threshold, which the approx act's extra code buffer can tip (a row where one side's backward pays "
+            "faults and the other's does not). `MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 "
+            "python -m benchmarks.ops --cpu-targets` takes the allocator out and times the kernels alone.",
             "", O.cpu_targets_table(ops)]
 
 
