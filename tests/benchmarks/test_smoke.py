@@ -211,6 +211,11 @@ def test_bench_all_renders(mem_data, tmp_path):
             "vit_proxy": {"shape": "tiny ViT", "original_ms": 10.0, "converted_ms": 11.0, "ratio": 1.1,
                           "extra_ms": 1.0, "lmbp_modules": 37, "launches_per_step": 73}}
     (res / "host.json").write_text(json.dumps(host))
+    ops = {"kind": "ops", "machine": "test CPU", "threads": 1, "clock": "thread_time", "cpu_kernels": "native (test)",
+           "runs": 3, "warmup": 1,
+           "rows": [{"op": "ms_layer_norm", "ref": "F.layer_norm +affine", "dtype": "bf16", "shape": "2x8",
+                     "op_fwd": 1e-3, "op_bwd": 1e-3, "ref_fwd": 1e-3, "ref_bwd": 1.5e-3, "op_saved": 1, "ref_saved": 1}]}
+    (res / "ops.json").write_text(json.dumps(ops))
     qlora = {"kind": "qlora", "machine": "NVIDIA test GPU", "quantized": True, "batch": 4, "seq": 1024, "rank": 16,
              "steps": 8, "warmup": 2, "model": {"shape": "LLaMA 1.1 B"},
              "rows": [{"variant": "QLoRA", "tokens_s": 1000.0, "peak": 2 ** 30, "peak_over_static": 2 ** 29,
@@ -223,7 +228,8 @@ def test_bench_all_renders(mem_data, tmp_path):
     for part in ("## Activation memory per block", "## How activation memory grows", "## Step time on CPU",
                  "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]",
                  "## Host time of the CUDA path", "| MS-LayerNorm | F.layer_norm + affine |", "**1.100×**",
-                 "**QLoRA flow**", "failed: RuntimeError: x"):
+                 "**QLoRA flow**", "failed: RuntimeError: x", "## Op time on CPU",
+                 "| ms_layer_norm | F.layer_norm +affine | bf16 | 2x8 |", "**0.80×** | ≤ 1.05×: yes"):
         assert part in md, part
     for png in ("bench_memory.png", "bench_speed.png", "bench_convert_time.png", "bench_gpu.png"):
         assert (out / png).stat().st_size > 10_000, png
