@@ -5,8 +5,8 @@
     python -m benchmarks.all --gpu-json bench_gpu.json --render-only   # add a GPU run's results
     python -m benchmarks.all --tiny                   # smoke run, into build/bench-tiny/
 
-Runs benchmarks/memory.py, host.py and speed.py (each in its own process, one after the other so
-the timings do not compete), keeps their JSON in ``--results`` (default build/bench/), draws the PNG charts
+Runs benchmarks/memory.py, host.py, ops.py (``--cpu-targets``) and speed.py (each in its own process, one after
+the other so the timings do not compete), keeps their JSON in ``--results`` (default build/bench/), draws the PNG charts
 and writes ``docs/benchmarks.md``. The GPU part (``python -m benchmarks.speed --gpu``) needs a CUDA machine; its JSON is
 passed with ``--gpu-json`` and is kept, embedded in benchmarks.md, so later CPU-only regenerations keep the
 last GPU figures (with the machine they were measured on) instead of dropping them.
@@ -25,6 +25,7 @@ import time
 from benchmarks import common as C
 from benchmarks import host as H
 from benchmarks import memory as M
+from benchmarks import ops as O
 from benchmarks import speed as S
 
 GPU_MARK = "lmbp-bench-gpu"
@@ -144,8 +145,39 @@ def headline(mem: dict, speed: dict) -> list[str]:
     return lines
 
 
+def step_time_text(speed: dict) -> str:
+    """How the CPU step times were taken (threads, clock, kernels), from the speed JSON."""
+    threads, clock = speed.get("threads"), speed.get("clock")
+    how = (f"{threads} thread{'s' if threads != 1 else ''}, `time.{clock}`" if threads else "torch's default threads, "
+           "`time.perf_counter`")
+    kernels = speed.get("cpu_kernels", "")
+    where = ("the ops' native CPU kernels (`lmbp_convert/ops/csrc/cpu_ops.cpp`)" if kernels.startswith("native")
+             else "the ops' PyTorch path")
+    return (f"Forward + loss + backward (no optimizer), median of {speed.get('repeats')} runs (ViT and BERT: "
+            f"{3 * (speed.get('repeats') or 0)}) after {speed.get('warmup')} warm-up, variants interleaved (every run "
+            f"is in the results JSON), {how}. On CPU the converted model runs {where}. Load average (1, 5, 15 min) "
+            f"at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: this 2-core machine is shared "
+            "with other jobs; with one thread and its CPU-time clock the interleaved ratios are steady, the absolute "
+            "times less so, and the GPU section has the speed that matters for training.")
+
+
+def ops_section(ops: dict | None) -> list[str]:
+    if not ops:
+        return ["(not run)"]
+    return [f"Each op against the torch op it replaces, forward + backward (`torch.autograd.grad` on the output), "
+            f"median of {ops.get('runs')} interleaved runs after {ops.get('warmup')} warm-up, "
+            f"{ops.get('threads')} thread, `time.{ops.get('clock')}`; `python -m benchmarks.ops --cpu-targets` "
+            f"({ops.get('machine')}). CPU kernels: {ops.get('cpu_kernels')}. Both sides allocate the same outputs, "
+            "and the first touch of fresh memory (page faults) is a large share of these figures: fp32 outputs of "
+            "this size are always fresh `mmap`s, and whether a bf16 one is depends on glibc's dynamic trim "
+            "threshold, which the approx act's extra code buffer can tip (a row where one side's backward pays "
+            "faults and the other's does not). `MALLOC_TRIM_THRESHOLD_=4000000000 MALLOC_MMAP_THRESHOLD_=4000000000 "
+            "python -m benchmarks.ops --cpu-targets` takes the allocator out and times the kernels alone.",
+            "", O.cpu_targets_table(ops)]
+
+
 def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, seconds: float,
-                   host: dict | None = None) -> str:
+                   host: dict | None = None, ops: dict | None = None) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     fams = "; ".join(f"{f['label']}: {f['describe']}" for f in mem.get("families", []))
     md = [
@@ -203,17 +235,15 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "",
         "## Step time on CPU",
         "",
-        "Forward + loss + backward (no optimizer), median of "
-        f"{speed.get('repeats')} runs (ViT and BERT: {3 * (speed.get('repeats') or 0)}) after "
-        f"{speed.get('warmup')} warm-up, variants interleaved (every run is in the results JSON). On CPU the "
-        "converted model runs the ops' PyTorch path (the Triton kernels are for CUDA). Load average (1, 5, 15 "
-        f"min) at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: this 2-core machine is "
-        "shared with other jobs, which can slow a whole run several-fold; the interleaved ratios are steadier "
-        "than the absolute times, and the GPU section has the speed that matters for training.",
+        step_time_text(speed),
         "",
         S.cpu_table(speed) if speed.get("steps") else "(not run)",
         "",
         _img(out_dir, "bench_speed.png"),
+        "",
+        "## Op time on CPU",
+        "",
+        *ops_section(ops),
         "",
         "## Host time of the CUDA path (CPU proxy)",
         "",
@@ -299,6 +329,7 @@ def main(argv=None) -> int:
     mem_json, speed_json = os.path.join(a.results, "memory.json"), os.path.join(a.results, "speed.json")
     gpu_json = os.path.join(a.results, "gpu.json")
     host_json = os.path.join(a.results, "host.json")
+    ops_json = os.path.join(a.results, "ops.json")
     t0 = time.perf_counter()
     if not a.render_only:
         common = (["--tiny"] if a.tiny else []) + (["--families", a.families] if a.families else []) + (
@@ -307,6 +338,8 @@ def main(argv=None) -> int:
                    + (["--no-scaling"] if a.no_scaling else []), os.path.join(a.results, "memory.log"))
         run_module("host", ["--json", host_json] + (["--quick"] if a.tiny else []),
                    os.path.join(a.results, "host.log"))
+        run_module("ops", ["--cpu-targets", "--json", ops_json] + (["--quick"] if a.tiny else []),
+                   os.path.join(a.results, "ops.log"))
         run_module("speed", common + ["--json", speed_json]
                    + (["--repeats", str(a.repeats)] if a.repeats is not None else [])
                    + (["--warmup", str(a.warmup)] if a.warmup is not None else [])
@@ -329,7 +362,8 @@ def main(argv=None) -> int:
     if gpu and S.plot_gpu(gpu, gpu_png):
         paths.append(gpu_png)
     host = C.read_json(host_json) if os.path.exists(host_json) else None
-    write_markdown(a.out_dir, mem, speed, gpu, seconds, host)
+    ops = C.read_json(ops_json) if os.path.exists(ops_json) else None
+    write_markdown(a.out_dir, mem, speed, gpu, seconds, host, ops)
     paths.append(os.path.join(a.out_dir, "benchmarks.md"))
     snippet = os.path.join(a.results, "README_section.md")  # for pasting into the README
     with open(snippet, "w") as f:

@@ -42,8 +42,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 PAPER_REDUCTION = {"vit": 39.47, "llama": 29.19}
 #: Paper, ViT-B/16 LoRA r4, batch 64, one GPU: peak memory (MiB) and throughput (img/s), original → converted.
 PAPER_VIT_LORA = {"mem_mib": (3827, 2717), "img_s": (288, 290)}
-MODES = ("bf16", "autocast")
-MODE_LABEL = {"bf16": "bf16 weights", "autocast": "bf16 autocast, fp32 weights"}
+MODES = ("fp32", "bf16", "autocast")
+MODE_LABEL = {"fp32": "fp32", "bf16": "bf16 weights", "autocast": "bf16 autocast, fp32 weights"}
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ table shows the native kernels against both. Usage::
     python -m benchmarks.ops --device cuda --dtypes bf16 --out bench.md
     python -m benchmarks.ops --shapes 64x197x768,8x512x4096 --threads 1 --ops act,norm --kinds gelu,silu \
         --vs-torch-path                         # the CPU targets of issue 13 (ViT-B / LLaMA-like activations)
+    python -m benchmarks.ops --cpu-targets --json ops.json    # the same, as benchmarks.all runs it for docs/
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ from benchmarks.common import DTYPE_NAMES, DTYPES, fmt_bytes, markdown_table
 
 #: The issue's budget: each op at most this many times the torch op's forward+backward time.
 TARGET_RATIO = 1.2
+#: CPU targets (issue 13), fwd+bwd against the op replaced: approx act ≤ torch's GELU/SiLU, MS norms ≤ 1.05×
+#: torch's norm with its affine. ``--cpu-targets`` measures exactly these pairs.
+CPU_TARGETS = {"approx_act": 1.0, "ms_layer_norm": 1.05, "ms_rms_norm": 1.05}
+CPU_TARGET_ARGS = ["--shapes", "64x197x768,8x512x4096", "--threads", "1", "--ops", "act,norm", "--kinds", "gelu,silu",
+                   "--dtypes", "fp32,bf16", "--runs", "9", "--warmup", "1"]
 ACT_KINDS = ("gelu", "gelu_tanh", "silu", "quick_gelu")
 OP_GROUPS = ("act", "norm", "gated")
 
@@ -282,6 +288,24 @@ def time_rows(rows: Sequence[Row]) -> list:
     return out
 
 
+def cpu_targets_table(data: dict) -> str:
+    """The docs' op table from a ``--json`` file: each op against the torch op it replaces (for the norms, the one
+    with its affine), fwd+bwd, and whether the op meets its CPU target."""
+    out = []
+    for r in data.get("rows", []):
+        base = r["op"].split(" ")[0]
+        target = CPU_TARGETS.get(base)
+        if target is None or ("norm" in base and "+" not in r["ref"]) or "PyTorch path" in r["ref"]:
+            continue
+        op_t, ref_t = r["op_fwd"] + r["op_bwd"], r["ref_fwd"] + r["ref_bwd"]
+        ratio = op_t / ref_t if ref_t > 0 else float("inf")
+        out.append((r["op"], r["ref"], r["dtype"], r["shape"], f"{fmt_ms(r['op_fwd'])} / {fmt_ms(r['ref_fwd'])}",
+                    f"{fmt_ms(r['op_bwd'])} / {fmt_ms(r['ref_bwd'])}", f"{fmt_ms(op_t)} / {fmt_ms(ref_t)}",
+                    f"**{ratio:.2f}×**", f"≤ {target:.2f}×: {'yes' if ratio <= target else 'no'}"))
+    return markdown_table(("op", "vs torch op", "dtype", "shape", "fwd ms ours / torch", "bwd ms ours / torch",
+                           "fwd+bwd ms ours / torch", "ratio", "target"), out)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,6 +329,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--quick", action="store_true", help="tiny smoke run: 64K elements, fp32, 2 runs")
     p.add_argument("--out", default=None, help="also write the markdown report to this file")
+    p.add_argument("--json", default=None, help="also write the rows (and the run's settings) to this JSON file")
+    p.add_argument("--cpu-targets", action="store_true",
+                   help=f"the CPU targets of issue 13: {' '.join(CPU_TARGET_ARGS)} (later flags override)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cpu-targets" in argv:
+        argv = CPU_TARGET_ARGS + argv
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.dtypes, a.runs, a.warmup, a.row, a.mlp_out = "64K", "fp32", 2, 1, 1024, 64
@@ -415,6 +445,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                f"(wall {time.perf_counter() - t_start:.0f} s)."]
     text = "\n".join(report) + "\n"
     print(text)
+    if a.json:
+        kernels = None
+        if device.type == "cpu":
+            from lmbp_convert.ops import cpu_native
+
+            kernels = cpu_native.status()
+        C.write_json(a.json, {"kind": "ops", "machine": machine_line(device), "device": str(device),
+                              "threads": torch.get_num_threads(), "clock": CLOCK.__name__,
+                              "cpu_kernels": kernels,
+                              "shapes": a.shapes, "runs": a.runs, "warmup": a.warmup, "bits": a.bits,
+                              "rows": [dict(vars(r)) for r in rows],
+                              "elapsed_s": round(time.perf_counter() - t_start, 1)})
     if a.out:
         with open(a.out, "w") as fh:
             fh.write(text)

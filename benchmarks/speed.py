@@ -5,9 +5,12 @@
     python -m benchmarks.speed --gpu            # CUDA machine, one command, <= 8 min on one H200
 
 CPU step time: forward + loss + backward (no optimizer), median of ``--repeats`` runs after ``--warmup``
-discarded ones, variants interleaved so drift hits all alike: original, converted (the ops' PyTorch path, as
-on every non-CUDA device), and per-block checkpointing of the original. Two blocks of each family (shapes in
-common.py; LLaMA at seq 256 here to keep the run short), bf16 weights and bf16 autocast.
+discarded ones, variants interleaved so drift hits all alike: original, converted (the ops' native CPU kernels,
+or their PyTorch path where those cannot be built), and per-block checkpointing of the original. Two blocks of
+each family (shapes in common.py; LLaMA at seq 256 here to keep the run short); ViT and BERT in fp32, bf16
+weights and bf16 autocast, LLaMA in the last two (``--modes`` picks for all). ``--threads`` (default 1):
+torch's CPU threads; with one thread the clock is ``time.thread_time`` (this thread's CPU time: other
+processes on a shared machine do not count), with more ``time.perf_counter``.
 
 convert() scaling: LLaMA-shaped causal LMs from ~60 M to ~1.1 B parameters (fp32, random weights): trace +
 plan alone and the whole convert() (trace, plan, rewrite, verify).
@@ -52,6 +55,8 @@ V_ORIG, V_CONV, V_CKPT, V_LIGER = "original", "converted", "checkpointing", "Lig
 V_COMPILE, V_CONV_COMPILE = "torch.compile", "converted + compile"
 #: CPU step-time shapes: LLaMA at seq 256 (two 7B-shaped blocks take ~1-2 s a step on 2 cores), ViT batch 4.
 CPU_SPEED = {"llama": {"seq": 256}, "vit": {"batch": 4}, "bert": {}}
+#: Default step-time modes per family (``--modes`` overrides): a fp32 LLaMA-7B step on one thread takes ~20 s.
+CPU_MODES = {"llama": ("bf16", "autocast"), "vit": ("fp32", "bf16", "autocast"), "bert": ("fp32", "bf16", "autocast")}
 #: The ViT and BERT steps are short (~0.2 s), so one preemption by another process weighs more: time more runs.
 CPU_REPEAT_X = {"llama": 1, "vit": 3, "bert": 3}
 #: convert() scaling sizes: (hidden, intermediate, layers, vocab); the last is TinyLlama-1.1B's shape.
@@ -60,7 +65,8 @@ CONVERT_SIZES_TINY = [(64, 172, 2, 256), (128, 344, 2, 256)]
 
 
 # ============================================================================================ CPU
-def cpu_step_times(fam: C.Family, mode: str, repeats: int, warmup: int, log=print) -> list[dict]:
+def cpu_step_times(fam: C.Family, mode: str, repeats: int, warmup: int, log=print,
+                   clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     from lmbp_convert import convert
 
     dtype, ac = C.mode_dtype(mode), mode == "autocast"
@@ -71,7 +77,7 @@ def cpu_step_times(fam: C.Family, mode: str, repeats: int, warmup: int, log=prin
     x = C.make_input(fam, dtype)
     steps = {V_ORIG: C.step_fn(fam, orig, x, ac), V_CONV: C.step_fn(fam, conv, x, ac),
              V_CKPT: C.step_fn(fam, ckpt, x, ac)}
-    times = C.time_interleaved(steps, repeats, warmup)
+    times = C.time_interleaved(steps, repeats, warmup, clock=clock)
     t0, b0 = C.median(times[V_ORIG]), min(times[V_ORIG])
     rows = []
     for v, ts in times.items():
@@ -803,7 +809,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (smoke run)")
     ap.add_argument("--families", default="llama,vit,bert")
-    ap.add_argument("--modes", default="bf16,autocast")
+    ap.add_argument("--modes", default=None,
+                    help="CPU steps: ViT/BERT fp32,bf16,autocast and LLaMA bf16,autocast by default; GPU: bf16,autocast")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU steps: torch threads (1: time.thread_time, more: time.perf_counter)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs (CPU default 5, GPU default 10)")
     ap.add_argument("--warmup", type=int, default=None, help="discarded runs (CPU default 1, GPU default 3)")
     ap.add_argument("--no-convert-scaling", action="store_true")
@@ -822,7 +831,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--plot", default=None, help="write the PNG charts into this folder")
     a = ap.parse_args(argv)
     a.family_list = [s.strip() for s in a.families.split(",") if s.strip()]
-    a.mode_list = [s.strip() for s in a.modes.split(",") if s.strip()]
+    a.mode_list = [s.strip() for s in (a.modes or "bf16,autocast").split(",") if s.strip()]
     if not a.family_list or not set(a.family_list) <= set(C.FULL):
         ap.error(f"--families: choose from {list(C.FULL)}")
     if not a.mode_list or not set(a.mode_list) <= set(C.MODES):
@@ -830,6 +839,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.steps = a.repeats if a.repeats is not None else (10 if a.gpu else 5)
     a.repeats = a.steps
     a.warmup = a.warmup if a.warmup is not None else (3 if a.gpu else 1)
+    if a.threads < 1:
+        ap.error("--threads must be >= 1")
     if a.steps < 1 or a.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
     if a.gpu and a.json is None and os.environ.get("OUT"):
@@ -843,14 +854,24 @@ def cpu_run(args, log=print) -> dict:
             "repeats": args.repeats, "warmup": args.warmup, "steps": [], "convert": [],
             "loadavg_start": _loadavg()}
     if not args.no_steps:
-        log(f"# CPU step time on {data['machine']}")
-        for fam in C.families(args.tiny, args.family_list):
-            if not args.tiny:
-                fam = fam.with_(**CPU_SPEED[fam.name])
-            for mode in args.mode_list:
-                reps = args.repeats * (1 if args.tiny else CPU_REPEAT_X[fam.name])
-                data["steps"] += cpu_step_times(fam, mode, reps, args.warmup, log)
-                C.save_json(args.json, data)
+        from lmbp_convert.ops import cpu_native
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        clock = time.thread_time if args.threads == 1 else time.perf_counter
+        data.update(threads=args.threads, clock=clock.__name__, cpu_kernels=cpu_native.status())
+        log(f"# CPU step time on {data['machine']}; {args.threads} thread(s), time.{clock.__name__}; "
+            f"CPU kernels: {data['cpu_kernels']}")
+        try:
+            for fam in C.families(args.tiny, args.family_list):
+                if not args.tiny:
+                    fam = fam.with_(**CPU_SPEED[fam.name])
+                for mode in (args.mode_list if args.modes else CPU_MODES[fam.name]):
+                    reps = args.repeats * (1 if args.tiny else CPU_REPEAT_X[fam.name])
+                    data["steps"] += cpu_step_times(fam, mode, reps, args.warmup, log, clock)
+                    C.save_json(args.json, data)
+        finally:
+            torch.set_num_threads(threads)
     if not args.no_convert_scaling:
         log("# convert() time vs parameters")
         data["convert"] = convert_scaling(CONVERT_SIZES_TINY if args.tiny else CONVERT_SIZES, log)

@@ -43,6 +43,7 @@ __all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "a
 
 ENV_SWITCH = "LMBP_CPU_NATIVE"
 ENV_DIR = "LMBP_CPU_NATIVE_DIR"
+ENV_ARCH = "LMBP_CPU_NATIVE_ARCH"
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
 _ABI_VERSION = 1
 _BUILD_TIMEOUT_S = 300
@@ -106,8 +107,11 @@ def _torch_uses_libgomp() -> bool:
 
 
 def _flag_sets(cxx: str) -> list[list[str]]:
-    """Compiler flags to try, best first."""
+    """Compiler flags to try, best first. ``$LMBP_CPU_NATIVE_ARCH`` replaces the target flags (e.g. "-mavx2 -mfma"
+    to build the AVX2 kernels on an AVX-512 host, "" for the portable scalar loops)."""
     arch = ["-mcpu=native"] if platform.machine().lower() in ("arm64", "aarch64") else ["-march=native"]
+    if ENV_ARCH in os.environ:
+        arch = os.environ[ENV_ARCH].split()
     base = ["-O3", *arch, "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", "-std=c++17"]
     sets = []
     if torch._C.has_openmp and _torch_uses_libgomp():

@@ -3,6 +3,7 @@ without CUDA, and its non-CUDA logic (arguments, byte accounting, tables, the be
 interpreter on CPU tensors) is right, since CI never sees a GPU."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,28 @@ def test_bench_quick_prints_table(tmp_path):
     assert pair, text
     assert 1.9 < float(pair[0].strip("| ").split("|")[-1].strip().rstrip("×")) < 2.1, pair[0]
     assert out.read_text().strip() in text
+
+
+def test_cpu_targets_json_and_docs_table(tmp_path):
+    """--cpu-targets measures the issue's pairs (later flags override its shapes); --json keeps the rows and how they
+    were timed; the docs table keeps each op against the op it replaces (norms: with their affine) and its target."""
+    a = bench.parse_args(["--cpu-targets"])
+    assert a.shape_list == [(64, 197, 768), (8, 512, 4096)] and a.threads == 1 and a.kind_list == ["gelu", "silu"]
+    threads = torch.get_num_threads()  # main() sets torch's threads: restored after
+    path = tmp_path / "ops.json"
+    try:
+        assert bench.main(["--cpu-targets", "--shapes", "4x64", "--dtypes", "fp32", "--runs", "1", "--warmup", "0",
+                           "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(path.read_text())
+    assert data["threads"] == 1 and data["clock"] == "thread_time" and data["shapes"] == "4x64"
+    assert {r["op"] for r in data["rows"]} == {"approx_act gelu (2-bit)", "approx_act silu (2-bit)", "ms_layer_norm",
+                                               "ms_rms_norm"}
+    table = bench.cpu_targets_table(data).splitlines()[2:]
+    refs = [line.split("|")[2].strip() for line in table]
+    assert sorted(refs) == ["F.gelu", "F.layer_norm +affine", "F.rms_norm +weight", "F.silu"]
+    assert all(("≤ 1.00×" in line) == ("approx_act" in line) for line in table)
 
 
 def test_bench_args():

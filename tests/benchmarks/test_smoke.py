@@ -99,12 +99,24 @@ def test_speed_cpu(tmp_path, monkeypatch):
     args = S.parse_args(["--tiny", "--families", "vit", "--modes", "bf16", "--repeats", "1", "--warmup", "0",
                          "--json", str(tmp_path / "speed.json")])
     monkeypatch.setattr(S, "CONVERT_SIZES_TINY", S.CONVERT_SIZES_TINY[:1])
+    threads = torch.get_num_threads()
     data = S.cpu_run(args, log=lambda *a: None)
     assert {r["variant"] for r in data["steps"]} == {S.V_ORIG, S.V_CONV, S.V_CKPT}
     assert all(r["median_s"] > 0 for r in data["steps"])
     assert data["convert"][0]["verified"] is True and data["convert"][0]["convert_s"] > 0
     assert json.loads((tmp_path / "speed.json").read_text())["steps"]
     assert "converted / original" in S.cpu_table(data)
+    assert data["threads"] == 1 and data["clock"] == "thread_time" and torch.get_num_threads() == threads
+
+
+def test_speed_cpu_modes_and_threads():
+    """Without --modes the CPU steps run each family's default modes (ViT/BERT add fp32); --threads picks torch's."""
+    a = S.parse_args([])
+    assert a.threads == 1 and a.modes is None
+    assert S.CPU_MODES["vit"] == S.CPU_MODES["bert"] == ("fp32", "bf16", "autocast")
+    assert S.parse_args(["--threads", "2", "--modes", "fp32"]).mode_list == ["fp32"]
+    with pytest.raises(SystemExit):
+        S.parse_args(["--threads", "0"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
@@ -199,6 +211,11 @@ def test_bench_all_renders(mem_data, tmp_path):
             "vit_proxy": {"shape": "tiny ViT", "original_ms": 10.0, "converted_ms": 11.0, "ratio": 1.1,
                           "extra_ms": 1.0, "lmbp_modules": 37, "launches_per_step": 73}}
     (res / "host.json").write_text(json.dumps(host))
+    ops = {"kind": "ops", "machine": "test CPU", "threads": 1, "clock": "thread_time", "cpu_kernels": "native (test)",
+           "runs": 3, "warmup": 1,
+           "rows": [{"op": "ms_layer_norm", "ref": "F.layer_norm +affine", "dtype": "bf16", "shape": "2x8",
+                     "op_fwd": 1e-3, "op_bwd": 1e-3, "ref_fwd": 1e-3, "ref_bwd": 1.5e-3, "op_saved": 1, "ref_saved": 1}]}
+    (res / "ops.json").write_text(json.dumps(ops))
     qlora = {"kind": "qlora", "machine": "NVIDIA test GPU", "quantized": True, "batch": 4, "seq": 1024, "rank": 16,
              "steps": 8, "warmup": 2, "model": {"shape": "LLaMA 1.1 B"},
              "rows": [{"variant": "QLoRA", "tokens_s": 1000.0, "peak": 2 ** 30, "peak_over_static": 2 ** 29,
@@ -211,7 +228,8 @@ def test_bench_all_renders(mem_data, tmp_path):
     for part in ("## Activation memory per block", "## How activation memory grows", "## Step time on CPU",
                  "## convert() time vs model size", "## GPU", "NVIDIA test GPU", "![bench_memory.png]",
                  "## Host time of the CUDA path", "| MS-LayerNorm | F.layer_norm + affine |", "**1.100×**",
-                 "**QLoRA flow**", "failed: RuntimeError: x"):
+                 "**QLoRA flow**", "failed: RuntimeError: x", "## Op time on CPU",
+                 "| ms_layer_norm | F.layer_norm +affine | bf16 | 2x8 |", "**0.80×** | ≤ 1.05×: yes"):
         assert part in md, part
     for png in ("bench_memory.png", "bench_speed.png", "bench_convert_time.png", "bench_gpu.png"):
         assert (out / png).stat().st_size > 10_000, png

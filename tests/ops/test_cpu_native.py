@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -262,3 +263,36 @@ def test_cached_build_is_reused_across_processes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     path, built = proc.stdout.split()
     assert path == info["path"] and built == "False"
+
+
+def _host_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return {f for ln in fh if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
+    except OSError:
+        return set()
+
+
+def _arch_variants() -> list:
+    """Builds -march=native does not make on this host: the AVX2 loops on an AVX-512 host, the portable loops."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    flags = _host_flags()
+    out = [""]
+    if {"avx2", "fma", "avx512f"} <= flags:
+        out.append("-mavx2 -mfma -mf16c" if "f16c" in flags else "-mavx2 -mfma")
+    return out
+
+
+@pytest.mark.slow  # fresh Python processes, one build each
+@pytest.mark.parametrize("arch", _arch_variants())
+def test_other_instruction_sets_match_the_torch_path(arch, tmp_path):
+    """The vector loops for another instruction set (LMBP_CPU_NATIVE_ARCH) pass the same checks as the host's."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(LMBP_CPU_NATIVE_ARCH=arch, LMBP_CPU_NATIVE_DIR=str(tmp_path / "build"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           os.path.abspath(__file__), "-k", "act_codes_identical or norm_matches_torch_path"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+    assert list((tmp_path / "build").rglob("*.so"))  # built with these flags, not a cached native build

@@ -1,11 +1,12 @@
 // Native CPU kernels for lmbp_convert's ops: one pass over memory per direction, fp32 maths in registers,
 // one rounding to the output dtype (no fp32 copies of bf16/fp16 tensors).
 //
-// Plain C++ without torch headers (so it builds in seconds), written as branch-free loops that the compiler
-// vectorises for the host CPU (-O3 -march=native: AVX2, AVX-512, NEON). Multi-threading uses OpenMP with the
-// same chunking as ATen's at::parallel_for; the library links the libgomp torch already loaded, so both share
-// one thread pool. Called through ctypes from cpu_native.py, which owns every check (dtypes, contiguity,
-// sizes): these functions trust their arguments.
+// Plain C++ without torch headers (so it builds in seconds). The approx-act and MS-norm kernels have explicit
+// AVX-512 and AVX2+FMA loops (intrinsics, picked by the macros -march=native defines; see "SIMD"); the tails,
+// and every kernel on other CPUs (NEON, ...), are branch-free scalar loops the compiler vectorises for the host.
+// Multi-threading uses OpenMP with the same chunking as ATen's at::parallel_for; the library links the libgomp
+// torch already loaded, so both share one thread pool. Called through ctypes from cpu_native.py, which owns
+// every check (dtypes, contiguity, sizes): these functions trust their arguments.
 //
 // Semantics mirror the PyTorch path of approx_act.py / ms_norm.py (see their docstrings):
 //   approx_act forward: y = act(x) in fp32, rounded once to x's dtype; code = #thresholds x exceeds (fp32
@@ -16,7 +17,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -163,6 +168,294 @@ static inline float act(float x) {
   return x / (1.0f + exp_f32(-1.702f * x));  // quick_gelu: x * sigmoid(1.702 x)
 }
 
+// ------------------------------------------------------------------------------------------- SIMD
+// Explicit vector loops for the approx-act kernels where the host has AVX-512F or AVX2+FMA (-march=native
+// defines the macros): the activation, its codes and their packing from one register, and the backward's slope
+// lookup as one in-register permute. The scalar loops above stay for the tails, for other CPUs (NEON, ...) and
+// as the reference the vector code mirrors (same polynomials, same fp32 compares, same rounding).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LMBP_SIMD 1
+
+// Bit i of m moved to bit S*i (S = 1, 2, 4; m < 2**16): Morton spreading, branch-free integer maths.
+template <int S>
+static inline uint64_t spread_bits(uint32_t m) {
+  uint64_t x = m;
+  if (S == 2) {
+    x = (x | (x << 8)) & 0x00FF00FFull;
+    x = (x | (x << 4)) & 0x0F0F0F0Full;
+    x = (x | (x << 2)) & 0x33333333ull;
+    x = (x | (x << 1)) & 0x55555555ull;
+  } else if (S == 4) {
+    x = (x | (x << 24)) & 0x000000FF000000FFull;
+    x = (x | (x << 12)) & 0x000F000F000F000Full;
+    x = (x | (x << 6)) & 0x0303030303030303ull;
+    x = (x | (x << 3)) & 0x1111111111111111ull;
+  }
+  return x;
+}
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using VF = __m512;
+using VI = __m512i;
+static inline VF vset(float v) { return _mm512_set1_ps(v); }
+static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }
+static inline float vhsum(VF a) { return _mm512_reduce_add_ps(a); }
+static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+static inline VF vabs(VF a) { return _mm512_abs_ps(a); }
+static inline VF vround(VF a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline VF vcopysign(VF mag, VF sgn) {
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_castps_si512(sgn),
+                                                       _mm512_set1_epi32(0x80000000), 0xD8));  // sign from sgn
+}
+static inline VF vpow2n(VF n) {  // 2**n for integral n in the normal range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// where(a > b, x, y)
+static inline VF vsel_gt(VF a, VF b, VF x, VF y) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
+}
+// codes: #thresholds v exceeds (fp32 compare, NaN exceeds none), as an int vector
+template <int NTHR>
+static inline VI vcodes(VF v, const VF* thr) {
+  VI c = _mm512_setzero_si512();
+  const VI one = _mm512_set1_epi32(1);
+  for (int j = 0; j < NTHR; ++j) c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(v, thr[j], _CMP_GT_OQ), c, one);
+  return c;
+}
+static inline uint32_t vbit_mask(VI c, int k) { return _mm512_test_epi32_mask(c, _mm512_set1_epi32(1 << k)); }
+// lanes i: (word >> (S * i)) & (2**S - 1), for the L*S bits of `bits` (S*16 <= 64)
+template <int S>
+static inline VI vunpack(uint64_t bits) {
+  const VI lo = _mm512_set1_epi32(int32_t(uint32_t(bits)));
+  VI w = lo;
+  if (S == 4) w = _mm512_mask_blend_epi32(0xFF00, lo, _mm512_set1_epi32(int32_t(uint32_t(bits >> 32))));
+  const VI lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const VI sh = _mm512_and_si512(_mm512_mullo_epi32(lane, _mm512_set1_epi32(S)), _mm512_set1_epi32(31));
+  return _mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32((1 << S) - 1));
+}
+struct SlopeTable { VF t; };
+static inline SlopeTable vtable(const float* slopes16) { return {_mm512_loadu_ps(slopes16)}; }
+static inline VF vlookup(const SlopeTable& tab, VI code) { return _mm512_permutexvar_ps(code, tab.t); }
+
+template <typename T> struct VIO;
+template <> struct VIO<float> {
+  static inline VF load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
+};
+template <> struct VIO<bf16> {
+  static inline VF load(const bf16* p) {
+    VI u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+  }
+  static inline void store(bf16* p, VF v) {  // round to nearest even; NaN -> 0x7fc0 (as IO<bf16>::store)
+    VI u = _mm512_castps_si512(v);
+    VI lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    VI r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+};
+template <> struct VIO<f16> {
+  static inline VF load(const f16* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static inline void store(f16* p, VF v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+#else  // AVX2 + FMA
+constexpr int kLanes = 8;
+using VF = __m256;
+using VI = __m256i;
+static inline VF vset(float v) { return _mm256_set1_ps(v); }
+static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
+static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vmin(VF a, VF b) { return _mm256_min_ps(a, b); }
+static inline float vhsum(VF a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+static inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
+static inline VF vabs(VF a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+static inline VF vround(VF a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline VF vcopysign(VF mag, VF sgn) {
+  const VF s = _mm256_set1_ps(-0.0f);
+  return _mm256_or_ps(_mm256_andnot_ps(s, mag), _mm256_and_ps(s, sgn));
+}
+static inline VF vpow2n(VF n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+static inline VF vsel_gt(VF a, VF b, VF x, VF y) { return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+template <int NTHR>
+static inline VI vcodes(VF v, const VF* thr) {
+  VI c = _mm256_setzero_si256();
+  for (int j = 0; j < NTHR; ++j) c = _mm256_sub_epi32(c, _mm256_castps_si256(_mm256_cmp_ps(v, thr[j], _CMP_GT_OQ)));
+  return c;
+}
+static inline uint32_t vbit_mask(VI c, int k) {
+  return uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_sll_epi32(c, _mm_cvtsi32_si128(31 - k)))));
+}
+template <int S>
+static inline VI vunpack(uint64_t bits) {  // 8 lanes: at most 32 bits
+  const VI w = _mm256_set1_epi32(int32_t(uint32_t(bits)));
+  const VI sh = _mm256_setr_epi32(0, S, 2 * S, 3 * S, 4 * S, 5 * S, 6 * S, 7 * S);
+  return _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32((1 << S) - 1));
+}
+struct SlopeTable { VF lo, hi; };
+static inline SlopeTable vtable(const float* slopes16) {
+  return {_mm256_loadu_ps(slopes16), _mm256_loadu_ps(slopes16 + 8)};
+}
+static inline VF vlookup(const SlopeTable& tab, VI code) {  // 16 entries: two 8-entry permutes, bit 3 picks
+  VF a = _mm256_permutevar8x32_ps(tab.lo, code), b = _mm256_permutevar8x32_ps(tab.hi, code);
+  return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
+}
+
+template <typename T> struct VIO;
+template <> struct VIO<float> {
+  static inline VF load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
+};
+template <> struct VIO<bf16> {
+  static inline VF load(const bf16* p) {
+    VI u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+  }
+  static inline void store(bf16* p, VF v) {
+    VI u = _mm256_castps_si256(v);
+    VI lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    VI r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc0)),
+                                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+};
+#if defined(__F16C__)
+template <> struct VIO<f16> {
+  static inline VF load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static inline void store(f16* p, VF v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+};
+#endif
+#endif  // ISA
+
+// Store of a forward output (a value compared within tolerance, never bit for bit): with AVX512-BF16 one
+// instruction rounds to nearest even (NaN stays NaN; fp32 subnormals, |v| < 2**-126, become ±0). Everything
+// compared bit for bit (the backward's dx) goes through VIO<T>::store.
+template <typename T>
+static inline void vstore_out(T* p, VF v) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, bf16>::value) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+    return;
+  }
+#endif
+  VIO<T>::store(p, v);
+}
+
+// dtypes with vector loads and stores (fp16 on AVX2 needs F16C)
+template <typename T> constexpr bool kVec = true;
+#if !defined(__AVX512F__) && !defined(__F16C__)
+template <> constexpr bool kVec<f16> = false;
+#endif
+
+// exp_f32 on a vector: the same clamp and Cephes polynomial. NaN propagates through the clamp (x86 min/max return
+// their second operand when either is NaN); above 88.37 the result is +inf, as exp_f32's. Below -87.33 it stays
+// at the clamp's 2**-126-ish value instead of exp_f32's 0: every caller adds it to 1 or multiplies it into a
+// factor < 1, where the two agree.
+static inline VF vexp(VF x) {
+  VF xc = vmax(vset(-87.33f), vmin(vset(88.37f), x));
+  VF n = vround(vmul(xc, vset(1.44269504088896341f)));
+  VF r = vfma(n, vset(-0.693359375f), xc);
+  r = vfma(n, vset(2.12194440e-4f), r);
+  VF p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  p = vadd(vfma(p, vmul(r, r), r), vset(1.0f));
+  VF y = vmul(p, vpow2n(n));
+  return vsel_gt(x, vset(88.37f), vset(INFINITY), y);
+}
+
+static inline VF verf(VF x) {
+  VF a = vabs(x);
+  VF t = vdiv(vset(1.0f), vfma(vset(0.3275911f), a, vset(1.0f)));
+  VF r = vset(1.061405429f);
+  r = vfma(r, t, vset(-1.453152027f));
+  r = vfma(r, t, vset(1.421413741f));
+  r = vfma(r, t, vset(-0.284496736f));
+  r = vfma(r, t, vset(0.254829592f));
+  VF e = vsub(vset(1.0f), vmul(vmul(r, t), vexp(vmul(vmul(a, vset(-1.0f)), a))));
+  return vcopysign(e, x);
+}
+
+template <int KIND>
+static inline VF vact(VF x) {
+  if (KIND == GELU) return vmul(vmul(x, vset(0.5f)), vadd(vset(1.0f), verf(vmul(x, vset(0.70710678118654752f)))));
+  if (KIND == GELU_TANH) {
+    VF u = vmul(vset(0.79788456080286536f), vadd(x, vmul(vmul(vmul(vset(0.044715f), x), x), x)));
+    return vdiv(x, vadd(vset(1.0f), vexp(vmul(vset(-2.0f), u))));
+  }
+  if (KIND == SILU) return vdiv(x, vadd(vset(1.0f), vexp(vmul(x, vset(-1.0f)))));
+  return vdiv(x, vadd(vset(1.0f), vexp(vmul(vset(-1.702f), x))));
+}
+
+// Forward over [0, len) of one block, len a multiple of kLanes: y = act(x), codes packed into `out`
+// (kLanes * S / 8 bytes per vector).
+template <typename T, int KIND, int NTHR, int S>
+static inline void act_fwd_vec(const T* x, T* y, uint8_t* out, int64_t len, const VF* thr) {
+  // Two vectors per iteration: the activations are long dependency chains (a division, a polynomial), and two
+  // independent ones keep the FMA units busy where one leaves them waiting on latency.
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= len; i += 2 * kLanes) {
+    VF v0 = VIO<T>::load(x + i), v1 = VIO<T>::load(x + i + kLanes);
+    VF a0 = vact<KIND>(v0), a1 = vact<KIND>(v1);
+    vstore_out(y + i, a0);
+    vstore_out(y + i + kLanes, a1);
+    VI c0 = vcodes<NTHR>(v0, thr), c1 = vcodes<NTHR>(v1, thr);
+    uint64_t w0 = 0, w1 = 0;
+    for (int k = 0; k < S; ++k) {
+      w0 |= spread_bits<S>(vbit_mask(c0, k)) << k;
+      w1 |= spread_bits<S>(vbit_mask(c1, k)) << k;
+    }
+    std::memcpy(out + i * S / 8, &w0, kLanes * S / 8);
+    std::memcpy(out + (i + kLanes) * S / 8, &w1, kLanes * S / 8);
+  }
+  for (; i < len; i += kLanes) {
+    VF v = VIO<T>::load(x + i);
+    vstore_out(y + i, vact<KIND>(v));
+    VI c = vcodes<NTHR>(v, thr);
+    uint64_t word = 0;
+    for (int k = 0; k < S; ++k) word |= spread_bits<S>(vbit_mask(c, k)) << k;
+    std::memcpy(out + i * S / 8, &word, kLanes * S / 8);
+  }
+}
+
+template <typename T, int S>
+static inline void act_bwd_vec(const T* g, const uint8_t* packed, T* dx, int64_t len, const SlopeTable& tab) {
+  for (int64_t i = 0; i < len; i += kLanes) {
+    uint64_t word = 0;
+    std::memcpy(&word, packed + i * S / 8, kLanes * S / 8);
+    VIO<T>::store(dx + i, vmul(VIO<T>::load(g + i), vlookup(tab, vunpack<S>(word))));
+  }
+}
+#endif  // LMBP_SIMD
+
 // --------------------------------------------------------------------------------- approx act fwd
 constexpr int64_t kBlock = 1024;  // elements per inner block: codes staged in L1, then packed
 
@@ -188,6 +481,35 @@ static inline void pack_block(const uint8_t* codes, uint8_t* out, int64_t nbytes
   }
 }
 
+// Scalar forward over [0, len) of one block: activation and codes (staged in L1), then the codes packed into
+// `out` (ceil(len / P) bytes, the last one zero-padded).
+template <typename T, int KIND, int NTHR, int S>
+static void act_fwd_scalar(const T* xb, T* yb, uint8_t* out, int64_t len, const float* thr, uint8_t* codes) {
+  constexpr int64_t P = 8 / S;
+  // For the cheap activations (silu, quick_gelu) two loops are faster (each vectorises at full float width, where
+  // a fused loop runs at the width of the code bytes); for the erf/tanh ones one fused loop is.
+  if (KIND == SILU || KIND == QUICK_GELU) {
+    for (int64_t i = 0; i < len; ++i) st(yb, i, act<KIND>(ld(xb, i)));
+    for (int64_t i = 0; i < len; ++i) {
+      float v = ld(xb, i);
+      int32_t c = 0;
+      for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);  // NaN exceeds none
+      codes[i] = uint8_t(c);
+    }
+  } else {
+    for (int64_t i = 0; i < len; ++i) {
+      float v = ld(xb, i);
+      st(yb, i, act<KIND>(v));
+      int32_t c = 0;
+      for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);
+      codes[i] = uint8_t(c);
+    }
+  }
+  const int64_t nb = divup(len, P);
+  for (int64_t i = len; i < nb * P; ++i) codes[i] = 0;
+  pack_block<S>(codes, out, nb);
+}
+
 template <typename T, int KIND, int NTHR, int S>
 static void act_fwd_impl(const T* x, T* y, uint8_t* packed, int64_t n, const float* thr_in, int nthreads) {
   constexpr int64_t P = 8 / S;
@@ -196,34 +518,23 @@ static void act_fwd_impl(const T* x, T* y, uint8_t* packed, int64_t n, const flo
   const int64_t nblocks = divup(n, kBlock);
   parallel_for(nblocks, kGrain / kBlock, nthreads, [&](int64_t b0, int64_t b1) {
     alignas(64) uint8_t codes[kBlock];
+#ifdef LMBP_SIMD
+    VF vthr[NTHR];
+    for (int j = 0; j < NTHR; ++j) vthr[j] = vset(thr[j]);
+#endif
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t start = blk * kBlock;
       const int64_t len = n - start < kBlock ? n - start : kBlock;
-      const T* xb = x + start;
-      T* yb = y + start;
-      // Activation and codes of the block, then its codes packed, all from L1. For the cheap activations
-      // (silu, quick_gelu) two loops are faster (each vectorises at full float width, where a fused loop runs
-      // at the width of the code bytes); for the erf/tanh ones one fused loop is (measured, AVX-512, 1 thread).
-      if (KIND == SILU || KIND == QUICK_GELU) {
-        for (int64_t i = 0; i < len; ++i) st(yb, i, act<KIND>(ld(xb, i)));
-        for (int64_t i = 0; i < len; ++i) {
-          float v = ld(xb, i);
-          int32_t c = 0;
-          for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);  // NaN exceeds none
-          codes[i] = uint8_t(c);
-        }
-      } else {
-        for (int64_t i = 0; i < len; ++i) {
-          float v = ld(xb, i);
-          st(yb, i, act<KIND>(v));
-          int32_t c = 0;
-          for (int j = 0; j < NTHR; ++j) c += int32_t(v > thr[j]);
-          codes[i] = uint8_t(c);
-        }
+      int64_t done = 0;
+#ifdef LMBP_SIMD
+      if constexpr (kVec<T>) {
+        done = len / kLanes * kLanes;  // kBlock is a multiple of kLanes: only the last block has a tail
+        act_fwd_vec<T, KIND, NTHR, S>(x + start, y + start, packed + start / P, done, vthr);
       }
-      const int64_t nb = divup(len, P);
-      for (int64_t i = len; i < nb * P; ++i) codes[i] = 0;
-      pack_block<S>(codes, packed + start / P, nb);
+#endif
+      if (done < len)
+        act_fwd_scalar<T, KIND, NTHR, S>(x + start + done, y + start + done, packed + (start + done) / P, len - done,
+                                         thr, codes);
     }
   });
 }
@@ -237,15 +548,30 @@ static void act_bwd_impl(const T* g, const uint8_t* packed, T* dx, int64_t n, co
   const int64_t nblocks = divup(n, kBlock);
   parallel_for(nblocks, kGrain / kBlock, nthreads, [&](int64_t b0, int64_t b1) {
     alignas(64) float slope[kBlock];
+#ifdef LMBP_SIMD
+    // the slope of code c is the first slot of byte c: table[c * P] (codes < 2**S <= 16; unused entries are 0)
+    alignas(64) float per_code[16] = {0};
+    for (int c = 0; c < (1 << S); ++c) per_code[c] = table[c * P];
+    const SlopeTable vtab = vtable(per_code);
+#endif
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t start = blk * kBlock;
       const int64_t len = n - start < kBlock ? n - start : kBlock;
-      const uint8_t* pb = packed + start / P;
-      const int64_t nb = divup(len, P);
+      int64_t done = 0;
+#ifdef LMBP_SIMD
+      if constexpr (kVec<T>) {
+        done = len / kLanes * kLanes;
+        act_bwd_vec<T, S>(g + start, packed + start / P, dx + start, done, vtab);
+      }
+#endif
+      if (done == len) continue;
+      const uint8_t* pb = packed + (start + done) / P;
+      const int64_t rest = len - done;
+      const int64_t nb = divup(rest, P);
       for (int64_t b = 0; b < nb; ++b) std::memcpy(slope + b * P, table + int64_t(pb[b]) * P, P * sizeof(float));
-      const T* gb = g + start;
-      T* db = dx + start;
-      for (int64_t i = 0; i < len; ++i) st(db, i, ld(gb, i) * slope[i]);
+      const T* gb = g + start + done;
+      T* db = dx + start + done;
+      for (int64_t i = 0; i < rest; ++i) st(db, i, ld(gb, i) * slope[i]);
     }
   });
 }
@@ -265,10 +591,47 @@ static inline float row_sum(int64_t n, const F& f) {
   return s;
 }
 
+#ifdef LMBP_SIMD
+// Sum over a row of f(v) for v the row's values in fp32: two vector accumulators, then the scalar tail.
+template <typename T, typename VFn, typename SFn>
+static inline float vrow_sum(const T* p, int64_t n, const VFn& vf, const SFn& sf) {
+  VF a0 = vset(0.0f), a1 = vset(0.0f);
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+    a0 = vadd(a0, vf(VIO<T>::load(p + i)));
+    a1 = vadd(a1, vf(VIO<T>::load(p + i + kLanes)));
+  }
+  for (; i + kLanes <= n; i += kLanes) a0 = vadd(a0, vf(VIO<T>::load(p + i)));
+  float s = vhsum(vadd(a0, a1));
+  for (; i < n; ++i) s += sf(ld(p, i));
+  return s;
+}
+#endif
+
 template <typename TI, typename TO>
 static void norm_fwd_impl(const TI* x, TO* y, float* rstd, int64_t rows, int64_t n, float eps, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+#ifdef LMBP_SIMD
+    if constexpr (kVec<TI> && kVec<TO>) {  // straight from the row (L1/L2 after the first pass), no fp32 copy
+      for (int64_t r = r0; r < r1; ++r) {
+        const TI* xr = x + r * n;
+        float mean = 0.0f;
+        if (!rms) mean = vrow_sum(xr, n, [](VF v) { return v; }, [](float v) { return v; }) / float(n);
+        const VF vm = vset(mean);
+        float var = vrow_sum(xr, n, [&](VF v) { VF d = vsub(v, vm); return vmul(d, d); },
+                             [&](float v) { float d = v - mean; return d * d; }) / float(n);
+        float rs = 1.0f / std::sqrt(var + eps);
+        const VF vr = vset(rs);
+        TO* yr = y + r * n;
+        int64_t i = 0;
+        for (; i + kLanes <= n; i += kLanes) vstore_out(yr + i, vmul(vsub(VIO<TI>::load(xr + i), vm), vr));
+        for (; i < n; ++i) st(yr, i, (ld(xr, i) - mean) * rs);
+        rstd[r] = rs;
+      }
+      return;
+    }
+#endif
     std::vector<float> buf(n);
     float* xf = buf.data();
     for (int64_t r = r0; r < r1; ++r) {
@@ -289,6 +652,42 @@ template <typename TY, typename TD>
 static void norm_bwd_impl(const TY* g, const TY* y, const float* rstd, TD* dx, int64_t rows, int64_t n, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+#ifdef LMBP_SIMD
+    if constexpr (kVec<TY> && kVec<TD>) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const TY* gr = g + r * n;
+        const TY* yr = y + r * n;
+        VF s0 = vset(0.0f), s1 = vset(0.0f), p0 = vset(0.0f), p1 = vset(0.0f);  // sum g, sum g*y
+        int64_t i = 0;
+        for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+          VF g0 = VIO<TY>::load(gr + i), g1 = VIO<TY>::load(gr + i + kLanes);
+          s0 = vadd(s0, g0);
+          s1 = vadd(s1, g1);
+          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+          p1 = vfma(g1, VIO<TY>::load(yr + i + kLanes), p1);
+        }
+        for (; i + kLanes <= n; i += kLanes) {
+          VF g0 = VIO<TY>::load(gr + i);
+          s0 = vadd(s0, g0);
+          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+        }
+        float sg = vhsum(vadd(s0, s1)), sgy = vhsum(vadd(p0, p1));
+        for (; i < n; ++i) {
+          sg += ld(gr, i);
+          sgy += ld(gr, i) * ld(yr, i);
+        }
+        const float mg = rms ? 0.0f : sg / float(n), mgy = sgy / float(n), rs = rstd[r];
+        const VF vmg = vset(mg), vmgy = vset(mgy), vrs = vset(rs);
+        TD* dr = dx + r * n;
+        for (i = 0; i + kLanes <= n; i += kLanes) {
+          VF d = vsub(vsub(VIO<TY>::load(gr + i), vmg), vmul(VIO<TY>::load(yr + i), vmgy));
+          vstore_out(dr + i, vmul(d, vrs));
+        }
+        for (; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
+      }
+      return;
+    }
+#endif
     for (int64_t r = r0; r < r1; ++r) {
       const TY* gr = g + r * n;
       const TY* yr = y + r * n;
@@ -307,7 +706,12 @@ template <typename T, int KIND>
 static void act_only_impl(const T* x, T* y, int64_t n, int nthreads) {
   parallel_for(divup(n, kBlock), kGrain / kBlock, nthreads, [&](int64_t b0, int64_t b1) {
     const int64_t end = b1 * kBlock < n ? b1 * kBlock : n;
-    for (int64_t i = b0 * kBlock; i < end; ++i) st(y, i, act<KIND>(ld(x, i)));
+    int64_t i = b0 * kBlock;
+#ifdef LMBP_SIMD
+    if constexpr (kVec<T>)
+      for (; i + kLanes <= end; i += kLanes) vstore_out(y + i, vact<KIND>(VIO<T>::load(x + i)));
+#endif
+    for (; i < end; ++i) st(y, i, act<KIND>(ld(x, i)));
   });
 }
 
