@@ -135,8 +135,9 @@ def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype
     if traced:
         _FWD.launch_traced(grid, g.device.index, args, (code, block), 4)
     else:  # h is fresh (aligned); the key fixes every dtype and int
-        _FWD.launch(grid, g.device.index, args, (code, block), 4,
-                    (g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, args[3], args[4], n))
+        dev = g.device.index
+        _FWD.launch((code, block, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, stride_g,
+                     stride_u, n, dev), grid, args, dev, (code, block), 4)
     return h
 
 
@@ -167,9 +168,10 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     if traced:
         _BWD.launch_traced(grid, g.device.index, args, (code, h is not None, block), 4)
     else:  # du and h are fresh (aligned); dg is fresh or dh itself
-        _BWD.launch(grid, g.device.index, args, (code, h is not None, block), 4,
-                    (dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15,
-                     h_dtype, args[6], args[7], args[8], n))
+        dev = g.device.index
+        _BWD.launch((code, block, dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype,
+                     u2.data_ptr() & 15, h_dtype, stride_dh, stride_g, stride_u, n, dev), grid, args, dev,
+                    (code, h is not None, block), 4)
     return dg, du, h
 
 
@@ -327,11 +329,15 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
+_NULL = contextlib.nullcontext()  # reusable and reentrant
+
+
 def _no_autocast(device_type: str):
-    """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state."""
-    if device_type in _AUTOCAST_DEVICE_TYPES:
+    """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state. Off
+    already (the common case): nothing to enter (torch.autocast's context costs a few µs of host time)."""
+    if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NULL
 
 
 def _lin_dtype(dtype: torch.dtype, ac: Optional[torch.dtype]) -> torch.dtype:
