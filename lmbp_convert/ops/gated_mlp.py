@@ -375,10 +375,10 @@ class GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, act, lora_meta, *lora):
-        dev = g.device.type
+        dev = "cuda" if g.is_cuda else g.device.type
         ac = _autocast_dtype(dev)
-        h_dtype = torch.promote_types(g.dtype, u.dtype)
-        triton_path = use_triton(g) and use_triton(u) and g.device == u.device
+        h_dtype = g.dtype if g.dtype == u.dtype else torch.promote_types(g.dtype, u.dtype)
+        triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
         with _no_autocast(dev):
             h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
             out = F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac))
@@ -394,78 +394,81 @@ class GatedMLPFunction(torch.autograd.Function):
         # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
         need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.weight_dtype = weight.dtype
-        ctx.act = act
-        ctx.lora_meta = lora_meta
-        ctx.ac = ac
-        ctx.h_dtype = h_dtype
-        ctx.triton_path = triton_path
+        ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        g, u, weight, *lora = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        ac, h_dtype, act, meta = ctx.ac, ctx.h_dtype, ctx.act, ctx.lora_meta
-        lora_needs = needs[6:]
-        need_dh = needs[0] or needs[1]
-        need_h = needs[2] or any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta)))
-        f = g.shape[-1]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dyc = _cast(dy2, ac)
-        grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
-        dg = du = dw = db = h = None
+        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
+            return _gated_mlp_backward_once(ctx, dy)
+        return _gated_mlp_backward(ctx, dy)
 
-        with _no_autocast(g.device.type):
-            # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
-            gys, gts = [], []
+
+def _gated_mlp_backward(ctx, dy):
+    """`GatedMLPFunction`'s backward (see the module docstring for the maths)."""
+    g, u, weight, *lora = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    ac, h_dtype, act, meta, triton_path, weight_dtype, bias_dtype = ctx.spec
+    lora_needs = needs[6:]
+    need_dh = needs[0] or needs[1]
+    need_h = needs[2] or any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta)))
+    f = g.shape[-1]
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dyc = _cast(dy2, ac)
+    grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
+    dg = du = dw = db = h = None
+
+    with _no_autocast(g.device.type):
+        # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
+        gys, gts = [], []
+        for i, (scale, cast_input) in enumerate(meta):
+            a_w, b_w, _ = lora[3 * i: 3 * i + 3]
+            y_dtype = _lin_dtype(a_w.dtype if cast_input else h_dtype, ac)
+            used = need_dh or any(lora_needs[3 * i: 3 * i + 3])
+            gy = _to(dy2, y_dtype) * scale if used else None
+            gt = gy.matmul(_cast(b_w, ac)) if (need_dh or lora_needs[3 * i]) else None
+            gys.append(gy)
+            gts.append(gt)
+        if need_dh:
+            # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
+            dh = _to(dyc.matmul(_cast(weight, ac)), h_dtype)
+            for i, (scale, cast_input) in enumerate(meta):
+                a_w = lora[3 * i]
+                hx_dtype = a_w.dtype if cast_input else h_dtype
+                dh = dh + _to(_to(gts[i].matmul(_cast(a_w, ac)), hx_dtype), h_dtype)
+            dh = dh.view(g.shape)
+            dg, du, h = _elementwise_bwd(dh, g, u, act, h_dtype if need_h else None, triton_path,
+                                         dg_into_dh=True)
+            del dh
+            dg = dg if needs[0] else None
+            du = du if needs[1] else None
+        elif need_h:
+            h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+        if need_h:
+            h2 = h.reshape(-1, f)
+            if needs[2]:
+                dw = _to(_mm_t(dyc, _cast(h2, ac)), weight_dtype)
             for i, (scale, cast_input) in enumerate(meta):
                 a_w, b_w, _ = lora[3 * i: 3 * i + 3]
-                y_dtype = _lin_dtype(a_w.dtype if cast_input else h_dtype, ac)
-                used = need_dh or any(lora_needs[3 * i: 3 * i + 3])
-                gy = _to(dy2, y_dtype) * scale if used else None
-                gt = gy.matmul(_cast(b_w, ac)) if (need_dh or lora_needs[3 * i]) else None
-                gys.append(gy)
-                gts.append(gt)
-            if need_dh:
-                # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
-                dh = _to(dyc.matmul(_cast(weight, ac)), h_dtype)
-                for i, (scale, cast_input) in enumerate(meta):
-                    a_w = lora[3 * i]
-                    hx_dtype = a_w.dtype if cast_input else h_dtype
-                    dh = dh + _to(_to(gts[i].matmul(_cast(a_w, ac)), hx_dtype), h_dtype)
-                dh = dh.view(g.shape)
-                dg, du, h = _elementwise_bwd(dh, g, u, act, h_dtype if need_h else None, ctx.triton_path,
-                                             dg_into_dh=True)
-                del dh
-                dg = dg if needs[0] else None
-                du = du if needs[1] else None
-            elif need_h:
-                h = _elementwise_fwd(g, u, act, h_dtype, ctx.triton_path)
-            if need_h:
-                h2 = h.reshape(-1, f)
-                if needs[2]:
-                    dw = _to(_mm_t(dyc, _cast(h2, ac)), ctx.weight_dtype)
-                for i, (scale, cast_input) in enumerate(meta):
-                    a_w, b_w, _ = lora[3 * i: 3 * i + 3]
-                    if not (lora_needs[3 * i] or lora_needs[3 * i + 1]):
-                        continue
-                    hxc = _cast(_to(h2, a_w.dtype) if cast_input else h2, ac)
-                    if lora_needs[3 * i]:
-                        grads_lora[3 * i] = _to(_mm_t(gts[i], hxc), a_w.dtype)
-                    if lora_needs[3 * i + 1]:
-                        t = F.linear(hxc, _cast(a_w, ac))  # A(h) recomputed, never saved
-                        grads_lora[3 * i + 1] = _to(_mm_t(gys[i], _cast(t, ac)), b_w.dtype)
-                del h, h2
-            if needs[3]:
-                db = _to(dyc.sum(0), ctx.bias_dtype)
-            for i in range(len(meta)):
-                b_b = lora[3 * i + 2]
-                if lora_needs[3 * i + 2] and b_b is not None:
-                    grads_lora[3 * i + 2] = _to(gys[i].sum(0), b_b.dtype)
-        return (dg, du, dw, db, None, None, *grads_lora)
+                if not (lora_needs[3 * i] or lora_needs[3 * i + 1]):
+                    continue
+                hxc = _cast(_to(h2, a_w.dtype) if cast_input else h2, ac)
+                if lora_needs[3 * i]:
+                    grads_lora[3 * i] = _to(_mm_t(gts[i], hxc), a_w.dtype)
+                if lora_needs[3 * i + 1]:
+                    t = F.linear(hxc, _cast(a_w, ac))  # A(h) recomputed, never saved
+                    grads_lora[3 * i + 1] = _to(_mm_t(gys[i], _cast(t, ac)), b_w.dtype)
+            del h, h2
+        if needs[3]:
+            db = _to(dyc.sum(0), bias_dtype)
+        for i in range(len(meta)):
+            b_b = lora[3 * i + 2]
+            if lora_needs[3 * i + 2] and b_b is not None:
+                grads_lora[3 * i + 2] = _to(gys[i].sum(0), b_b.dtype)
+    return (dg, du, dw, db, None, None, *grads_lora)
+
+
+_gated_mlp_backward_once = torch.autograd.function.once_differentiable(_gated_mlp_backward)
 
 
 class GatedActFunction(torch.autograd.Function):
