@@ -51,11 +51,6 @@ def rows_view(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
-def _no_hooks(h: Any) -> bool:
-    """No launch hook registered (Triton 3.8 keeps an empty HookChain; older releases None)."""
-    return h is None or (h.__class__ is _HookChain and not h.calls)
-
-
 _Tensor = torch.Tensor
 _MAX_ENTRIES = 4096
 
@@ -156,11 +151,14 @@ class LeanKernel:
         """Launch: the cached variant's C launcher when ``key`` is known (and no launch hook is set and its
         device is current), else Triton's ordinary launch, whose compiled kernel is then cached."""
         e = self.cache.get(key)
-        if (e is not None and _no_hooks(_RUNTIME.launch_enter_hook) and _no_hooks(_RUNTIME.launch_exit_hook)
-                and (e.device is None or e.device() == device_index)):
-            e.c(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.coop, e.pdl, e.metadata, None,
-                None, None, None, None, e.annotations, e.signature, args + e.tail)
-            return
+        if e is not None:
+            h0, h1 = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook  # no launch hook set (Triton 3.8 keeps empty HookChains)
+            if ((h0 is None or h0.__class__ is _HookChain and not h0.calls)
+                    and (h1 is None or h1.__class__ is _HookChain and not h1.calls)
+                    and (e.device is None or e.device() == device_index)):
+                e.c(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.coop, e.pdl, e.metadata, None,
+                    None, None, None, None, e.annotations, e.signature, args + e.tail)
+                return
         self._first_launch(key, grid, device_index, args, consts, num_warps)
 
     def launch_traced(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,

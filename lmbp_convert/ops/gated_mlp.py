@@ -113,7 +113,12 @@ if HAS_TRITON:
 
 
 def _act_code(act: str) -> int:
-    return act_code(act, ACT_KINDS, "gated_mlp")
+    """The kernels' ACT code (ValueError for a kind this op does not offer); a dict hit on the hot path."""
+    code = _CODES.get(act)
+    return code if code is not None else act_code(act, ACT_KINDS, "gated_mlp")
+
+
+_CODES = {k: ACTIVATIONS[k].code for k in ACT_KINDS}
 
 
 def _block(n: int) -> int:
