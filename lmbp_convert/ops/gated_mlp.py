@@ -122,25 +122,35 @@ _CODES = {k: ACTIVATIONS[k].code for k in ACT_KINDS}
 
 
 def _block(n: int) -> int:
-    return min(1024, next_pow2(n))
+    """Columns per program for rows of n (cached: a handful of widths per model)."""
+    block = min(1024, next_pow2(n))
+    if len(_BLOCKS) >= 4096:
+        _BLOCKS.clear()
+    _BLOCKS[n] = block
+    return block
+
+
+_BLOCKS: dict[int, int] = {}
 
 
 def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
     """Triton forward: h = act(g)·u with g's shape in ``h_dtype``, contiguous; g, u may be strided views."""
     code = _act_code(act)
-    if g.numel() == 0:
+    numel = g.numel()
+    if numel == 0:
         return _fwd_torch(g, u, act, h_dtype)
     n = g.shape[-1]
-    (g2, stride_g), (u2, stride_u) = rows_view(g, n), rows_view(u, n)
-    m = g.numel() // n
+    g2, stride_g = (g, n) if g.is_contiguous() else rows_view(g, n)
+    u2, stride_u = (u, n) if u.is_contiguous() else rows_view(u, n)
+    m = numel // n
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
-    block = _block(n)
+    block = _BLOCKS.get(n) or _block(n)
     args = (g2, u2, h, stride_g, stride_u, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _FWD.launch_traced(grid, g.device.index, args, (code, block), 4)
     else:  # h is fresh (aligned); the key fixes every dtype and int
-        dev = g.device.index
+        dev = g.get_device()
         _FWD.launch((code, block, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, stride_g,
                      stride_u, n, dev), grid, args, dev, (code, block), 4)
     return h
@@ -155,25 +165,29 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     saving one T×f buffer at the backward peak.
     """
     code = _act_code(act)
-    if g.numel() == 0:
+    numel = g.numel()
+    if numel == 0:
         return _bwd_torch(dh, g, u, act, h_dtype)
     n = g.shape[-1]
-    (dh2, stride_dh), (g2, stride_g), (u2, stride_u) = rows_view(dh, n), rows_view(g, n), rows_view(u, n)
-    m = g.numel() // n
-    if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
-        dg = dh2.view(g.shape)
+    dh_contiguous = dh.is_contiguous()
+    dh2, stride_dh = (dh, n) if dh_contiguous else rows_view(dh, n)
+    g2, stride_g = (g, n) if g.is_contiguous() else rows_view(g, n)
+    u2, stride_u = (u, n) if u.is_contiguous() else rows_view(u, n)
+    m = numel // n
+    if dg_into_dh and dh_contiguous and dh.dtype == g.dtype:
+        dg = dh.view(g.shape)
     else:
         dg = torch.empty_like(g, memory_format=_CONTIGUOUS)
     du = torch.empty_like(u, memory_format=_CONTIGUOUS)
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS) if h_dtype is not None else None
-    block = _block(n)
+    block = _BLOCKS.get(n) or _block(n)
     h_arg = h if h is not None else du  # never written when STORE_H is False
     args = (dh2, g2, u2, dg, du, h_arg, stride_dh, stride_g, stride_u, n, n, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _BWD.launch_traced(grid, g.device.index, args, (code, h is not None, block), 4)
     else:  # du and h are fresh (aligned); dg is fresh or dh itself
-        dev = g.device.index
+        dev = g.get_device()
         _BWD.launch((code, block, dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype,
                      u2.data_ptr() & 15, h_dtype, stride_dh, stride_g, stride_u, n, dev), grid, args, dev,
                     (code, h is not None, block), 4)
@@ -386,7 +400,8 @@ class GatedMLPFunction(torch.autograd.Function):
         triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
         with _no_autocast(dev):
             h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
-            out = F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac))
+            out = (F.linear(h, weight, bias) if ac is None
+                   else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
             out_dtype = out.dtype
             acc = out
             for i, (scale, cast_input) in enumerate(lora_meta):
@@ -416,14 +431,14 @@ def _gated_mlp_backward(ctx, dy):
     ac, h_dtype, act, meta, triton_path, weight_dtype, bias_dtype = ctx.spec
     lora_needs = needs[6:]
     need_dh = needs[0] or needs[1]
-    need_h = needs[2] or any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta)))
+    need_h = needs[2] or (bool(meta) and any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta))))
     f = g.shape[-1]
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dyc = _cast(dy2, ac)
+    dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+    dyc = dy2 if ac is None else _cast(dy2, ac)
     grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
     dg = du = dw = db = h = None
 
-    with _no_autocast(g.device.type):
+    with _no_autocast("cuda" if g.is_cuda else g.device.type):
         # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
         gys, gts = [], []
         for i, (scale, cast_input) in enumerate(meta):
@@ -436,7 +451,7 @@ def _gated_mlp_backward(ctx, dy):
             gts.append(gt)
         if need_dh:
             # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
-            dh = _to(dyc.matmul(_cast(weight, ac)), h_dtype)
+            dh = _to(dyc.matmul(weight if ac is None else _cast(weight, ac)), h_dtype)
             for i, (scale, cast_input) in enumerate(meta):
                 a_w = lora[3 * i]
                 hx_dtype = a_w.dtype if cast_input else h_dtype
