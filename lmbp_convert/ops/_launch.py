@@ -3,10 +3,12 @@
 ``kernel[grid](...)`` costs ~5-8 µs of host time per call in Triton 3.8 (argument binding, specialisation,
 cache-key hashing, launch-metadata hooks) before the driver is reached; for a training step made of small
 launches that is the whole slowdown. `LeanKernel` keeps the `CompiledKernel` that the first ordinary launch
-returns, keyed by exactly what Triton specialises on (tensor dtype and 16-byte alignment, integer width and
-divisibility by 16 / equality to 1, the constexprs, num_warps, the device), and afterwards calls its launcher
-directly. Anything unusual (Triton's interpreter, launch hooks set by a profiler, a tensor on a device that is
-not the current one) takes the ordinary ``kernel[grid](...)`` call.
+returns, under a key the calling op builds from what Triton specialises on (tensor dtype and 16-byte alignment,
+integer width and divisibility by 16 / equality to 1, the constexprs, num_warps, the device), and afterwards
+calls Triton's C launcher itself with the arguments ``CudaLauncher.__call__`` would pass it (that Python layer
+costs ~1-2 µs per launch on its own; kernels that need scratch buffers keep it). Anything unusual (Triton's
+interpreter, launch hooks set by a profiler, a tensor on a device that is not the current one) takes the
+ordinary ``kernel[grid](...)`` call.
 
 Host-time benchmarks stub the two points that touch the GPU (see `stub_triton_driver`): the first launch's
 compile and the driver launch; everything else runs as in production.
