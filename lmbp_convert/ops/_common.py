@@ -64,7 +64,7 @@ def autocast_dtype_for(x: torch.Tensor) -> torch.dtype:
     Emitting this dtype is what keeps memory sharing alive under mixed precision: the Linear's
     autocast cast becomes a no-op, so it saves the very storage the norm saved.
     """
-    dev = x.device.type
-    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+    dev = "cuda" if x.is_cuda else x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point() and x.dtype != torch.float64:
         return torch.get_autocast_dtype(dev)
     return x.dtype

@@ -3,10 +3,12 @@
 ``kernel[grid](...)`` costs ~5-8 µs of host time per call in Triton 3.8 (argument binding, specialisation,
 cache-key hashing, launch-metadata hooks) before the driver is reached; for a training step made of small
 launches that is the whole slowdown. `LeanKernel` keeps the `CompiledKernel` that the first ordinary launch
-returns, keyed by exactly what Triton specialises on (tensor dtype and 16-byte alignment, integer width and
-divisibility by 16 / equality to 1, the constexprs, num_warps, the device), and afterwards calls its launcher
-directly. Anything unusual (Triton's interpreter, launch hooks set by a profiler, a tensor on a device that is
-not the current one) takes the ordinary ``kernel[grid](...)`` call.
+returns, under a key the calling op builds from what Triton specialises on (tensor dtype and 16-byte alignment,
+integer width and divisibility by 16 / equality to 1, the constexprs, num_warps, the device), and afterwards
+calls Triton's C launcher itself with the arguments ``CudaLauncher.__call__`` would pass it (that Python layer
+costs ~1-2 µs per launch on its own; kernels that need scratch buffers keep it). Anything unusual (Triton's
+interpreter, launch hooks set by a profiler, a tensor on a device that is not the current one) takes the
+ordinary ``kernel[grid](...)`` call.
 
 Host-time benchmarks stub the two points that touch the GPU (see `stub_triton_driver`): the first launch's
 compile and the driver launch; everything else runs as in production.
@@ -27,7 +29,7 @@ if HAS_TRITON:
     _HookChain = getattr(knobs, "HookChain", type(None))
     from triton.runtime import driver as _triton_driver
 
-__all__ = ["LeanKernel", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2", "rows_view"]
+__all__ = ["LeanKernel", "spec_key", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2", "rows_view"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -51,11 +53,6 @@ def rows_view(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     return t2, t2.stride(0)
 
 
-def _no_hooks(h: Any) -> bool:
-    """No launch hook registered (Triton 3.8 keeps an empty HookChain; older releases None)."""
-    return h is None or (h.__class__ is _HookChain and not h.calls)
-
-
 _Tensor = torch.Tensor
 _MAX_ENTRIES = 4096
 
@@ -71,16 +68,50 @@ def _int_spec(v: int) -> tuple:
 
 
 class _Entry:
-    __slots__ = ("compiled", "run", "function", "metadata", "tail", "stream", "device")
+    """One compiled variant, launched by calling Triton's C launcher directly: the arguments Triton's Python
+    ``CudaLauncher.__call__`` would pass are fixed per compiled kernel except grid, stream and the kernel args."""
+
+    __slots__ = ("compiled", "c", "function", "coop", "pdl", "metadata", "annotations", "signature", "tail",
+                 "stream", "device")
 
     def __init__(self, compiled: Any, tail: tuple, stream: Any, device: Any) -> None:
+        run = compiled.run  # the driver launcher (CudaLauncher), bound once
         self.compiled = compiled
         self.device = device  # current-device getter, only on multi-GPU machines (else None)
-        self.run = compiled.run  # the driver launcher (CudaLauncher), bound once
         self.function = compiled.function
         self.metadata = compiled.packed_metadata
         self.tail = tail  # constexpr values: the launcher takes every kernel parameter, in order
         self.stream = stream  # the driver's current-stream getter
+        if _direct_launchable(run):
+            self.c = run.launch
+            self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
+            self.annotations, self.signature = run.arg_annotations, run.kernel_signature
+        else:  # scratch buffers, sanitiser, another backend: Triton's own launcher, same call shape
+            self.c = _ViaLauncher(run).__call__
+            self.coop = self.pdl = self.annotations = self.signature = None
+
+
+def _direct_launchable(run: Any) -> bool:
+    """Whether ``run`` is Triton 3.8's CudaLauncher with nothing to allocate per launch, so its C ``launch``
+    can be called with the same arguments ``CudaLauncher.__call__`` would pass it."""
+    return (type(run).__name__ == "CudaLauncher"
+            and all(hasattr(run, a) for a in ("launch", "arg_annotations", "kernel_signature",
+                                               "launch_cooperative_grid", "launch_pdl"))
+            and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and not getattr(run, "gsan_enabled", True))
+
+
+class _ViaLauncher:
+    """Takes the C launcher's arguments and calls Triton's Python launcher (for kernels that need scratch)."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def __call__(self, gx, gy, gz, stream, function, _coop, _pdl, metadata, _m, _h0, _h1, _s0, _s1, _ann, _sig,
+                 args):
+        self.run(gx, gy, gz, stream, function, metadata, None, None, None, *args)
 
 
 _ALL_KERNELS: "weakref.WeakSet[LeanKernel]" = weakref.WeakSet()
@@ -89,8 +120,13 @@ _ALL_KERNELS: "weakref.WeakSet[LeanKernel]" = weakref.WeakSet()
 class LeanKernel:
     """A ``@triton.jit`` kernel launched through a cache of its compiled variants.
 
-    ``launch(grid, device_index, args, consts, num_warps)``: ``args`` are the runtime parameters in order,
-    ``consts`` the trailing constexpr parameters in order (the kernels put them last).
+    ``launch(key, grid, args, device_index, consts, num_warps)``: ``args`` are the runtime parameters in order,
+    ``consts`` the trailing constexpr parameters in order (the kernels put them last). ``key`` is the caller's
+    cache key; it must determine everything the compiled variant depends on: the constexprs and num_warps, the
+    device index, and what Triton specialises the runtime ``args`` on (the value class of every int, i.e. width,
+    ``== 1`` and ``% 16 == 0``; the dtype and 16-byte alignment of every tensor except fresh allocations, whose
+    dtype the key must still fix). `spec_key` computes such a key from the arguments (slower; for callers
+    without a cheaper one).
     """
 
     __slots__ = ("fn", "name", "const_names", "cache", "__weakref__")
@@ -112,22 +148,19 @@ class LeanKernel:
         self.cache: dict = {}
         _ALL_KERNELS.add(self)
 
-    def launch(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,
-               num_warps: int = 4, key: Optional[tuple] = None) -> None:
-        """Launch; ``key``, when given, must determine everything Triton specialises the runtime ``args`` on:
-        the value class of every int (launchers pass the ints themselves) and the dtype and 16-byte alignment of
-        every tensor except fresh allocations (whose dtype the key or ``consts`` must still fix). Without it the
-        key is computed from ``args`` (slower)."""
-        if key is None:
-            key = tuple([_tensor_spec(a) if a.__class__ is _Tensor else _int_spec(a) if a.__class__ is int
-                         else a.__class__ for a in args])
-        key = (key, device_index, num_warps, consts)
+    def launch(self, key: Any, grid: tuple[int, int, int], args: tuple, device_index: Optional[int],
+               consts: tuple, num_warps: int = 4) -> None:
+        """Launch: the cached variant's C launcher when ``key`` is known (and no launch hook is set and its
+        device is current), else Triton's ordinary launch, whose compiled kernel is then cached."""
         e = self.cache.get(key)
-        if (e is not None and _no_hooks(_RUNTIME.launch_enter_hook) and _no_hooks(_RUNTIME.launch_exit_hook)
-                and (e.device is None or e.device() == device_index)):
-            e.run(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.metadata, None, None, None,
-                  *args, *e.tail)
-            return
+        if e is not None:
+            h0, h1 = _RUNTIME.launch_enter_hook, _RUNTIME.launch_exit_hook  # no launch hook set (Triton 3.8 keeps empty HookChains)
+            if ((h0 is None or h0.__class__ is _HookChain and not h0.calls)
+                    and (h1 is None or h1.__class__ is _HookChain and not h1.calls)
+                    and (e.device is None or e.device() == device_index)):
+                e.c(grid[0], grid[1], grid[2], e.stream(device_index), e.function, e.coop, e.pdl, e.metadata, None,
+                    None, None, None, None, e.annotations, e.signature, args + e.tail)
+                return
         self._first_launch(key, grid, device_index, args, consts, num_warps)
 
     def launch_traced(self, grid: tuple[int, int, int], device_index: Optional[int], args: tuple, consts: tuple,
@@ -136,10 +169,11 @@ class LeanKernel:
         for inductor when tracing and launches it normally otherwise."""
         torch.library.wrap_triton(self.fn)[grid](*args, num_warps=num_warps, **dict(zip(self.const_names, consts)))
 
-    def _first_launch(self, key: tuple, grid: tuple, device_index: Optional[int], args: tuple, consts: tuple,
+    def _first_launch(self, key: Any, grid: tuple, device_index: Optional[int], args: tuple, consts: tuple,
                       num_warps: int) -> None:
         meta = dict(zip(self.const_names, consts))
-        ctx = (torch.cuda.device(device_index) if device_index is not None and torch.cuda.is_available()
+        ctx = (torch.cuda.device(device_index) if device_index is not None and device_index >= 0
+               and torch.cuda.is_available()
                else contextlib.nullcontext())
         with ctx:
             compiled = self.fn[grid](*args, num_warps=num_warps, **meta)
@@ -152,9 +186,17 @@ class LeanKernel:
         # A compiled kernel is loaded in the device's context: with several GPUs, launch it directly only while
         # that device is current (Triton's own path switches otherwise).
         active = _triton_driver.active
-        multi = device_index is not None and torch.cuda.is_available() and torch.cuda.device_count() > 1
+        multi = device_index is not None and device_index >= 0 and torch.cuda.is_available() \
+            and torch.cuda.device_count() > 1
         self.cache[key] = _Entry(compiled, consts, active.get_current_stream,
                                  active.get_current_device if multi else None)
+
+
+def spec_key(args: tuple, device_index: Optional[int], consts: tuple, num_warps: int) -> tuple:
+    """A `LeanKernel.launch` key computed from the arguments themselves (every tensor's dtype and alignment,
+    every int's value class)."""
+    return (tuple([_tensor_spec(a) if a.__class__ is _Tensor else _int_spec(a) if a.__class__ is int
+                   else a.__class__ for a in args]), device_index, num_warps, consts)
 
 
 def kernel_op(name: str, fake: Callable) -> Callable:
@@ -171,8 +213,10 @@ def kernel_op(name: str, fake: Callable) -> Callable:
 
 
 def _is_current(device_index: Optional[int]) -> bool:
+    """Whether launches for ``device_index`` (a tensor's ``get_device()``: -1 off CUDA; None: unknown) go to the
+    driver's current device."""
     try:
-        return (device_index or 0) == _triton_driver.active.get_current_device()
+        return max(device_index or 0, 0) == _triton_driver.active.get_current_device()
     except Exception:  # pragma: no cover - no driver
         return False
 

@@ -468,6 +468,30 @@ _KCONSTS = {key: _KernelConsts(ACTIVATIONS[key[0]].code, c.c_f32,
             for key, c in _CONSTANTS.items()}
 
 
+class _Plan:
+    """Launch constants of one (kind, bits, variant, direction), made once: hashed by identity in the launch key.
+    ``consts[contiguous]``: the kernel's trailing constexprs for a contiguous / strided input."""
+
+    __slots__ = ("per_byte", "block", "warps", "consts")
+
+    def __init__(self, kind: str, bits: int, variant: str, fwd: bool) -> None:
+        k = _KCONSTS[(kind, bits)]
+        vcode, elems, self.warps = (FWD_VARIANTS if fwd else BWD_VARIANTS)[variant]
+        self.per_byte, self.block = k.per_byte, elems // k.per_byte
+        head = ((k.act, k.thresholds) if fwd else (k.slopes,)) + (k.slot, k.per_byte, self.block)
+        self.consts = (head + (False, vcode), head + (True, vcode))
+
+
+_PLANS: dict = {}
+
+
+def _plan(kind: str, bits: int, variant: str, fwd: bool) -> _Plan:
+    p = _PLANS.get((kind, bits, variant, fwd))
+    if p is None:
+        p = _PLANS[(kind, bits, variant, fwd)] = _Plan(kind, bits, variant, fwd)
+    return p
+
+
 def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = None,
                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward launcher: (activation in x's dtype, contiguous, x's shape; packed codes).
@@ -475,48 +499,54 @@ def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = 
     ``variant``: a `FWD_VARIANTS` name (default `FWD_VARIANT`). ``traced``: launch through ``wrap_triton``
     (inside the ``triton_op``, so inductor emits the launch itself).
     """
-    k = _KCONSTS[(kind, bits)]
+    variant = variant or FWD_VARIANT
+    p = _PLANS.get((kind, bits, variant, True)) or _plan(kind, bits, variant, True)
     n = x.numel()
-    nbytes = -(-n // k.per_byte)
+    nbytes = -(-n // p.per_byte)
     y = torch.empty_like(x, memory_format=_CONTIGUOUS)  # empty_like: a third of torch.empty's host time
     packed = torch.empty(nbytes, dtype=_U8, device=x.device)
     if n == 0:
         return y, packed
-    src, contiguous, rs, cs, cols = _as_rows(x)
-    vcode, elems, warps = FWD_VARIANTS[variant or FWD_VARIANT]
-    block = elems // k.per_byte
-    args = (src, y, packed, n, nbytes, cols, rs, cs)
-    consts = (k.act, k.thresholds, k.slot, k.per_byte, block, contiguous, vcode)
-    grid = (-(-nbytes // block), 1, 1)
+    if x.is_contiguous():  # the common case: no view analysis
+        args, contiguous = (x, y, packed, n, nbytes, 1, 0, 1), True
+    else:
+        src, contiguous, rs, cs, cols = _as_rows(x)
+        args = (src, y, packed, n, nbytes, cols, rs, cs)
+    grid = (-(-nbytes // p.block), 1, 1)
     if traced:
-        _FWD.launch_traced(grid, x.device.index, args, consts, warps)
-    else:  # y and packed are fresh (aligned); their dtypes follow from x's and the kernel
-        _FWD.launch(grid, x.device.index, args, consts, warps, (x.dtype, src.data_ptr() & 15, n, cols, rs, cs))
+        _FWD.launch_traced(grid, x.device.index, args, p.consts[contiguous], p.warps)
+        return y, packed
+    # y and packed are fresh (aligned); their dtypes follow from x's and the kernel
+    dev = x.get_device()
+    _FWD.launch((p, contiguous, x.dtype, args[0].data_ptr() & 15, n, args[5], args[6], args[7], dev), grid, args,
+                dev, p.consts[contiguous], p.warps)
     return y, packed
 
 
 def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, variant: Optional[str] = None,
                 traced: bool = False) -> torch.Tensor:
     """Triton backward launcher: grad_out * slope[code], contiguous, in grad's dtype and shape."""
-    k = _KCONSTS[(kind, bits)]
+    variant = variant or BWD_VARIANT
+    p = _PLANS.get((kind, bits, variant, False)) or _plan(kind, bits, variant, False)
     n = grad.numel()
     dx = torch.empty_like(grad, memory_format=_CONTIGUOUS)
     if n == 0:
         return dx
-    nbytes = -(-n // k.per_byte)
+    nbytes = -(-n // p.per_byte)
     if packed.numel() != nbytes:
         raise ValueError(f"approx_act: {packed.numel()} code bytes for {n} elements at {bits} bits")
-    src, contiguous, rs, cs, cols = _as_rows(grad)
-    vcode, elems, warps = BWD_VARIANTS[variant or BWD_VARIANT]
-    block = elems // k.per_byte
-    args = (src, packed, dx, n, nbytes, cols, rs, cs)
-    consts = (k.slopes, k.slot, k.per_byte, block, contiguous, vcode)
-    grid = (-(-nbytes // block), 1, 1)
-    if traced:
-        _BWD.launch_traced(grid, grad.device.index, args, consts, warps)
+    if grad.is_contiguous():
+        args, contiguous = (grad, packed, dx, n, nbytes, 1, 0, 1), True
     else:
-        _BWD.launch(grid, grad.device.index, args, consts, warps,
-                    (grad.dtype, src.data_ptr() & 15, packed.data_ptr() & 15, n, cols, rs, cs))
+        src, contiguous, rs, cs, cols = _as_rows(grad)
+        args = (src, packed, dx, n, nbytes, cols, rs, cs)
+    grid = (-(-nbytes // p.block), 1, 1)
+    if traced:
+        _BWD.launch_traced(grid, grad.device.index, args, p.consts[contiguous], p.warps)
+        return dx
+    dev = grad.get_device()
+    _BWD.launch((p, contiguous, grad.dtype, args[0].data_ptr() & 15, packed.data_ptr() & 15, n, args[5], args[6],
+                 args[7], dev), grid, args, dev, p.consts[contiguous], p.warps)
     return dx
 
 
@@ -568,10 +598,32 @@ class ApproxActFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (packed,) = ctx.saved_tensors
         kind, bits, triton_path = ctx.spec
-        # The Triton result is not differentiable: double backward (create_graph) takes the PyTorch path.
-        if triton_path and grad.dtype in _TRITON_DTYPE_SET and not (grad.requires_grad and torch.is_grad_enabled()):
-            return _bwd_triton(grad, packed, bits, kind), None, None, None
-        return _bwd_torch(grad, packed, bits, kind), None, None, None
+        return _backward(grad, packed, kind, bits, triton_path), None, None, None
+
+
+class _TritonApproxAct(torch.autograd.Function):
+    """`ApproxActFunction` on the Triton path with nothing else per call: the eager hot path (a converted model
+    calls it once per activation)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
+        y, packed = _fwd_triton(x, kind, bits)
+        ctx.save_for_backward(packed)
+        ctx.spec = (kind, bits)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (packed,) = ctx.saved_tensors
+        kind, bits = ctx.spec
+        return _backward(grad, packed, kind, bits, True), None, None
+
+
+def _backward(grad: torch.Tensor, packed: torch.Tensor, kind: str, bits: int, triton_path: bool) -> torch.Tensor:
+    # The Triton result is not differentiable: double backward (create_graph) takes the PyTorch path.
+    if triton_path and grad.dtype in _TRITON_DTYPE_SET and not (grad.requires_grad and torch.is_grad_enabled()):
+        return _bwd_triton(grad, packed, bits, kind)
+    return _bwd_torch(grad, packed, bits, kind)
 
 
 def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
@@ -587,9 +639,15 @@ def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
 
 def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optional[str] = None) -> torch.Tensor:
     """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
+    if backend is None and use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype, eager, training
+        if torch.compiler.is_compiling():
+            return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
+        if x.requires_grad and torch.is_grad_enabled():
+            return _TritonApproxAct.apply(x, kind, bits)
+        return _fwd_triton(x, kind, bits)[0]  # nothing to save: no codes kept, no autograd
     if x.dtype not in _DTYPE_SET:
         check_dtype(x, "approx_act")
-    backend = ("triton" if use_triton(x) else "torch") if backend is None else _resolve_backend(x, backend)
+    backend = "torch" if backend is None else _resolve_backend(x, backend)
     if backend == "triton" and torch.compiler.is_compiling():
         return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
     if not (x.requires_grad and torch.is_grad_enabled()):  # nothing to save: skip codes and autograd

@@ -113,30 +113,46 @@ if HAS_TRITON:
 
 
 def _act_code(act: str) -> int:
-    return act_code(act, ACT_KINDS, "gated_mlp")
+    """The kernels' ACT code (ValueError for a kind this op does not offer); a dict hit on the hot path."""
+    code = _CODES.get(act)
+    return code if code is not None else act_code(act, ACT_KINDS, "gated_mlp")
+
+
+_CODES = {k: ACTIVATIONS[k].code for k in ACT_KINDS}
 
 
 def _block(n: int) -> int:
-    return min(1024, next_pow2(n))
+    """Columns per program for rows of n (cached: a handful of widths per model)."""
+    block = min(1024, next_pow2(n))
+    if len(_BLOCKS) >= 4096:
+        _BLOCKS.clear()
+    _BLOCKS[n] = block
+    return block
+
+
+_BLOCKS: dict[int, int] = {}
 
 
 def _fwd_triton(g: torch.Tensor, u: torch.Tensor, act: str, h_dtype: torch.dtype, traced: bool = False) -> torch.Tensor:
     """Triton forward: h = act(g)·u with g's shape in ``h_dtype``, contiguous; g, u may be strided views."""
     code = _act_code(act)
-    if g.numel() == 0:
+    numel = g.numel()
+    if numel == 0:
         return _fwd_torch(g, u, act, h_dtype)
     n = g.shape[-1]
-    (g2, stride_g), (u2, stride_u) = rows_view(g, n), rows_view(u, n)
-    m = g.numel() // n
+    g2, stride_g = (g, n) if g.is_contiguous() else rows_view(g, n)
+    u2, stride_u = (u, n) if u.is_contiguous() else rows_view(u, n)
+    m = numel // n
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
-    block = _block(n)
+    block = _BLOCKS.get(n) or _block(n)
     args = (g2, u2, h, stride_g, stride_u, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _FWD.launch_traced(grid, g.device.index, args, (code, block), 4)
     else:  # h is fresh (aligned); the key fixes every dtype and int
-        _FWD.launch(grid, g.device.index, args, (code, block), 4,
-                    (g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, args[3], args[4], n))
+        dev = g.get_device()
+        _FWD.launch((code, block, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15, h_dtype, stride_g,
+                     stride_u, n, dev), grid, args, dev, (code, block), 4)
     return h
 
 
@@ -149,27 +165,32 @@ def _bwd_triton(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: str, h_
     saving one T×f buffer at the backward peak.
     """
     code = _act_code(act)
-    if g.numel() == 0:
+    numel = g.numel()
+    if numel == 0:
         return _bwd_torch(dh, g, u, act, h_dtype)
     n = g.shape[-1]
-    (dh2, stride_dh), (g2, stride_g), (u2, stride_u) = rows_view(dh, n), rows_view(g, n), rows_view(u, n)
-    m = g.numel() // n
-    if dg_into_dh and dh2.dtype == g.dtype and dh2.is_contiguous() and dh2.data_ptr() == dh.data_ptr():
-        dg = dh2.view(g.shape)
+    dh_contiguous = dh.is_contiguous()
+    dh2, stride_dh = (dh, n) if dh_contiguous else rows_view(dh, n)
+    g2, stride_g = (g, n) if g.is_contiguous() else rows_view(g, n)
+    u2, stride_u = (u, n) if u.is_contiguous() else rows_view(u, n)
+    m = numel // n
+    if dg_into_dh and dh_contiguous and dh.dtype == g.dtype:
+        dg = dh.view(g.shape)
     else:
         dg = torch.empty_like(g, memory_format=_CONTIGUOUS)
     du = torch.empty_like(u, memory_format=_CONTIGUOUS)
     h = torch.empty_like(g, dtype=h_dtype, memory_format=_CONTIGUOUS) if h_dtype is not None else None
-    block = _block(n)
+    block = _BLOCKS.get(n) or _block(n)
     h_arg = h if h is not None else du  # never written when STORE_H is False
     args = (dh2, g2, u2, dg, du, h_arg, stride_dh, stride_g, stride_u, n, n, n, n)
     grid = (m, -(-n // block), 1)
     if traced:
         _BWD.launch_traced(grid, g.device.index, args, (code, h is not None, block), 4)
     else:  # du and h are fresh (aligned); dg is fresh or dh itself
-        _BWD.launch(grid, g.device.index, args, (code, h is not None, block), 4,
-                    (dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype, u2.data_ptr() & 15,
-                     h_dtype, args[6], args[7], args[8], n))
+        dev = g.get_device()
+        _BWD.launch((code, block, dh2.dtype, dh2.data_ptr() & 15, g2.dtype, g2.data_ptr() & 15, u2.dtype,
+                     u2.data_ptr() & 15, h_dtype, stride_dh, stride_g, stride_u, n, dev), grid, args, dev,
+                    (code, h is not None, block), 4)
     return dg, du, h
 
 
@@ -327,11 +348,15 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return None
 
 
+_NULL = contextlib.nullcontext()  # reusable and reentrant
+
+
 def _no_autocast(device_type: str):
-    """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state."""
-    if device_type in _AUTOCAST_DEVICE_TYPES:
+    """Disable autocast inside the op: every cast is explicit, so results do not depend on ambient state. Off
+    already (the common case): nothing to enter (torch.autocast's context costs a few µs of host time)."""
+    if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NULL
 
 
 def _lin_dtype(dtype: torch.dtype, ac: Optional[torch.dtype]) -> torch.dtype:
@@ -369,13 +394,14 @@ class GatedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, g, u, weight, bias, act, lora_meta, *lora):
-        dev = g.device.type
+        dev = "cuda" if g.is_cuda else g.device.type
         ac = _autocast_dtype(dev)
-        h_dtype = torch.promote_types(g.dtype, u.dtype)
-        triton_path = use_triton(g) and use_triton(u) and g.device == u.device
+        h_dtype = g.dtype if g.dtype == u.dtype else torch.promote_types(g.dtype, u.dtype)
+        triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
         with _no_autocast(dev):
             h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
-            out = F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac))
+            out = (F.linear(h, weight, bias) if ac is None
+                   else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
             out_dtype = out.dtype
             acc = out
             for i, (scale, cast_input) in enumerate(lora_meta):
@@ -388,78 +414,81 @@ class GatedMLPFunction(torch.autograd.Function):
         # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
         need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.weight_dtype = weight.dtype
-        ctx.act = act
-        ctx.lora_meta = lora_meta
-        ctx.ac = ac
-        ctx.h_dtype = h_dtype
-        ctx.triton_path = triton_path
+        ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        g, u, weight, *lora = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        ac, h_dtype, act, meta = ctx.ac, ctx.h_dtype, ctx.act, ctx.lora_meta
-        lora_needs = needs[6:]
-        need_dh = needs[0] or needs[1]
-        need_h = needs[2] or any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta)))
-        f = g.shape[-1]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dyc = _cast(dy2, ac)
-        grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
-        dg = du = dw = db = h = None
+        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
+            return _gated_mlp_backward_once(ctx, dy)
+        return _gated_mlp_backward(ctx, dy)
 
-        with _no_autocast(g.device.type):
-            # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
-            gys, gts = [], []
+
+def _gated_mlp_backward(ctx, dy):
+    """`GatedMLPFunction`'s backward (see the module docstring for the maths)."""
+    g, u, weight, *lora = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    ac, h_dtype, act, meta, triton_path, weight_dtype, bias_dtype = ctx.spec
+    lora_needs = needs[6:]
+    need_dh = needs[0] or needs[1]
+    need_h = needs[2] or (bool(meta) and any(lora_needs[3 * i] or lora_needs[3 * i + 1] for i in range(len(meta))))
+    f = g.shape[-1]
+    dy2 = dy if dy.dim() == 2 else dy.reshape(-1, dy.shape[-1])
+    dyc = dy2 if ac is None else _cast(dy2, ac)
+    grads_lora: list[Optional[torch.Tensor]] = [None] * len(lora)
+    dg = du = dw = db = h = None
+
+    with _no_autocast("cuda" if g.is_cuda else g.device.type):
+        # Per adapter: gy = grad of B(A(h)) (dY through the promoted sum, times scale), gt = gy·B.
+        gys, gts = [], []
+        for i, (scale, cast_input) in enumerate(meta):
+            a_w, b_w, _ = lora[3 * i: 3 * i + 3]
+            y_dtype = _lin_dtype(a_w.dtype if cast_input else h_dtype, ac)
+            used = need_dh or any(lora_needs[3 * i: 3 * i + 3])
+            gy = _to(dy2, y_dtype) * scale if used else None
+            gt = gy.matmul(_cast(b_w, ac)) if (need_dh or lora_needs[3 * i]) else None
+            gys.append(gy)
+            gts.append(gt)
+        if need_dh:
+            # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
+            dh = _to(dyc.matmul(weight if ac is None else _cast(weight, ac)), h_dtype)
+            for i, (scale, cast_input) in enumerate(meta):
+                a_w = lora[3 * i]
+                hx_dtype = a_w.dtype if cast_input else h_dtype
+                dh = dh + _to(_to(gts[i].matmul(_cast(a_w, ac)), hx_dtype), h_dtype)
+            dh = dh.view(g.shape)
+            dg, du, h = _elementwise_bwd(dh, g, u, act, h_dtype if need_h else None, triton_path,
+                                         dg_into_dh=True)
+            del dh
+            dg = dg if needs[0] else None
+            du = du if needs[1] else None
+        elif need_h:
+            h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+        if need_h:
+            h2 = h.reshape(-1, f)
+            if needs[2]:
+                dw = _to(_mm_t(dyc, _cast(h2, ac)), weight_dtype)
             for i, (scale, cast_input) in enumerate(meta):
                 a_w, b_w, _ = lora[3 * i: 3 * i + 3]
-                y_dtype = _lin_dtype(a_w.dtype if cast_input else h_dtype, ac)
-                used = need_dh or any(lora_needs[3 * i: 3 * i + 3])
-                gy = _to(dy2, y_dtype) * scale if used else None
-                gt = gy.matmul(_cast(b_w, ac)) if (need_dh or lora_needs[3 * i]) else None
-                gys.append(gy)
-                gts.append(gt)
-            if need_dh:
-                # dh = dY·W + Σ (gt·A), each term cast back along the eager chain of dtypes.
-                dh = _to(dyc.matmul(_cast(weight, ac)), h_dtype)
-                for i, (scale, cast_input) in enumerate(meta):
-                    a_w = lora[3 * i]
-                    hx_dtype = a_w.dtype if cast_input else h_dtype
-                    dh = dh + _to(_to(gts[i].matmul(_cast(a_w, ac)), hx_dtype), h_dtype)
-                dh = dh.view(g.shape)
-                dg, du, h = _elementwise_bwd(dh, g, u, act, h_dtype if need_h else None, ctx.triton_path,
-                                             dg_into_dh=True)
-                del dh
-                dg = dg if needs[0] else None
-                du = du if needs[1] else None
-            elif need_h:
-                h = _elementwise_fwd(g, u, act, h_dtype, ctx.triton_path)
-            if need_h:
-                h2 = h.reshape(-1, f)
-                if needs[2]:
-                    dw = _to(_mm_t(dyc, _cast(h2, ac)), ctx.weight_dtype)
-                for i, (scale, cast_input) in enumerate(meta):
-                    a_w, b_w, _ = lora[3 * i: 3 * i + 3]
-                    if not (lora_needs[3 * i] or lora_needs[3 * i + 1]):
-                        continue
-                    hxc = _cast(_to(h2, a_w.dtype) if cast_input else h2, ac)
-                    if lora_needs[3 * i]:
-                        grads_lora[3 * i] = _to(_mm_t(gts[i], hxc), a_w.dtype)
-                    if lora_needs[3 * i + 1]:
-                        t = F.linear(hxc, _cast(a_w, ac))  # A(h) recomputed, never saved
-                        grads_lora[3 * i + 1] = _to(_mm_t(gys[i], _cast(t, ac)), b_w.dtype)
-                del h, h2
-            if needs[3]:
-                db = _to(dyc.sum(0), ctx.bias_dtype)
-            for i in range(len(meta)):
-                b_b = lora[3 * i + 2]
-                if lora_needs[3 * i + 2] and b_b is not None:
-                    grads_lora[3 * i + 2] = _to(gys[i].sum(0), b_b.dtype)
-        return (dg, du, dw, db, None, None, *grads_lora)
+                if not (lora_needs[3 * i] or lora_needs[3 * i + 1]):
+                    continue
+                hxc = _cast(_to(h2, a_w.dtype) if cast_input else h2, ac)
+                if lora_needs[3 * i]:
+                    grads_lora[3 * i] = _to(_mm_t(gts[i], hxc), a_w.dtype)
+                if lora_needs[3 * i + 1]:
+                    t = F.linear(hxc, _cast(a_w, ac))  # A(h) recomputed, never saved
+                    grads_lora[3 * i + 1] = _to(_mm_t(gys[i], _cast(t, ac)), b_w.dtype)
+            del h, h2
+        if needs[3]:
+            db = _to(dyc.sum(0), bias_dtype)
+        for i in range(len(meta)):
+            b_b = lora[3 * i + 2]
+            if lora_needs[3 * i + 2] and b_b is not None:
+                grads_lora[3 * i + 2] = _to(gys[i].sum(0), b_b.dtype)
+    return (dg, du, dw, db, None, None, *grads_lora)
+
+
+_gated_mlp_backward_once = torch.autograd.function.once_differentiable(_gated_mlp_backward)
 
 
 class GatedActFunction(torch.autograd.Function):

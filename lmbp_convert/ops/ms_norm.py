@@ -33,6 +33,8 @@ from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dty
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 
 _DTYPE_SET = frozenset(SUPPORTED_DTYPES)
+_F32 = torch.float32
+_CONTIGUOUS = torch.contiguous_format
 
 if HAS_TRITON:
     import triton
@@ -161,6 +163,23 @@ def _plan(n: int, chunk: int | None) -> tuple[bool, int]:
     return True, LOOP_CHUNK
 
 
+#: Row length -> (looped?, BLOCK, num_warps), filled on first use (a handful of row lengths per model).
+_PLANS: dict[int, tuple[bool, int, int]] = {}
+
+
+def _plan_for(n: int) -> tuple[bool, int, int]:
+    looped, block = _plan(n, None)
+    if len(_PLANS) >= 4096:
+        _PLANS.clear()
+    _PLANS[n] = plan = (looped, block, _num_warps(block))
+    return plan
+
+
+def _forced_plan(chunk: int) -> tuple[bool, int, int]:
+    looped, block = _plan(0, chunk)
+    return looped, block, _num_warps(block)
+
+
 if HAS_TRITON:
     _FWD = LeanKernel(_ms_norm_fwd_kernel)
     _FWD_LOOP = LeanKernel(_ms_norm_fwd_loop_kernel)
@@ -175,41 +194,46 @@ def _fwd_triton(x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: to
     ``chunk`` forces the looped kernel with that chunk size (tests use it on short rows). ``traced``: launch
     through ``wrap_triton`` (inside the triton_op).
     """
-    if x.numel() == 0:
+    numel = x.numel()
+    if numel == 0:
         return _fwd_torch(x, n, eps, is_rms, out_dtype)
-    x2, stride_x = rows_view(x, n)
-    m = x.numel() // n
-    y = torch.empty_like(x, dtype=out_dtype, memory_format=torch.contiguous_format)  # rows of n: stride n
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    looped, block = _plan(n, chunk)
+    x2, stride_x = (x, n) if x.is_contiguous() else rows_view(x, n)
+    m = numel // n
+    y = torch.empty_like(x, dtype=out_dtype, memory_format=_CONTIGUOUS)  # rows of n: stride n
+    rstd = torch.empty(m, dtype=_F32, device=x.device)
+    looped, block, warps = (_PLANS.get(n) or _plan_for(n)) if chunk is None else _forced_plan(chunk)
     kernel = _FWD_LOOP if looped else _FWD
     args = (x2, y, rstd, stride_x, n, n, float(eps))
     if traced:
-        kernel.launch_traced((m, 1, 1), x.device.index, args, (is_rms, block), _num_warps(block))
+        kernel.launch_traced((m, 1, 1), x.device.index, args, (is_rms, block), warps)
     else:  # y and rstd are fresh (aligned); the key fixes every dtype and int
-        kernel.launch((m, 1, 1), x.device.index, args, (is_rms, block), _num_warps(block),
-                      (x2.dtype, x2.data_ptr() & 15, out_dtype, args[3], n))
+        dev = x.get_device()
+        kernel.launch((is_rms, block, x2.dtype, x2.data_ptr() & 15, out_dtype, stride_x, n, dev), (m, 1, 1), args, dev,
+                      (is_rms, block), warps)
     return y, rstd
 
 
 def _bwd_triton(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype,
                 chunk: int | None = None, traced: bool = False) -> torch.Tensor:
     """Triton backward: dx with y's shape in x_dtype, from the upstream grad g, the saved output and rstd."""
-    if y.numel() == 0:
+    numel = y.numel()
+    if numel == 0:
         return _bwd_torch(g, y, rstd, is_rms, x_dtype)
-    n = y.numel() // rstd.numel()
-    (g2, stride_g), (y2, stride_y) = rows_view(g, n), rows_view(y, n)
     m = rstd.numel()
-    dx = torch.empty_like(y, dtype=x_dtype, memory_format=torch.contiguous_format)
-    looped, block = _plan(n, chunk)
+    n = numel // m
+    g2, stride_g = (g, n) if g.is_contiguous() else rows_view(g, n)
+    y2, stride_y = (y, n) if y.is_contiguous() else rows_view(y, n)
+    dx = torch.empty_like(y, dtype=x_dtype, memory_format=_CONTIGUOUS)
+    looped, block, warps = (_PLANS.get(n) or _plan_for(n)) if chunk is None else _forced_plan(chunk)
     kernel = _BWD_LOOP if looped else _BWD
     args = (g2, y2, rstd, dx, stride_g, stride_y, n, n)
     if traced:
-        kernel.launch_traced((m, 1, 1), y.device.index, args, (is_rms, block), _num_warps(block))
+        kernel.launch_traced((m, 1, 1), y.device.index, args, (is_rms, block), warps)
     else:
-        kernel.launch((m, 1, 1), y.device.index, args, (is_rms, block), _num_warps(block),
-                      (g2.dtype, g2.data_ptr() & 15, y2.dtype, y2.data_ptr() & 15, rstd.dtype, rstd.data_ptr() & 15,
-                       x_dtype, args[4], args[5], n))
+        dev = y.get_device()
+        kernel.launch((is_rms, block, g2.dtype, g2.data_ptr() & 15, y2.dtype, y2.data_ptr() & 15, rstd.dtype,
+                       rstd.data_ptr() & 15, x_dtype, stride_g, stride_y, n, dev), (m, 1, 1), args, dev,
+                      (is_rms, block), warps)
     return dx
 
 
@@ -329,9 +353,7 @@ class MSNormFunction(torch.autograd.Function):
         triton_path = use_triton(x)
         y, rstd = (_fwd_triton if triton_path else _fwd_torch)(x, n, eps, is_rms, out_dtype)
         ctx.save_for_backward(y, rstd)
-        ctx.is_rms = is_rms
-        ctx.x_dtype = x.dtype
-        ctx.triton_path = triton_path
+        ctx.spec = (is_rms, x.dtype, triton_path)
         return y
 
     @staticmethod
@@ -341,9 +363,23 @@ class MSNormFunction(torch.autograd.Function):
         return _backward(ctx, g)
 
 
+class _TritonMSNorm(torch.autograd.Function):
+    """`MSNormFunction` on the Triton path with nothing else per call (the eager hot path)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int, eps: float, is_rms: bool, out_dtype: torch.dtype) -> torch.Tensor:
+        y, rstd = _fwd_triton(x, n, eps, is_rms, out_dtype)
+        ctx.save_for_backward(y, rstd)
+        ctx.spec = (is_rms, x.dtype, True)
+        return y
+
+    backward = staticmethod(MSNormFunction.backward)
+
+
 def _backward(ctx, g: torch.Tensor):
     y, rstd = ctx.saved_tensors
-    dx = (_bwd_triton if ctx.triton_path else _bwd_torch)(g, y, rstd, ctx.is_rms, ctx.x_dtype)
+    is_rms, x_dtype, triton_path = ctx.spec
+    dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
     return dx, None, None, None, None
 
 
@@ -387,11 +423,15 @@ def _ms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float,
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
     """The norm over rows of ``n`` trailing elements, for callers that validated the shape once (modules);
     only the dtype is checked here."""
+    out_dtype = autocast_dtype_for(x)
+    if use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype
+        if torch.compiler.is_compiling():
+            return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, out_dtype)[0]
+        if x.requires_grad and torch.is_grad_enabled():
+            return _TritonMSNorm.apply(x, n, eps, is_rms, out_dtype)
+        return _fwd_triton(x, n, eps, is_rms, out_dtype)[0]  # nothing to save: no autograd
     if x.dtype not in _DTYPE_SET:
         check_dtype(x, "ms_norm")
-    out_dtype = autocast_dtype_for(x)
-    if torch.compiler.is_compiling() and use_triton(x):
-        return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, out_dtype)[0]
     return MSNormFunction.apply(x, n, eps, is_rms, out_dtype)
 
 

@@ -380,3 +380,39 @@ def test_device_slope_table_equals_the_cpu_table(dtype):
     for (kind, bits), const in A._CONSTANTS.items():
         built = A._slope_table_on(const, dtype, torch.device("cpu"))
         assert torch.equal(built, A._SLOPE_TABLES[((kind, bits), dtype)]), (kind, bits)
+
+
+# ------------------------------------------------------------------------------ default dispatch, Triton
+@needs_triton
+@pytest.mark.parametrize("kind", ("gelu", "silu"))
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_default_dispatch_on_the_triton_path(kind, dtype, monkeypatch):
+    """What a converted model calls (`approx_act_unchecked`, no backend) on a tensor routed to Triton (CUDA in
+    production; CPU under the interpreter here): the eager hot path gives the PyTorch path's values and
+    gradients, saves only the codes, takes the PyTorch backward for double backward, and keeps nothing
+    without grad."""
+    monkeypatch.setattr(M, "use_triton", lambda t: t.dtype in TRITON_DTYPES)
+    x = _inputs((6, 37), dtype).requires_grad_()  # 222 elements: a partial last code byte
+    go = torch.randn(6, 37, dtype=dtype)
+    with SavedTensorLedger() as ledger:
+        y = M.approx_act_unchecked(x, kind, 2)
+    assert type(y.grad_fn).__name__.startswith("_TritonApproxAct")  # the hot path ran
+    assert ledger.count == 1 and ledger.bytes == packed_nbytes(x.numel(), 2)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = M.approx_act(x_ref, kind, 2, backend="torch")
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    (dx,) = torch.autograd.grad(y, x, go)
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, go)
+    torch.testing.assert_close(dx, dx_ref, **tol(dtype))
+    # double backward: the first-order gradient is differentiable through the PyTorch path
+    y2 = M.approx_act_unchecked(x, kind, 2)
+    g = go.clone().requires_grad_()
+    (dx2,) = torch.autograd.grad(y2, x, g, create_graph=True)
+    torch.testing.assert_close(dx2, dx_ref, **tol(dtype))
+    (dgo,) = torch.autograd.grad(dx2.sum(), g)  # d(g·slope)/dg: the slopes themselves
+    (slopes,) = torch.autograd.grad(M.approx_act(x_ref, kind, 2, backend="torch"), x_ref, torch.ones_like(go))
+    torch.testing.assert_close(dgo, slopes, **tol(dtype))
+    with torch.no_grad(), SavedTensorLedger() as ledger:
+        y0 = M.approx_act_unchecked(x, kind, 2)
+    assert ledger.count == 0 and y0.grad_fn is None
+    torch.testing.assert_close(y0, y_ref.detach(), **tol(dtype))

@@ -134,3 +134,51 @@ def test_stub_is_not_usable_under_the_interpreter():
     x = torch.randn(50)
     A._fwd_triton(x, "gelu", 2)
     assert not A._FWD.cache
+
+
+@needs_triton
+def test_direct_launch_passes_what_tritons_launcher_passes():
+    """`LeanKernel`'s cached launch calls Triton's C launcher itself: for a kernel with no scratch buffers, the
+    call must be exactly the one Triton's ``CudaLauncher.__call__`` makes (same arguments, same order)."""
+    nvidia = pytest.importorskip("triton.backends.nvidia.driver")
+    from lmbp_convert.ops import _launch, approx_act
+
+    calls = []
+
+    class CudaLauncher:  # the attributes Triton's launcher reads in __call__, its C launch recorded
+        launch = staticmethod(lambda *a: calls.append(a))
+        global_scratch_size = profile_scratch_size = 0
+        global_scratch_align = profile_scratch_align = 1
+        gsan_enabled = False
+        num_ctas = 1
+        launch_cooperative_grid, launch_pdl = False, True
+        arg_annotations, kernel_signature = ["ann"], b"sig"
+
+    class Compiled:
+        run = CudaLauncher()
+        function, packed_metadata = 1234, (4, 1, 0)
+
+    entry = _launch._Entry(Compiled(), (7, True), lambda dev: 55, None)
+    assert entry.c == CudaLauncher.launch  # the direct path was taken
+    args = (torch.empty(3), 5, 6)
+    kernel = approx_act._FWD  # any LeanKernel: the entry is planted under a key of its own
+    kernel.cache["test-key"] = entry
+    try:
+        kernel.launch("test-key", (2, 3, 1), args, 0, (7, True), 4)
+    finally:
+        del kernel.cache["test-key"]
+    with _launch.stub_triton_driver():  # CudaLauncher.__call__ reads the active driver
+        nvidia.CudaLauncher.__call__(Compiled.run, 2, 3, 1, 55, 1234, (4, 1, 0), None, None, None, *args, 7, True)
+    assert len(calls) == 2 and len(calls[0]) == len(calls[1])
+    for ours, theirs in zip(*calls):
+        assert ours is theirs or ours == theirs, (calls[0], calls[1])
+
+    # scratch buffers (or anything else unusual): Triton's own launcher
+    class WithScratch(CudaLauncher):
+        global_scratch_size = 64
+
+    class Compiled2(Compiled):
+        run = WithScratch()
+
+    assert not _launch._direct_launchable(Compiled2.run)
+    assert _launch._Entry(Compiled2(), (), lambda dev: 0, None).c != CudaLauncher.launch
