@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmbp_convert import convert
+from lmbp_convert.match.norm_kept import NormKeep
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from tiny_models import hf
@@ -20,7 +21,8 @@ CASES = {
     "falcon": (dict(num_hidden_layers=2), "causal", 2, 0, "tied"),  # FalconLinear: a catalogue entry
     "stablelm": (SMALL_LM, "causal", 5, 2, None),
     "deit": (dict(image_size=32, patch_size=8), "base", 5, 0, None),
-    "distilbert": ({}, "base", 0, 0, "no module boundary"),  # post-LN with the residual inside one forward
+    # post-LN with the residual inside one forward: no fold, the affine is kept (was: skipped, "no module boundary")
+    "distilbert": ({}, "base", 0, 0, None),
 }
 
 
@@ -39,6 +41,9 @@ def test_unlisted_family(arch):
     assert len(rep.plan.norm_folds) >= min_norms and len(rep.plan.gated_mlps) >= min_gated, str(rep)
     if reason:
         assert any(reason in s.reason for s in rep.plan.skips), str(rep)
+    if arch == "distilbert":  # every layer norm but the last (whose output nothing keeps) keeps its affine
+        assert len(rep.plan.of(NormKeep)) == 3 and not any("no module boundary" in s.reason
+                                                           for s in rep.plan.skips), str(rep)
     probe = make_probe(model, batch=2, seq=9)[0]
     with torch.no_grad():
         a, b = call_model(model, probe), call_model(ref, probe)
