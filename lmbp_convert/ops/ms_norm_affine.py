@@ -117,6 +117,10 @@ if HAS_TRITON:
         tl.store(DB + pid * N + cols, db, mask=mask)
 
 
+def _num_warps(block: int) -> int:
+    return 16 if block >= 8192 else 8 if block >= 2048 else 4
+
+
 def _rows(t: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
     """``t`` as (rows, n) with unit column stride (a copy only where it has none)."""
     t2 = t.reshape(-1, n)
@@ -133,7 +137,8 @@ def _fwd_triton(x, w, b, n, eps, is_rms, one_plus, out_dtype):
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         _fwd_kernel[(m,)](x2, w, b if b is not None else w, y, rstd, mean, sx, n, float(eps),
-                          IS_RMS=is_rms, ONE_PLUS=one_plus, HAS_B=b is not None, BLOCK=triton.next_power_of_2(n))
+                          IS_RMS=is_rms, ONE_PLUS=one_plus, HAS_B=b is not None, BLOCK=triton.next_power_of_2(n),
+                          num_warps=_num_warps(triton.next_power_of_2(n)))
     return y, rstd, mean
 
 
@@ -154,7 +159,8 @@ def _bwd_triton(g, y, w, b, rstd, mean, keep_idx, side, is_rms, one_plus, x_dtyp
         _bwd_kernel[(progs,)](g2, y, w, b if b is not None else w, rstd, mean if mean is not None else rstd, cmap if cmap is not None else rstd,
                               side if side is not None else rstd, dx, dw, db, m, n, k, sg,
                               IS_RMS=is_rms, ONE_PLUS=one_plus, HAS_B=b is not None, HAS_SIDE=side is not None,
-                              ROWS=ROWS_PER_PROGRAM, BLOCK=triton.next_power_of_2(n))
+                              ROWS=ROWS_PER_PROGRAM, BLOCK=triton.next_power_of_2(n),
+                              num_warps=_num_warps(triton.next_power_of_2(n)))
     return dx, dw.sum(0), db.sum(0)
 
 

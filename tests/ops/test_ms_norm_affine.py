@@ -195,3 +195,29 @@ def test_shape_checks():
         ms_norm_affine(torch.randn(2, 9), w, None, 8, 1e-5, False)
     with pytest.raises(ValueError, match="shape"):
         ms_norm_affine(torch.randn(2, 8), w, torch.zeros(9), 8, 1e-5, False)
+
+
+# ------------------------------------------------------------------------------------------ CUDA (skipped on CPU)
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+
+
+@cuda
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [768, 4096, 20000])  # 20000: longer than MAX_BLOCK, the PyTorch path on CUDA
+def test_cuda_kernels_match_the_pytorch_path(kind, dtype, n):
+    gen = torch.Generator().manual_seed(0)
+    w, b = hostile(n, gen)
+    x = torch.randn(3, 129, n, generator=gen).to(dtype)
+    g = torch.randn(3, 129, n, generator=gen).to(dtype)
+    idx = torch.nonzero(unreliable_channels(w, b, False)).reshape(-1)
+
+    def run(dev):
+        f = lambda x_, w_, b_: ms_norm_affine(x_, w_, b_, n, 1e-5, kind == "rms", False, idx.to(dev))  # noqa: E731
+        return [t.cpu() for t in grads(f, x.to(dev), w.to(dev), b.to(dev), g.to(dev))]
+
+    ref, got = run("cpu"), run("cuda")
+    torch.testing.assert_close(got[0], ref[0], **tol(dtype))
+    for a, r in zip(got[1:], ref[1:]):
+        scale = float(r.abs().max())
+        torch.testing.assert_close(a.double() / scale, r.double() / scale, **tol(dtype, "bwd"))
