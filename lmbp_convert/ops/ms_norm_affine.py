@@ -229,6 +229,8 @@ class MSAffineNormFunction(torch.autograd.Function):
         w = weight.contiguous()
         b = bias.contiguous() if bias is not None else None
         y, rstd, mean = (_fwd_triton if triton_path else _fwd_torch)(x, w, b, n, eps, is_rms, one_plus, out_dtype)
+        if not any(ctx.needs_input_grad[:3]):  # inference: nothing to keep
+            return y
         side = None
         if keep_idx is not None and keep_idx.numel():
             side = x.reshape(-1, n).index_select(1, keep_idx)  # sorted: slot order = channel order
