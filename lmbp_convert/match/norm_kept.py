@@ -171,9 +171,9 @@ def _basic_getitem(c: Node) -> bool:
 def _keeps_input(ctx: MatchContext, name: str, role: Role) -> bool:
     mod = ctx.modules[name]
     if role.lora:
+        drops = dict(getattr(mod, role.lora["dropout"], {}).items())
         for adapter, a in getattr(mod, role.lora["adapters_A"]).items():
-            drop = getattr(mod, role.lora["dropout"]).get(adapter) if hasattr(mod, role.lora["dropout"]) else None
-            if a.weight.requires_grad and not float(getattr(drop, "p", 0.0) or 0.0):
+            if a.weight.requires_grad and not float(getattr(drops.get(adapter), "p", 0.0) or 0.0):
                 return True
         mod = getattr(mod, role.lora["base"])
     if quantized_linear(mod):

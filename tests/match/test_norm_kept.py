@@ -188,3 +188,32 @@ def test_tiny_families_keep_the_affine_of_their_in_layer_norms(family):
     assert rep.verification == "passed"
     assert keeps and all("no module boundary" in k.fold_refused or "tied" in k.fold_refused for k in keeps), str(rep)
     assert not any("no module boundary" in s.reason for s in rep.plan.skips), str(rep)
+
+
+def test_plain_export_is_the_state_dict_itself():
+    """Nothing is folded: a plain checkpoint is the converted model's own state dict (plain save/load exact)."""
+    from lmbp_convert.export import plain_state_dict, saves_plainly
+
+    x = torch.randn(2, T, D)
+    model = _model()
+    convert(model, probe=x, activations=False)
+    assert saves_plainly(model)
+    sd = plain_state_dict(model)
+    plain = _model()
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), model(x))
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_consumer_keeps_the_output_only_without_adapter_dropout(dropout):
+    """PEFT freezes the base Linear (it keeps nothing); lora_A keeps the norm's output only when no dropout sits
+    in front of it (then it keeps the dropped copy instead, and the affine-keeping norm would save nothing)."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["fc"], lora_dropout=dropout))
+    rep = convert(model, probe=torch.randn(2, T, D)).lmbp_report
+    keeps = rep.plan.of(NormKeep)
+    if dropout == 0.0:
+        assert [k.keepers for k in keeps] == [["base_model.model.fc"]], str(rep)
+    else:
+        assert not keeps and any(s.name.endswith(".ln") for s in rep.plan.skips), str(rep)
