@@ -31,7 +31,7 @@ from torch import nn
 from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
-from .kinds import ConvertedModule
+from .kinds import AffineState, ConvertedModule
 from .report import ConversionReport
 
 __all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
@@ -145,8 +145,10 @@ def saves_plainly(model: nn.Module) -> bool:
 
 
 def _is_ms_norm(mod: nn.Module) -> bool:
-    """A memory-sharing norm this package put in (the converted modules that normalise)."""
-    return isinstance(mod, ConvertedModule) and hasattr(mod, "normalized_shape")
+    """A memory-sharing norm this package put in whose weights may differ from a plain norm's (the converted
+    modules that normalise; not those that apply their own γ, β: their state is a plain norm's)."""
+    return (isinstance(mod, ConvertedModule) and hasattr(mod, "normalized_shape")
+            and getattr(mod, "affine", None) is not AffineState.KEPT)
 
 
 def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable[[str], str], rtol: float) -> None:

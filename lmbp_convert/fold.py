@@ -28,10 +28,10 @@ from .errors import LmbpError
 from .kinds import WeightParam
 
 __all__ = [
-    "BiasMove", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",
+    "BETA_RATIO", "BiasMove", "GAMMA_FLOOR", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",
     "fold_affine", "fold_bias", "fold_lora_a", "fold_rows", "fold_scale", "identity_weight_value", "matvec",
     "norm_scale", "relative_residual", "remove_shift", "shift_behind_scale", "shift_is_expressible", "shift_of",
-    "shift_through_scale", "unfold_added_bias", "unfold_affine", "unfold_bias", "unfold_scale",
+    "shift_through_scale", "unfold_added_bias", "unfold_affine", "unfold_bias", "unfold_scale", "unreliable_channels",
 ]
 
 #: a norm weight parameterisation: "w" or "1+w" (or a str-valued enum member with one of these values)
@@ -186,6 +186,25 @@ def fold_rows(x: torch.Tensor, gamma: torch.Tensor, layout: Layout, r0: int, scr
     out = scratch.get("out", x.numel(), x.dtype).view(x.shape)
     out.copy_(a)
     return out
+
+
+# -- inverting the affine (memory-sharing norms that keep it) ---------------------------------------------------
+#: a channel whose |γ| is below this cannot be inverted (γ = 0 loses x̂; tiny γ amplifies y's rounding)
+GAMMA_FLOOR = 1e-3
+#: ... nor one where |β| > R·|γ|: y's rounding error u·|y| ≈ u·|β| becomes u·R after dividing by γ
+BETA_RATIO = 2.0
+
+
+def unreliable_channels(weight: torch.Tensor, bias: torch.Tensor | None, one_plus: bool,
+                        gamma_floor: float = GAMMA_FLOOR, beta_ratio: float = BETA_RATIO) -> torch.Tensor:
+    """Bool mask of the channels whose x̂ cannot be recovered from y = x̂·γ + β to within u·(|x̂| + R) (u: the
+    output dtype's rounding): |γ| < ``gamma_floor`` or |β| > R·|γ|. See `lmbp_convert.ops.ms_norm_affine`."""
+    gamma = weight.detach().float()
+    gamma = gamma + 1.0 if one_plus else gamma
+    bad = gamma.abs() < gamma_floor
+    if bias is not None:
+        bad |= bias.detach().float().abs() > beta_ratio * gamma.abs()
+    return bad
 
 
 # -- the shift β --------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
-_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie")
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine")
 
 
 @dataclass
@@ -30,6 +30,10 @@ class ConvertOptions:
         that change them (real weights only; meta models are planned but not verified).
     rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None picks by dtype.
     untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy.
+    keep_affine: where a norm's fold is refused but a consumer keeps its output anyway (a post-LN residual in the
+        same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
+        from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
+        residual add that reads it sees the rounded value.
     """
 
     activations: bool = True
@@ -42,6 +46,7 @@ class ConvertOptions:
     verify: bool = True
     rtol: float | None = None
     untie: bool = False
+    keep_affine: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -126,6 +131,7 @@ class ConvertOptions:
             "activations": self.activations, "norms": self.norms, "gated_mlp": self.gated_mlp,
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
+            "keep_affine": self.keep_affine,
         }
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..match.norm_kept import NormKeep
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
@@ -298,4 +299,19 @@ def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     unit = Unit(f"affine-free norm {swap.name}")
     cls = MSLayerNorm if swap.kind is NormKind.LAYER else MSRMSNorm
     builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
+    return unit
+
+
+@builds(NormKeep)
+def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
+    """The memory-sharing norm that applies γ, β itself: the same Parameters under the same keys, no weight
+    rewritten (so no load hook and no disk rule)."""
+    from ..nn.affine_norms import MSAffineNorm
+
+    unit = Unit(f"norm {keep.name} (affine kept)")
+    old = builder.modules[keep.name]
+    out = getattr(torch, keep.out_dtype.rsplit(".", 1)[-1]) if keep.out_dtype else None
+    new = MSAffineNorm(keep.kind, keep.shape[0], keep.eps, old.weight, old.bias if keep.has_bias else None,
+                       keep.param, out_dtype=out)
+    builder.swap_module(unit, keep.name, new)
     return unit

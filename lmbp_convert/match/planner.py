@@ -1,7 +1,8 @@
 """Catalogue roles + traced graph → a Plan. No mutation, no kernels: pure decisions with reasons.
 
 The planner runs a list of matchers (`MATCHERS`), each a function of the `MatchContext` that yields plan items
-and skips. Order matters twice: an item's ``claims()`` hide those modules from the matchers after it (a gated
+and skips. Order matters three times: a later matcher may take a module an earlier one skipped (its item then
+replaces the skip: the affine-keeping norm after a refused fold); an item's ``claims()`` hide those modules from the matchers after it (a gated
 MLP's activation is not swapped on its own), and items are applied in plan order.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
+from .norm_kept import match_kept_affine_norms
 from .plan import Plan, PlanItem, Skip
 from .roles import Role
 
@@ -26,7 +28,8 @@ __all__ = ["MATCHERS", "MatchContext", "Matcher", "code_bytes", "make_plan", "re
 Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
-MATCHERS: list[Matcher] = [match_gated_mlps, match_norms, match_affine_free_norms, match_activations]
+MATCHERS: list[Matcher] = [match_gated_mlps, match_norms, match_affine_free_norms, match_kept_affine_norms,
+                           match_activations]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:
@@ -46,7 +49,8 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
         for found in matcher(ctx):
             if isinstance(found, Skip):
                 plan.skips.append(found)
-            else:
+            else:  # a later matcher that takes a module supersedes an earlier one's skip of it (a fallback)
+                plan.skips = [s for s in plan.skips if s.name != found.name]
                 plan.items.append(found)
                 ctx.claimed |= found.claims()
     return plan

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..catalogue import Catalogue, class_key
 from ..fold import norm_scale
-from ..kinds import Layout, NormKind, StrChoice, WeightParam
+from ..kinds import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
 
 
 class RoleKind(StrChoice):
@@ -263,6 +263,8 @@ def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
 
 
 def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
+    if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
+        return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
     if act is not None:
         return Role(RoleKind.ACTIVATION, act=act)

@@ -135,12 +135,22 @@ def test_forward_hook_on_a_module_returning_the_norm_output_refuses_the_fold():
     model = _DropoutBetween()
     model.d.register_forward_hook(lambda m, args, out: None)  # observes x̂ vs γ·x̂ + β
     with pytest.raises(NothingToConvertError, match="d returns the norm's output and has forward hooks"):
-        convert(model, probe=torch.randn(2, 8))
+        convert(model, probe=torch.randn(2, 8), keep_affine=False)
     assert isinstance(model.n, nn.LayerNorm)
     bare = _DropoutBetween()
     bare.d.register_forward_pre_hook(lambda m, args: None)
     with pytest.raises(NothingToConvertError, match="d has forward pre-hooks"):
-        convert(bare, probe=torch.randn(2, 8))
+        convert(bare, probe=torch.randn(2, 8), keep_affine=False)
+    # by default the norm keeps its affine instead (h keeps its output anyway): the hook sees γ·x̂ + β as before
+    seen = []
+    watched = _DropoutBetween()
+    watched.d.register_forward_hook(lambda m, args, out: seen.append(out.detach().clone()))
+    x = torch.randn(2, 8)
+    watched(x)
+    (keep,) = convert(watched, probe=x).lmbp_report.plan.items
+    assert keep.tag == "norm_keeps" and "forward hooks" in keep.fold_refused
+    watched(x)
+    torch.testing.assert_close(seen[-1], seen[0])
     assert "n" in convert(_DropoutBetween(), probe=torch.randn(2, 8)).lmbp_report.swapped
 
 

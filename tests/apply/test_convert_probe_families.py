@@ -13,21 +13,23 @@ from benchmarks.families import PROBE_FAMILIES
 
 # Families that save less than 20 % in fp32 on these tiny configs, with the skip reason the report gives for the
 # norms left as they are (matcher gaps other work addresses): the test accepts ≥ 20 % or that reason.
-POST_LN = "no module boundary where the affine could be re-applied"
+# In-layer post-LN norms (BART, Marian, HuBERT, wav2vec2: the residual add in the layer's own forward) keep their
+# affine as memory-sharing norms now (match/norm_kept.py): BART 11.4 → 21.1 %, Marian 12.1 → 22.3 %, so they left
+# this table. What is left below 20 % on these one-layer configs is a norm whose output reaches its Linears only
+# through a training-time dropout (which then keeps its own output, not the norm's).
+DROPOUT_BLOCK = "dropout (p=0.1)"
 BELOW_20 = {
-    "bart": POST_LN,  # 11.4 %: post-LN with the residual add in the layer's own forward; tied lm_head
-    "bart_classifier": POST_LN,  # the same layout as BART
-    "marian": POST_LN,  # 12.1 %: the same layout as BART
-    "hubert": POST_LN,  # 13.9 %: post-LN encoder layers (do_stable_layer_norm=False)
-    "wav2vec2": POST_LN,  # 13.9 %: the same layout as HuBERT
-    # 13.5 %: its FFNs use ReLU (approx-BP swaps GELU/SiLU-like activations) and the conv subsampler keeps its
-    # inputs; the one norm skipped feeds the tied lm_head
-    "speech_to_text": "is tied to",
+    "bart_classifier": DROPOUT_BLOCK,  # 19.1 %: layernorm_embedding → dropout → q/k/v; was 11.4 % (post-LN)
+    "hubert": DROPOUT_BLOCK,  # 16.9 % (was 13.9 %): encoder.layer_norm → dropout → layer 0; conv front end
+    "wav2vec2": DROPOUT_BLOCK,  # 16.9 % (was 13.9 %): the same layout as HuBERT
     "timm_mixer_160": "no Linear consumer reachable",  # 13.2 %: norm1 feeds the token-mixing MLP (transposed)
 }
 # Hiera converts every norm and activation it has (nothing skipped) but saves 19.0 %: on this tiny config the
 # attention probabilities and its mask-unit reshapes dominate; a floor below the measured figure guards regressions.
-FLOOR = {"timm_hiera_160": 0.18}
+FLOOR = {"timm_hiera_160": 0.18,
+         # 15.7 % (was 13.5 %, when its final norm, feeding the tied lm_head, was skipped; now its affine is kept):
+         # its FFNs use ReLU (approx-BP swaps GELU/SiLU-like activations) and the conv subsampler keeps its inputs
+         "speech_to_text": 0.15}
 
 
 def _saved(model, probe):

@@ -137,9 +137,15 @@ def test_activation_and_norm_switches():
 
 def test_tied_head_is_skipped_with_reason_unless_untied():
     model = hf("llama", tie_word_embeddings=True)
-    rep = convert(model).lmbp_report
+    rep = convert(model, keep_affine=False).lmbp_report
     skip = {s.name: s.reason for s in rep.plan.skips}
     assert "tied" in skip["model.norm"]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    # by default the norm keeps its affine instead (lm_head keeps its output anyway); the weights stay tied
+    model = hf("llama", tie_word_embeddings=True)
+    rep = convert(model).lmbp_report
+    (keep,) = [k for k in rep.plan.items if k.name == "model.norm"]
+    assert keep.tag == "norm_keeps" and "tied" in keep.fold_refused and keep.keepers == ["lm_head"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     model = hf("llama", tie_word_embeddings=True)
     ref = copy.deepcopy(model).eval()

@@ -87,9 +87,15 @@ class SameScopeResidual(nn.Module):
 
 
 def test_other_consumer_without_module_boundary_blocks_the_fold():
-    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False,
+                           keep_affine=False)
     (skip,) = plan.skips
     assert "no module boundary" in skip.reason
+    # by default the norm keeps its affine instead (fc keeps its output anyway), with the fold's refusal as reason
+    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    (keep,) = plan.items
+    assert not plan.skips and not plan.norm_folds and keep.tag == "norm_keeps"
+    assert "no module boundary" in keep.fold_refused and keep.keepers == ["fc"]
 
 
 class Residual(nn.Module):
