@@ -249,3 +249,26 @@ class FoldOnLoad(ConvertedHook):
                           "channel; load the norm together with its Linears")
             return None
         return unfold_scale(w, self.gamma, t.layout)
+
+
+class RefuseUnfoldedLoad(ConvertedHook):
+    """load_state_dict pre-hook for a norm folded into parameters used by functional ops (`ConsumerFold`): an
+    arriving norm weight that is not the identity comes from an original checkpoint, whose affine this hook
+    cannot fold into those parameters on load; the load fails with that reason instead of loading a different
+    model. (The converted model's own state dict holds the identity there and loads as usual.)"""
+
+    def __init__(self, norm: str, param: str, params: list[str]):
+        self.norm = norm
+        self.param = param
+        self.params = list(dict.fromkeys(params))
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        w = state_dict.get(_key(prefix, self.norm, "weight"))
+        if not isinstance(w, torch.Tensor) or w.device.type == "meta":
+            return
+        if bool(w.ne(identity_weight_value(self.param)).any()):
+            error_msgs.append(
+                f"{self.norm}: this checkpoint holds the norm's original affine, but the converted model has it "
+                f"folded into {', '.join(self.params)} (used by functional ops), which cannot be folded on load; "
+                "load the original checkpoint into the original model and convert() it after loading")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -94,9 +94,13 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
     return fold
 
 
-def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
+def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole,
+              take: Callable[[Walk], int] | None = None) -> NormFold:
+    """``take``: takes the readers it can fold into out of the walk (functional consumers, match/consumers.py)
+    and returns how many it took; they count as targets."""
     node = _single_call(ctx, name, mod)
     walk = walk_readers(ctx, node.outputs[0], nr)
+    taken = take(walk) if take is not None else 0
     unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
     if isinstance(unseen, str):
         raise Refused(unseen)
@@ -104,7 +108,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> Nor
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
-    if not walk.targets and not demoted:
+    if not walk.targets and not demoted and not taken:
         why = no_target_reason(ctx, walk)
         if walk.opaque:  # the real cause first: consumers the fold cannot go into
             why = "; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})"
