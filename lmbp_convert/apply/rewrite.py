@@ -211,6 +211,10 @@ class UnitBuilder:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
         cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
+        if getattr(fold, "channel_dim", -1) != -1:  # a channel-first norm (match/consumers.py)
+            from ..nn.channel_first import channel_first_class
+
+            cls = channel_first_class(cls)
         if fold.reapply:  # other branches still need γ, β: the MS norm keeps them for the re-apply hooks
             return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
         ident = WeightParam(fold.param).identity_fill

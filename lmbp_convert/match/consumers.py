@@ -88,10 +88,14 @@ class ConsumerFold(NormFold):
     counted_when_none = False
 
     params: list[ParamTarget] = field(default_factory=list)
+    channel_dim: int = -1  # 1: a channel-first norm (NCHW), swapped for its channel-first memory-sharing form
 
     def describe(self) -> list[str]:
         lines = super().describe()
-        lines[0] = lines[0].rstrip(" →") + (" and" if self.targets else " →")
+        if self.params:
+            lines[0] = lines[0].rstrip(" →") + (" and" if self.targets else " →")
+        if self.channel_dim != -1:
+            lines[0] = lines[0].replace("] ", f", channels at dim {self.channel_dim}] ", 1)
         return lines[:1] + [f"      into {p.describe()}" for p in self.params] + lines[1:]
 
     def buffer_notes(self) -> list[str]:
@@ -125,7 +129,7 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
         try:
             fold = plan_norm(ctx, name, mod, nr, taker)
         except Refused as why:
-            if taker.found or taker.problems:
+            if taker.found or taker.problems or nr.channel_dim != -1:
                 ctx.claimed.add(name)
                 yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(taker.problems + [str(why)])))
             continue
@@ -133,11 +137,11 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
             ctx.claimed.add(name)
             yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(taker.problems)))
             continue
-        if not taker.found:
-            continue
+        if not taker.found and nr.channel_dim == -1:
+            continue  # an ordinary norm fold: match_norms plans it
         fold = _adopt_prefolded(ctx, fold)
         fields = {k: v for k, v in fold.__dict__.items()}
-        yield ConsumerFold(**fields, params=[] if fold.prefolded else taker.found)
+        yield ConsumerFold(**fields, params=[] if fold.prefolded else taker.found, channel_dim=nr.channel_dim)
 
 
 class _Taker:

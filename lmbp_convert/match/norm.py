@@ -76,6 +76,10 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
         if role.problem:
             yield Skip(name, class_key(mod), role.problem)
         elif role.kind is RoleKind.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
+            if role.norm.channel_dim != -1:  # channel-first norms: match/consumers.py (it claims the ones it takes)
+                yield Skip(name, class_key(mod), "channel-first norm whose output reaches no consumer the fold can "
+                                                 "go into")
+                continue
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:
@@ -219,7 +223,7 @@ def unseen_siblings(ctx: MatchContext, norm: str, walk: Walk, has_beta: bool) ->
 def walk_readers(ctx: MatchContext, out: int, nr: NormRole) -> Walk:
     """Every reader of the norm's output ``out``, through affine-commuting ops: the Linears the affine can fold
     into and the others (with why a Linear on the way cannot take it)."""
-    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out)
+    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out, nr.channel_dim)
 
 
 class _Walker:
@@ -230,9 +234,9 @@ class _Walker:
         self.walk = Walk()
         self.frontier: list[tuple[int, int, list[str]]] = []
 
-    def run(self, out: int) -> Walk:
+    def run(self, out: int, channel_dim: int = -1) -> Walk:
         w = self.walk
-        self.frontier.append((out, len(self.g.tensors[out].shape) - 1, []))
+        self.frontier.append((out, channel_dim % len(self.g.tensors[out].shape), []))
         while self.frontier:
             tid, axis, via = self.frontier.pop()
             if tid in w.seen:

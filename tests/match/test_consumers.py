@@ -216,3 +216,50 @@ def test_plan_round_trips_and_original_checkpoint_is_refused_on_load():
     model.load_state_dict(model.state_dict())  # its own state loads
     with pytest.raises(RuntimeError, match="cannot be folded on load"):
         model.load_state_dict(original)
+
+
+class ConvMlpBlock(nn.Module):
+    """ConvNeXt block with a conv MLP: depthwise conv → channel-first LayerNorm → 1×1 convs."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.dw = nn.Conv2d(D, D, 3, padding=1, groups=D)
+        self.norm = norm
+        self.fc1 = nn.Conv2d(D, 2 * D, 1)
+        self.fc2 = nn.Conv2d(2 * D, D, 1)
+
+    def forward(self, x):
+        return x + self.fc2(F.relu(self.fc1(self.norm(self.dw(x)))))
+
+
+def _timm_layernorm2d():
+    from timm.layers import LayerNorm2d
+
+    return LayerNorm2d(D)
+
+
+def _hf_channels_first():
+    from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+
+    return ConvNextLayerNorm(D, data_format="channels_first")
+
+
+@pytest.mark.parametrize("make_norm", [_timm_layernorm2d, _hf_channels_first])
+def test_channel_first_norm_is_found_and_folds_into_a_1x1_conv(make_norm):
+    from lmbp_convert.catalogue import load_catalogue
+    from lmbp_convert.match.roles import assign_roles
+    from lmbp_convert.nn.channel_first import MSLayerNorm2d
+
+    torch.manual_seed(0)
+    model, x = randomize_norms(ConvMlpBlock(make_norm())), torch.randn(2, D, 6, 6)
+    role = assign_roles(model, load_catalogue())["norm"]
+    assert role.kind == "norm" and role.norm.channel_dim == 1, role
+    before = _saved(model, x)
+    rep = _check_exact(model, x)
+    fold = _folds(rep)["norm"]
+    assert fold.channel_dim == 1 and [p.weight for p in fold.params] == ["fc1.weight"]
+    assert isinstance(model.norm, MSLayerNorm2d)
+    # the norm's fp32 input (2·32·6·6·4 = 9216 bytes) and its statistics are no longer kept; the 1×1 conv keeps a
+    # channel-first view of the norm's output
+    after = _saved(model, x)
+    assert before - after == 9216 + 288, (before, after)
