@@ -12,13 +12,12 @@ from typing import Callable, TypeVar
 import torch
 from torch import nn
 
-from ..fold import (add_shift, conv_shift, effective_scale, fold_affine, fold_conv_input, fold_lora_a, fold_weight_rows,
-                    rows_shift, shift_through_scale)
+from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
-from ..match.consumers import ConsumerFold, ParamTarget
+from ..match.consumers import ConsumerFold
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
-from .load_hooks import FoldOnLoad, RefuseUnfoldedLoad
+from .load_hooks import FoldOnLoad, FoldParamsOnLoad
 
 
 #: per-module hook registries carried from a swapped module to its replacement (state-dict hooks are not:
@@ -310,21 +309,21 @@ def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
 @builds(ConsumerFold)
 def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     """The norm fold of `UnitBuilder.norm` (MS norm, Linear targets, re-apply hooks), plus γ (and β) folded into the
-    parameter rows that functional ops apply to the norm's output. A load-time guard comes first: an original
-    checkpoint loaded later could not be folded into those parameters, so it is refused rather than loaded wrong."""
+    parameter rows that functional ops apply to the norm's output. Its load hook comes first, so it reads an
+    arriving original γ, β before the norm's own hook puts the identity in their place."""
+    from .param_fold import param_folds
+
     unit = Unit(f"norm {fold.name} (functional consumers)")
-    if not fold.prefolded and fold.params and not fold.reapply:  # a re-applied norm keeps γ: cannot tell
-        guard = RefuseUnfoldedLoad(fold.name, fold.param, [p.weight for p in fold.params])
-        builder.add_hook(unit, lambda h=guard: builder.model.register_load_state_dict_pre_hook(h))
-    norm_unit = builder.norm(fold)
     old = builder.modules[fold.name]
-    if not fold.prefolded:
+    meta = any(_tensor(builder, t.weight).device.type == "meta" for t in fold.params)
+    if fold.params and not fold.prefolded:
+        hook = FoldParamsOnLoad(fold, awaiting=meta)
+        builder.add_hook(unit, lambda h=hook: builder.model.register_load_state_dict_pre_hook(h))
+    norm_unit = builder.norm(fold)
+    if not fold.prefolded and not meta:
         gamma = effective_scale(old.weight, fold.param)
         beta = getattr(old, "bias", None) if fold.has_bias else None
-        pending: dict[str, torch.Tensor] = {}  # targets sharing a tensor (MHA's q, k, v rows) fold in turn
-        for t in fold.params:
-            _fold_param_target(builder, pending, t, gamma, beta)
-        for name, new in pending.items():
+        for name, new in param_folds(fold.params, lambda n: _tensor(builder, n), gamma, beta).items():
             builder.swap_data(unit, _tensor(builder, name), new)
     unit.steps += norm_unit.steps
     return unit
@@ -333,24 +332,3 @@ def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
 def _tensor(builder: UnitBuilder, name: str) -> torch.Tensor:
     owner, _, attr = name.rpartition(".")
     return getattr(builder.modules[owner], attr)
-
-
-def _fold_param_target(builder: UnitBuilder, pending: dict[str, torch.Tensor], t: ParamTarget, gamma: torch.Tensor,
-                       beta: torch.Tensor | None) -> None:
-    """The new values of t's weight and bias parts, on top of what earlier targets of the same tensors made (their
-    rows are disjoint, so each reads its rows unfolded)."""
-    w = pending.get(t.weight, _tensor(builder, t.weight).detach())
-    rows = tuple(t.rows) if t.rows else None
-    if t.conv:
-        pending[t.weight] = fold_conv_input(w, None, gamma, None)[0]
-        shift = conv_shift(w, beta) if beta is not None else None
-    else:
-        pending[t.weight] = fold_weight_rows(w, gamma, rows)
-        shift = rows_shift(w, beta, rows) if beta is not None else None
-    r0 = rows[0] if rows else 0
-    for part in t.bias if shift is not None else []:
-        b = pending.get(part.tensor, _tensor(builder, part.tensor).detach())
-        lo, hi = max(part.start, r0), min(part.stop, r0 + shift.shape[0])
-        new = b.clone()
-        new[lo - part.start:hi - part.start] = add_shift(b[lo - part.start:hi - part.start], shift[lo - r0:hi - r0])
-        pending[part.tensor] = new

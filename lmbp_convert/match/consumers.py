@@ -284,8 +284,6 @@ def _weight(ctx: MatchContext, node: Node, summary, d: int, where: str, dims: in
     param = _named(ctx, name)
     if not isinstance(param, nn.Parameter) or not param.is_floating_point():
         return Problem(f"{where} applies {name}, which is not a floating-point parameter")
-    if param.device.type == "meta":
-        return Problem(f"{where} applies {name}, which is on the meta device: the fold needs its values")
     if param.dim() != dims or param.shape[1] != d:
         return Problem(f"{where} applies {name} of shape {tuple(param.shape)}, which does not take the norm's {d} "
                        "channels")
@@ -341,8 +339,8 @@ def _bias_parts(ctx: MatchContext, node: Node, summary, out: int, where: str, be
             is_param = isinstance(t, nn.Parameter)
             mod = ctx.modules[name.rpartition(".")[0]]
             persistent = is_param or name.rpartition(".")[2] not in mod._non_persistent_buffers_set
-            if not t.is_floating_point() or t.device.type == "meta":
-                return f"{where}: its bias piece {name} cannot take the norm's β ({t.dtype}, {t.device.type})"
+            if not t.is_floating_point():
+                return f"{where}: its bias piece {name} cannot take the norm's β ({t.dtype})"
             found.append(BiasPart(name, pos, pos + n, is_param, persistent))
         pos += n
     if pos != out:

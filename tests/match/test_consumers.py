@@ -206,16 +206,38 @@ def test_conv_with_padding_refuses_beta_but_not_rms():
     assert "norm" in _folds(rep)
 
 
-def test_plan_round_trips_and_original_checkpoint_is_refused_on_load():
+@pytest.mark.parametrize("make", [lambda: FusedQKV(), lambda: CrossMHA("kv"), lambda: ChannelFirstConv()])
+def test_plan_round_trips_and_an_original_checkpoint_is_folded_on_load(make):
     torch.manual_seed(0)
-    model, x = randomize_norms(FusedQKV(bias_buffer_persistent=True)), torch.randn(2, 6, D)
-    original = copy.deepcopy(model.state_dict())
-    rep = convert(model, probe=x).lmbp_report
+    model = randomize_norms(make())
+    x = torch.randn(2, 16 if isinstance(model, ChannelFirstConv) else 6, D)
+    ref, original = copy.deepcopy(model), copy.deepcopy(model.state_dict())
+    rep = convert(model, probe=x, activations=False).lmbp_report
     back = Plan.from_dict(rep.plan.to_dict())
-    assert back.of(ConsumerFold) == rep.plan.of(ConsumerFold)
-    model.load_state_dict(model.state_dict())  # its own state loads
-    with pytest.raises(RuntimeError, match="cannot be folded on load"):
-        model.load_state_dict(original)
+    assert back.of(ConsumerFold) == rep.plan.of(ConsumerFold) != []
+    converted = copy.deepcopy(model.state_dict())
+    model.load_state_dict(converted)  # its own state loads as it is
+    assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    model.load_state_dict(original)  # the original checkpoint is folded as it arrives
+    for k, v in model.state_dict().items():
+        assert torch.allclose(v, converted[k], rtol=1e-6, atol=1e-7), k
+    assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    partial = {k: v for k, v in original.items() if not k.startswith(("qkv", "attn.in_proj", "sr."))}
+    with pytest.raises(RuntimeError, match="did not arrive with it"):
+        model.load_state_dict(partial, strict=False)
+
+
+def test_converted_on_meta_then_loaded():
+    torch.manual_seed(0)
+    ref = randomize_norms(FusedQKV(bias_buffer_persistent=True))
+    with torch.device("meta"):
+        model = FusedQKV(bias_buffer_persistent=True)
+    x = torch.randn(2, 6, D)
+    rep = convert(model, probe=x.to("meta"), activations=False, verify=False).lmbp_report
+    assert rep.plan.of(ConsumerFold)
+    model.to_empty(device="cpu")
+    model.load_state_dict(ref.state_dict())
+    assert torch.allclose(model(x), ref(x), rtol=1e-5, atol=1e-6)
 
 
 class ConvMlpBlock(nn.Module):
