@@ -351,3 +351,21 @@ def conv_shift(weight: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     w = weight.detach().to(acc)
     view = (1, -1) + (1,) * (w.dim() - 2)
     return (w * beta.detach().to(device=w.device, dtype=acc).view(view)).flatten(1).sum(1)
+
+
+def unfold_weight_rows(weight: torch.Tensor, gamma: torch.Tensor, rows: tuple[int, int] | None = None
+                       ) -> torch.Tensor:
+    """The inverse of ``fold_weight_rows`` in fp64: rows [start, stop) of W' times diag(1/γ) (``unfold_scale``,
+    with its ``UnfoldError``), the other rows as they are."""
+    a, b = rows if rows is not None else (0, weight.shape[0])
+    out = weight.detach().to(torch.float64).clone()
+    out[a:b] = unfold_scale(weight[a:b], gamma, "out_in")
+    return out
+
+
+def unfold_conv_input(weight: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """The inverse of the weight part of ``fold_conv_input`` in fp64: W'[o, i, k] / γ_i (``UnfoldError`` where
+    γ_i = 0 but the convolution still reads channel i)."""
+    flat = weight.detach().to(torch.float64).transpose(0, 1).flatten(1).t()  # [out·k, in]: out_in over channels
+    cols = unfold_scale(flat, gamma, "out_in")
+    return cols.t().reshape(weight.transpose(0, 1).shape).transpose(0, 1).contiguous()
