@@ -367,7 +367,7 @@ def _pieces(ctx: MatchContext, node: Node, tid: int) -> list[tuple[str, int]] | 
         name = g.params.get(t)
         if name is None or len(g.tensors[t].shape) != 1:
             return "its bias is concatenated from a tensor computed in forward"
-        if [c for c in g.consumers(t) if c is not cat and not is_metadata(c)]:
+        if [c for c in g.consumers(t) if c is not cat and not is_metadata(c)] or any(n == name for n, _ in found):
             return f"its bias piece {name} is used elsewhere too"
         found.append((name, g.tensors[t].shape[0]))
     return found
