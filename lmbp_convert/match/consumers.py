@@ -131,7 +131,9 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
         except Refused as why:
             if taker.found or taker.problems or nr.channel_dim != -1:
                 ctx.claimed.add(name)
-                yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(taker.problems + [str(why)])))
+                could = [f"the fold could go into {', '.join(t.describe() for t in taker.found)}, but not into every "
+                         "consumer"] if taker.found else []
+                yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(taker.problems + [str(why)] + could)))
             continue
         if taker.problems:
             ctx.claimed.add(name)
