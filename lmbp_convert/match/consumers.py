@@ -96,7 +96,9 @@ class ConsumerFold(NormFold):
             lines[0] = lines[0].rstrip(" →") + (" and" if self.targets else " →")
         if self.channel_dim != -1:
             lines[0] = lines[0].replace("] ", f", channels at dim {self.channel_dim}] ", 1)
-        return lines[:1] + [f"      into {p.describe()}" for p in self.params] + lines[1:]
+        notes = [f"      note: part of β went into {b}, a buffer the state dict does not hold (kept by this model; a "
+                 "plain export refuses it)" for b in self.buffer_notes()] if self.has_bias else []
+        return lines[:1] + [f"      into {p.describe()}" for p in self.params] + lines[1:] + notes
 
     def buffer_notes(self) -> list[str]:
         """Buffers not saved in the state dict that take a part of β (a plain checkpoint cannot hold the fold)."""
