@@ -260,21 +260,18 @@ def _mha(ctx: MatchContext, node: Node, reader: Reader, d: int, beta) -> list[Pa
     where = f"multi_head_attention_forward in {ctx.scope_name(node)}"
     if any(a.get(f"static_{_MHA_SLOTS[i][0]}") is not None for i in slots if i):
         return f"{where} uses a static key/value instead of projecting its input"
+    if a.get("use_separate_proj_weight"):
+        return f"{where} uses separate q/k/v projection weights (kdim or vdim ≠ embed_dim): not folded"
     e = a.get("embed_dim_to_check")
     found = []
     for i in slots:
-        if a.get("use_separate_proj_weight"):
-            wsum, rows = a.get(f"{_MHA_SLOTS[i][0]}_proj_weight"), None
-        else:
-            wsum, rows = a.get("in_proj_weight"), [i * e, (i + 1) * e]
-        weight = _weight(ctx, node, wsum, d, where, dims=2)
+        rows = [i * e, (i + 1) * e]
+        weight = _weight(ctx, node, a.get("in_proj_weight"), d, where, dims=2)
         if isinstance(weight, Problem):
             return str(weight)
-        parts = _bias_parts(ctx, node, a.get("in_proj_bias"), 3 * e, where, beta, rows=[i * e, (i + 1) * e])
+        parts = _bias_parts(ctx, node, a.get("in_proj_bias"), 3 * e, where, beta, rows=rows)
         if isinstance(parts, str):
             return parts
-        if a.get("use_separate_proj_weight"):  # the bias rows of this slot, at this weight's own rows
-            parts = [BiasPart(p.tensor, p.start - i * e, p.stop - i * e, p.parameter, p.persistent) for p in parts]
         found.append(ParamTarget(weight, "multi_head_attention_forward", ctx.scope_name(node), rows, parts))
     return found
 

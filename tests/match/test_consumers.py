@@ -285,3 +285,20 @@ def test_channel_first_norm_is_found_and_folds_into_a_1x1_conv(make_norm):
     # channel-first view of the norm's output
     after = _saved(model, x)
     assert before - after == 9216 + 288, (before, after)
+
+
+def test_mha_with_separate_projection_weights_is_refused_with_its_reason():
+    class KDim(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(D)
+            self.attn = nn.MultiheadAttention(D, H, kdim=D // 2, vdim=D // 2, batch_first=True)
+            self.memory = nn.Parameter(torch.randn(1, 5, D // 2))
+
+        def forward(self, x):
+            mem = self.memory.expand(x.shape[0], -1, -1)
+            return self.attn(self.norm(x), mem, mem, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    with pytest.raises(NothingToConvertError, match="uses separate q/k/v projection weights"):
+        convert(randomize_norms(KDim()), probe=torch.randn(2, 6, D))
