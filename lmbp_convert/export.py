@@ -32,6 +32,7 @@ from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
 from .kinds import AffineState, ConvertedModule
+from .match.plan import NormFold
 from .report import ConversionReport
 
 __all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
@@ -74,7 +75,7 @@ def _name_map(model: nn.Module, report: ConversionReport) -> Callable[[str], str
     """Map the report's module names onto ``model``: the same model, a wrapper of it, or a module it wraps
     (e.g. ``merge_and_unload()`` of a PeftModel that was converted)."""
     names = dict(model.named_modules())
-    folds = report.plan.norm_folds
+    folds = _norm_folds(report)
     if not folds or folds[0].name in names:
         return lambda n: n
     probe = folds[0].name
@@ -92,6 +93,17 @@ def _name_map(model: nn.Module, report: ConversionReport) -> Callable[[str], str
         if strip(probe) in names:
             return strip
     raise ExportError(f"the report's norm {probe!r} is not a module of {type(model).__name__}")
+
+
+def _norm_folds(report: ConversionReport) -> list:
+    """Every norm fold of the report: plain ones and those into functional consumers (`ConsumerFold`)."""
+    return [it for it in report.plan.items if isinstance(it, NormFold)]
+
+
+def _buffer_shares(fold) -> list[str]:
+    """Buffers that a state dict does not hold but that took a share of the norm's β (EVA's ``k_bias``)."""
+    notes = getattr(fold, "buffer_notes", None)
+    return notes() if notes is not None else []
 
 
 def _key(module_name: str, attr: str) -> str:
@@ -119,7 +131,7 @@ def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None
     modules = dict(model.named_modules())
     done: set[str] = set()
     for rep, rename in _find_reports(model, report):
-        for fold in rep.plan.norm_folds:
+        for fold in _norm_folds(rep):
             norm_name = rename(fold.name)
             if norm_name not in done:
                 _export_fold(sd, modules, fold, norm_name, rename, rtol)
@@ -137,7 +149,8 @@ def saves_plainly(model: nn.Module) -> bool:
     re-applied on another branch) *and* is folded into Linears — post-LN models (BERT, RoBERTa). Those need
     ``save_pretrained`` / ``plain_state_dict`` from this module."""
     reports = [r for _, mod in model.named_modules() for r in _chain(getattr(mod, REPORT_ATTR, None))]
-    if any(f.targets and f.reapply for r in reports for f in r.plan.norm_folds):
+    if any((f.targets or getattr(f, "params", None)) and f.reapply or _buffer_shares(f)
+           for r in reports for f in _norm_folds(r)):
         return False
     keeps_affine = any(_is_ms_norm(m) and isinstance(m._parameters.get("weight"), nn.Parameter)
                        for m in model.modules())
@@ -168,10 +181,40 @@ def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable
             raise ExportError(f"{lname} is wrapped by a LoRA adapter; merge the adapters first "
                               "(merge_and_unload()) and pass report=<the converted model's report>")
         targets.append((t, lname, lin))
+    if _buffer_shares(fold) and fold.has_bias:
+        raise ExportError(f"{norm_name}: its β was folded partly into {', '.join(_buffer_shares(fold))}, a buffer no "
+                          "state dict holds, so a plain checkpoint would lose that share; save the converted model "
+                          "with its own state_dict (it loads into a converted model), or convert without this norm "
+                          f"(exclude=[{norm_name!r}])")
+    if getattr(fold, "params", None) and any(t.adds_bias for t in fold.targets) and fold.beta == "fold":
+        raise ExportError(f"{norm_name}: a bias-less Linear took a share of its β and it also feeds functional "
+                          "consumers, whose biases the move of that share back into the norm does not cover; save "
+                          "the converted model with its own state_dict")
+    if getattr(fold, "params", None) and fold.reapply:
+        _unfold_params(sd, fold, norm, rename)
     if isinstance(norm._parameters.get("weight"), nn.Parameter):
         _unfold_reapplied(sd, fold, norm, targets, rtol)
     else:
         _move_added_bias(sd, fold, norm_name, norm, targets, rtol)
+
+
+def _unfold_params(sd: dict, fold, norm: nn.Module, rename: Callable[[str], str]) -> None:
+    """Norm keeps γ, β (re-applied elsewhere): unfold them out of the parameters functional ops apply to its output
+    (the inverse of `apply.param_fold.param_folds`, with the norm's current γ, β)."""
+    from .apply.param_fold import param_unfolds
+
+    gamma = effective_scale(norm.weight, fold.param).to(torch.float64)
+    _require_finite(gamma, f"the scale γ of {fold.name}")
+    beta = norm.bias if fold.has_bias and isinstance(getattr(norm, "bias", None), torch.Tensor) else None
+
+    def get(name: str) -> torch.Tensor:
+        return sd[rename(name)]
+
+    try:
+        for name, new in param_unfolds(fold.params, get, gamma, beta).items():
+            sd[rename(name)] = _finite_as(new, sd[rename(name)], f"{rename(name)} (unfolded)")
+    except UnfoldError as exc:
+        raise ExportError(str(exc)) from exc
 
 
 def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: float) -> None:

@@ -316,3 +316,75 @@ def unfold_added_bias(shift: torch.Tensor, added: Sequence[tuple[torch.Tensor, t
     old = shift.detach().to(torch.float64)
     biases = [unfold_bias(b, w, beta, lay) if b is not None else None for w, b, lay in others]
     return BiasMove(old + beta.to(old.device), biases, a @ beta - y, y)
+
+
+# -- functional consumers: a block of a weight's rows, the parts of an assembled bias, convolutions ---------------
+def fold_weight_rows(weight: torch.Tensor, gamma: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """W with rows ``rows`` = [start, stop) (None: all) scaled as ``fold_scale`` (out_in layout), the others as
+    they are: the weight of an op whose input projection reads the norm only in some rows (nn.MultiheadAttention's
+    ``in_proj_weight`` when only the query, or only key and value, come from the norm)."""
+    a, b = rows if rows is not None else (0, weight.shape[0])
+    out = weight.detach().clone()
+    out[a:b] = fold_scale(weight[a:b], gamma, "out_in")
+    return out
+
+
+def rows_shift(weight: torch.Tensor, beta: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """W[rows]·β in the fold's accumulation dtype, from the *unfolded* W: what the norm's shift adds to those
+    outputs, to be added to whatever bias the op adds there (`add_shift`)."""
+    a, b = rows if rows is not None else (0, weight.shape[0])
+    acc = accumulation_dtype(weight.dtype)
+    return weight.detach()[a:b].to(acc) @ beta.detach().to(device=weight.device, dtype=acc)
+
+
+def add_shift(part: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """part + shift, computed in the accumulation dtype and rounded once to the part's dtype: one piece of a bias
+    that an op assembles in forward (EVA's ``cat(q_bias, k_bias, v_bias)``) taking its share of W·β."""
+    acc = accumulation_dtype(part.dtype)
+    return (part.detach().to(acc) + shift.to(device=part.device, dtype=acc)).to(part.dtype)
+
+
+def fold_conv_input(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor,
+                    beta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(W', b') of a convolution (weight [out, in / groups = in, *kernel]) whose input channels are a norm's
+    output: W'[o, i, k] = W[o, i, k]·γ_i and b'[o] = b[o] + Σ_{i,k} W[o, i, k]·β_i. Exact only when every output
+    reads only real (un-padded) input positions: padding would see 0, not β. Rounded like ``fold_affine``."""
+    acc = accumulation_dtype(weight.dtype)
+    w = weight.detach().to(acc)
+    g = gamma.detach().to(device=w.device, dtype=acc)
+    if w.shape[1] != g.shape[0]:
+        raise ValueError(f"norm has {g.shape[0]} channels but the convolution takes {w.shape[1]} per group")
+    view = (1, -1) + (1,) * (w.dim() - 2)
+    w_new = (w * g.view(view)).to(weight.dtype)
+    if beta is None:
+        return w_new, bias
+    shift = conv_shift(weight, beta)
+    b_new = shift if bias is None else bias.detach().to(acc) + shift
+    return w_new, b_new.to(bias.dtype if bias is not None else weight.dtype)
+
+
+def conv_shift(weight: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """Σ_{i,k} W[o, i, k]·β_i in the accumulation dtype, from the *unfolded* W: what a per-input-channel shift β adds
+    to every output of a convolution that reads no padding."""
+    acc = accumulation_dtype(weight.dtype)
+    w = weight.detach().to(acc)
+    view = (1, -1) + (1,) * (w.dim() - 2)
+    return (w * beta.detach().to(device=w.device, dtype=acc).view(view)).flatten(1).sum(1)
+
+
+def unfold_weight_rows(weight: torch.Tensor, gamma: torch.Tensor, rows: tuple[int, int] | None = None
+                       ) -> torch.Tensor:
+    """The inverse of ``fold_weight_rows`` in fp64: rows [start, stop) of W' times diag(1/γ) (``unfold_scale``,
+    with its ``UnfoldError``), the other rows as they are."""
+    a, b = rows if rows is not None else (0, weight.shape[0])
+    out = weight.detach().to(torch.float64).clone()
+    out[a:b] = unfold_scale(weight[a:b], gamma, "out_in")
+    return out
+
+
+def unfold_conv_input(weight: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """The inverse of the weight part of ``fold_conv_input`` in fp64: W'[o, i, k] / γ_i (``UnfoldError`` where
+    γ_i = 0 but the convolution still reads channel i)."""
+    flat = weight.detach().to(torch.float64).transpose(0, 1).flatten(1).t()  # [out·k, in]: out_in over channels
+    cols = unfold_scale(flat, gamma, "out_in")
+    return cols.t().reshape(weight.transpose(0, 1).shape).transpose(0, 1).contiguous()

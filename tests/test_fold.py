@@ -4,6 +4,7 @@ from enum import Enum
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmbp_convert.fold import (
@@ -304,3 +305,41 @@ def test_shift_behind_scale_is_the_live_shift_through_scale():
     torch.testing.assert_close(beta.grad, 1 / gamma.detach())
     zero = shift_behind_scale(torch.zeros(2), torch.zeros(2))  # γ = 0 channels: no division by zero
     assert torch.equal(zero, torch.zeros(2))
+
+
+# -- functional consumers: rows of a weight, assembled bias parts, convolutions -------------------------------
+def test_fold_weight_rows_folds_only_those_rows_and_unfolds_back():
+    from lmbp_convert.fold import fold_weight_rows, rows_shift, unfold_weight_rows
+
+    gen = torch.Generator().manual_seed(0)
+    w, g, b = torch.randn(12, 4, generator=gen), torch.rand(4, generator=gen) + 0.5, torch.randn(4, generator=gen)
+    x = torch.randn(5, 4, generator=gen)
+    f = fold_weight_rows(w, g, (4, 8))
+    assert torch.equal(f[:4], w[:4]) and torch.equal(f[8:], w[8:])
+    torch.testing.assert_close(x @ f[4:8].t() + rows_shift(w, b, (4, 8)), (g * x + b) @ w[4:8].t())
+    torch.testing.assert_close(unfold_weight_rows(f, g, (4, 8)).float(), w)
+
+
+def test_add_shift_rounds_once_to_the_part_dtype():
+    from lmbp_convert.fold import add_shift
+
+    part = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+    shift = torch.tensor([1e-3, 1e-3], dtype=torch.float32)
+    assert add_shift(part, shift).dtype == torch.bfloat16
+    assert torch.equal(add_shift(part, shift), (part.float() + shift).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_fold_conv_input_is_exact_without_padding(stride):
+    from lmbp_convert.fold import fold_conv_input, unfold_conv_input
+
+    gen = torch.Generator().manual_seed(1)
+    w, b = torch.randn(6, 4, 2, 2, generator=gen, dtype=torch.float64), torch.randn(6, generator=gen, dtype=torch.float64)
+    g, beta = torch.rand(4, generator=gen, dtype=torch.float64) + 0.5, torch.randn(4, generator=gen, dtype=torch.float64)
+    xh = torch.randn(2, 4, 6, 6, generator=gen, dtype=torch.float64)
+    wf, bf = fold_conv_input(w, b, g, beta)
+    want = F.conv2d(xh * g[:, None, None] + beta[:, None, None], w, b, stride=stride)
+    torch.testing.assert_close(F.conv2d(xh, wf, bf, stride=stride), want)
+    torch.testing.assert_close(unfold_conv_input(wf, g), w)
+    with pytest.raises(ValueError, match="channels"):
+        fold_conv_input(w, b, g[:3], beta)

@@ -249,3 +249,53 @@ class FoldOnLoad(ConvertedHook):
                           "channel; load the norm together with its Linears")
             return None
         return unfold_scale(w, self.gamma, t.layout)
+
+
+class FoldParamsOnLoad(ConvertedHook):
+    """load_state_dict pre-hook for a norm folded into parameters used by functional ops (`ConsumerFold`). An
+    original checkpoint (the norm's weight is not the identity; for a norm whose affine is re-applied elsewhere, the
+    first load into a model converted on ``meta``) is folded as it arrives: those parameters' entries become what
+    ``convert()`` makes of them. The norm's own entries are left to its `FoldOnLoad`, which runs after this hook.
+    Every tensor of the fold must arrive in the same call (one state dict, not shards in separate calls); otherwise
+    the load fails with that reason rather than load a different model. Pieces of β that go into buffers the state
+    dict does not hold (EVA's ``k_bias``) are added to the live buffer."""
+
+    def __init__(self, fold, awaiting: bool):
+        self.norm = fold.name
+        self.param = fold.param
+        self.has_bias = fold.has_bias
+        self.reapplied = bool(fold.reapply)
+        self.targets = list(fold.params)
+        self.awaiting = awaiting
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        from .param_fold import param_folds
+
+        g = state_dict.get(_key(prefix, self.norm, "weight"))
+        if not isinstance(g, torch.Tensor):
+            return
+        original = self.awaiting if self.reapplied else bool(g.ne(identity_weight_value(self.param)).any())
+        if not original:
+            return
+        stored = {n for t in self.targets for n in [t.weight] + [b.tensor for b in t.bias if b.persistent]}
+        missing = sorted(n for n in stored if _key(prefix, "", n) not in state_dict)
+        if missing:
+            error_msgs.append(f"{self.norm}: this checkpoint holds the norm's original affine, which the converted "
+                              f"model folds into {', '.join(sorted(stored))}, but {', '.join(missing)} did not "
+                              "arrive with it; load the whole checkpoint in one call")
+            return
+        live = dict(module.named_parameters()) | dict(module.named_buffers())
+
+        def get(name: str) -> torch.Tensor:
+            key = _key(prefix, "", name)
+            return state_dict[key] if key in state_dict else live[name]
+
+        b = state_dict.get(_key(prefix, self.norm, "bias")) if self.has_bias else None
+        for name, new in param_folds(self.targets, get, effective_scale(g, self.param), b).items():
+            key = _key(prefix, "", name)
+            if key in state_dict:
+                state_dict[key] = new
+            else:
+                _copy_into(live[name], new)
+        self.awaiting = False

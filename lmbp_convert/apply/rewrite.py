@@ -14,10 +14,11 @@ from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..match.consumers import ConsumerFold
 from ..match.norm_kept import NormKeep
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
-from .load_hooks import FoldOnLoad
+from .load_hooks import FoldOnLoad, FoldParamsOnLoad
 
 
 #: per-module hook registries carried from a swapped module to its replacement (state-dict hooks are not:
@@ -210,6 +211,10 @@ class UnitBuilder:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
         cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
+        if getattr(fold, "channel_dim", -1) != -1:  # a channel-first norm (match/consumers.py)
+            from ..nn.channel_first import channel_first_class
+
+            cls = channel_first_class(cls)
         if fold.reapply:  # other branches still need γ, β: the MS norm keeps them for the re-apply hooks
             return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
         ident = WeightParam(fold.param).identity_fill
@@ -315,3 +320,29 @@ def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
                        keep.param, out_dtype=out)
     builder.swap_module(unit, keep.name, new)
     return unit
+@builds(ConsumerFold)
+def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
+    """The norm fold of `UnitBuilder.norm` (MS norm, Linear targets, re-apply hooks), plus γ (and β) folded into the
+    parameter rows that functional ops apply to the norm's output. Its load hook comes first, so it reads an
+    arriving original γ, β before the norm's own hook puts the identity in their place."""
+    from .param_fold import param_folds
+
+    unit = Unit(f"norm {fold.name} (functional consumers)")
+    old = builder.modules[fold.name]
+    meta = any(_tensor(builder, t.weight).device.type == "meta" for t in fold.params)
+    if fold.params and not fold.prefolded:
+        hook = FoldParamsOnLoad(fold, awaiting=meta)
+        builder.add_hook(unit, lambda h=hook: builder.model.register_load_state_dict_pre_hook(h))
+    norm_unit = builder.norm(fold)
+    if not fold.prefolded and not meta:
+        gamma = effective_scale(old.weight, fold.param)
+        beta = getattr(old, "bias", None) if fold.has_bias else None
+        for name, new in param_folds(fold.params, lambda n: _tensor(builder, n), gamma, beta).items():
+            builder.swap_data(unit, _tensor(builder, name), new)
+    unit.steps += norm_unit.steps
+    return unit
+
+
+def _tensor(builder: UnitBuilder, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(builder.modules[owner], attr)

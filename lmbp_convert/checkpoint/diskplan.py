@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 from ..apply.convert import CONFIG_KEY
 from ..kinds import Layout, StrChoice, WeightParam
+from ..match.consumers import ConsumerFold
 from ..match.plan import NormFold, Plan, PlanItem, Skip
 from ..report import fmt_bytes
 from .errors import CheckpointError
@@ -464,8 +465,53 @@ class FoldOnDisk:
         return f"  fold {f.name} [{kind}] -> {', '.join(self.targets(f))}"
 
 
+class ConsumerFoldOnDisk(FoldOnDisk):
+    """A norm folded into functional consumers (`ConsumerFold`): on disk only where each is a whole 2-D weight that
+    F.linear applies (γ: W·diag(γ), as a Linear) and β, if any, goes into one whole bias parameter; rows of a
+    weight (nn.MultiheadAttention's in_proj), bias pieces assembled in forward (EVA's q/k/v biases), convolutions
+    and channel-first norms are refused with that reason (convert() folds them when it loads the checkpoint)."""
+
+    def problem(self, p: _Planner, f: ConsumerFold) -> tuple[str | None, bool]:
+        if f.channel_dim != -1:
+            return "a channel-first norm: its memory-sharing form is made by convert() when it loads the model", False
+        for t in f.params:
+            why = self._param_problem(t)
+            if why:
+                return f"{t.describe()}: {why}; convert() folds it when it loads the model", False
+        reason, untie = super().problem(p, f)
+        if reason:
+            return reason, untie
+        names = [t.weight for t in f.params] + [b.tensor for t in f.params for b in t.bias]
+        problem = next((pr for pr in map(p._tensor_problem, names) if pr), None)
+        return (problem, False) if problem else (None, untie)
+
+    @staticmethod
+    def _param_problem(t) -> str | None:
+        if t.conv:
+            return "the on-disk fold does not rewrite convolutions"
+        if t.rows:
+            return "the on-disk fold rewrites whole weights, not a block of rows"
+        if len(t.bias) > 1 or any(not b.parameter for b in t.bias):
+            return "its bias is assembled in forward from several tensors"
+        return None
+
+    def actions(self, p: _Planner, f: ConsumerFold) -> dict[str, Action]:
+        acts = super().actions(p, f)
+        gk = p.key_of(f"{f.name}.weight")
+        bk = p.key_of(f"{f.name}.bias") if f.has_bias else None
+        for t in f.params:
+            acts[t.weight] = Action(ActionKind.FOLD_W, f.name, f.param, Layout.OUT_IN, gamma=gk)
+            for b in t.bias:
+                acts[b.tensor] = Action(ActionKind.FOLD_B, f.name, f.param, Layout.OUT_IN, gamma=gk, beta=bk,
+                                        weight=p.key_of(t.weight))
+        return acts
+
+    def targets(self, f: ConsumerFold) -> list[str]:
+        return super().targets(f) + [t.weight.rpartition(".")[0] for t in f.params]
+
+
 #: plan item class → how its items go on disk (kinds not listed are module swaps only)
-DISK_RULES: dict[type, DiskRule] = {NormFold: FoldOnDisk()}
+DISK_RULES: dict[type, DiskRule] = {NormFold: FoldOnDisk(), ConsumerFold: ConsumerFoldOnDisk()}
 
 
 def plan_disk(src: Source, view: ModelView, plan: Plan, *, untie: bool, raw_config: dict | None,

@@ -203,8 +203,23 @@ def _last_dim_whole(op: OpCall) -> Step:
 
 def _reshape(op: OpCall) -> Step:
     if op.axis != op.ndim - 1:
-        return None
+        return _channel_dim_kept(op)
     return _last_dim_whole(op)
+
+
+def _channel_dim_kept(op: OpCall) -> Step:
+    """Channels not last (a channel-first view): a view/reshape/flatten/unflatten that keeps every dim up to and
+    including the channels (reshaping only the dims after them: (B, C, N) → (B, C, H, W)), or every dim from the
+    channels on (reshaping only the dims before them), leaves each channel's elements in that channel."""
+    if op.name not in ("view", "reshape", "flatten", "unflatten") or len(op.outs) != 1:
+        return None
+    out, k = op.outs[0].shape, op.axis
+    if len(out) > k and tuple(out[:k + 1]) == tuple(op.shape[:k + 1]):
+        return Pass(k)
+    tail = op.ndim - k
+    if len(out) >= tail and tuple(out[len(out) - tail:]) == tuple(op.shape[k:]):
+        return Pass(len(out) - tail)
+    return None
 
 
 def _along_dim(pos: int, keyword: str = "dim", default: int | None = 0) -> Rule:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -76,6 +76,10 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
         if role.problem:
             yield Skip(name, class_key(mod), role.problem)
         elif role.kind is RoleKind.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
+            if role.norm.channel_dim != -1:  # channel-first norms: match/consumers.py (it claims the ones it takes)
+                yield Skip(name, class_key(mod), "channel-first norm whose output reaches no consumer the fold can "
+                                                 "go into")
+                continue
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:
@@ -94,9 +98,13 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
     return fold
 
 
-def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold:
+def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole,
+              take: Callable[[Walk], int] | None = None) -> NormFold:
+    """``take``: takes the readers it can fold into out of the walk (functional consumers, match/consumers.py)
+    and returns how many it took; they count as targets."""
     node = _single_call(ctx, name, mod)
     walk = walk_readers(ctx, node.outputs[0], nr)
+    taken = take(walk) if take is not None else 0
     unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
     if isinstance(unseen, str):
         raise Refused(unseen)
@@ -104,7 +112,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> Nor
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
-    if not walk.targets and not demoted:
+    if not walk.targets and not demoted and not taken:
         why = no_target_reason(ctx, walk)
         if walk.opaque:  # the real cause first: consumers the fold cannot go into
             why = "; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})"
@@ -215,7 +223,7 @@ def unseen_siblings(ctx: MatchContext, norm: str, walk: Walk, has_beta: bool) ->
 def walk_readers(ctx: MatchContext, out: int, nr: NormRole) -> Walk:
     """Every reader of the norm's output ``out``, through affine-commuting ops: the Linears the affine can fold
     into and the others (with why a Linear on the way cannot take it)."""
-    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out)
+    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out, nr.channel_dim)
 
 
 class _Walker:
@@ -226,9 +234,9 @@ class _Walker:
         self.walk = Walk()
         self.frontier: list[tuple[int, int, list[str]]] = []
 
-    def run(self, out: int) -> Walk:
+    def run(self, out: int, channel_dim: int = -1) -> Walk:
         w = self.walk
-        self.frontier.append((out, len(self.g.tensors[out].shape) - 1, []))
+        self.frontier.append((out, channel_dim % len(self.g.tensors[out].shape), []))
         while self.frontier:
             tid, axis, via = self.frontier.pop()
             if tid in w.seen:

@@ -29,6 +29,9 @@ def match_affine_free_norms(ctx: MatchContext) -> Iterator[NormSwap | Skip]:
 
 
 def plan_affine_free(ctx: MatchContext, name: str, nr: NormRole) -> NormSwap:
+    if nr.channel_dim != -1:
+        raise Refused("channel-first norm without affine: nothing to fold, and its memory-sharing form is only made "
+                      "where a fold goes")
     calls = ctx.g.module_calls.get(name, 0)
     if calls != 1:
         raise Refused("not called by the probe forward" if calls == 0 else

@@ -15,6 +15,7 @@ from ..kinds import ConvertedModule
 from ..options import ConvertOptions
 from ..trace.graph import Graph
 from .activation import match_activations
+from .consumers import match_consumer_folds
 from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
 from .norm import match_norms
@@ -28,8 +29,8 @@ __all__ = ["MATCHERS", "MatchContext", "Matcher", "code_bytes", "make_plan", "re
 Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
-MATCHERS: list[Matcher] = [match_gated_mlps, match_norms, match_affine_free_norms, match_kept_affine_norms,
-                           match_activations]
+MATCHERS: list[Matcher] = [match_gated_mlps, match_consumer_folds, match_norms, match_affine_free_norms,
+                           match_kept_affine_norms, match_activations]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:

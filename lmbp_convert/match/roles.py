@@ -37,6 +37,7 @@ class NormRole:
     shape: tuple[int, ...]  # () for a norm without weight or size attribute: any size (taken from the trace)
     has_bias: bool
     affine: bool = True  # False: no weight and no bias (nothing to fold; the memory-sharing norm needs none)
+    channel_dim: int = -1  # where the channels are: -1 (LayerNorm), 1 (channel-first: timm LayerNorm2d on NCHW)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NormKind(self.kind))
@@ -174,37 +175,60 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> N
         if b is not None:
             probe.bias.copy_(torch.randn(d, generator=gen))
         x = _probe_input(d, gen)
-        try:
-            y = probe(x)
-        except Exception as exc:
-            return f"behaviour check failed to run ({type(exc).__name__}: {exc})"
-    if not isinstance(y, torch.Tensor) or y.shape != x.shape or not y.is_floating_point():
-        return "does not map a (..., C) tensor to one of the same shape"
     pw = probe.weight.detach() if w is not None else None
     pb = probe.bias.detach() if b is not None else None
     kinds = [NormKind(entry["kind"])] if entry and entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
     params = [WeightParam(entry["param"])] if entry and entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
     if w is None:
         params = [WeightParam.W]
-    for kind in kinds:
-        for param in params:
-            scale = norm_scale(pw.double(), param) if pw is not None else None
-            z = y.double() - (pb.double() if pb is not None else 0.0)
-            z = z / scale if scale is not None else z
-            for e in dict.fromkeys(v for v in (eps, *fit_eps(kind, x, z)) if v is not None):
-                if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
-                    role = NormRole(kind, param, e, shape, b is not None, affine=w is not None)
-                    problem = _dtype_problem(module, x)
-                    return problem if problem else role
+    first = None
+    for channel_dim in (-1, 1):  # channels last (LayerNorm), then channels first (timm LayerNorm2d, NCHW)
+        y = _run_probe(probe, x, channel_dim)
+        if isinstance(y, str):
+            first = y if channel_dim == -1 else first  # the reason given: the last-dim check's
+            continue
+        for kind in kinds:
+            for param in params:
+                scale = norm_scale(pw.double(), param) if pw is not None else None
+                z = y.double() - (pb.double() if pb is not None else 0.0)
+                z = z / scale if scale is not None else z
+                for e in dict.fromkeys(v for v in (eps, *fit_eps(kind, x, z)) if v is not None):
+                    if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
+                        role = NormRole(kind, param, e, shape, b is not None, affine=w is not None,
+                                        channel_dim=channel_dim)
+                        problem = _dtype_problem(module, x, channel_dim)
+                        return problem if problem else role
+    if first is not None:
+        return first
     expected = "/".join(f"{k}({p})" for k in kinds for p in params)
     return f"behaviour does not match {expected} norm over the last dim"
 
 
-def _dtype_problem(module: nn.Module, x: torch.Tensor) -> str | None:
-    """A memory-sharing norm returns its input's dtype: a norm that returns another one is not replaced."""
+def channels_first(x: torch.Tensor) -> torch.Tensor:
+    """The behaviour probe (2, rows, C) as a channel-first image (2, C, rows, 1)."""
+    return x.movedim(-1, 1).unsqueeze(-1)
+
+
+def _run_probe(probe: nn.Module, x: torch.Tensor, channel_dim: int) -> torch.Tensor | str:
+    """The module's output on the probe laid out with channels at ``channel_dim``, back in (2, rows, C) layout, or
+    why it is not a norm over that dim."""
+    shown = x if channel_dim == -1 else channels_first(x)
     with torch.no_grad():
         try:
-            y = _probe_copy(module, torch.bfloat16)(x[:, :2].to(torch.bfloat16))
+            y = probe(shown)
+        except Exception as exc:
+            return f"behaviour check failed to run ({type(exc).__name__}: {exc})"
+    if not isinstance(y, torch.Tensor) or y.shape != shown.shape or not y.is_floating_point():
+        return "does not map a (..., C) tensor to one of the same shape"
+    return y if channel_dim == -1 else y.squeeze(-1).movedim(1, -1)
+
+
+def _dtype_problem(module: nn.Module, x: torch.Tensor, channel_dim: int = -1) -> str | None:
+    """A memory-sharing norm returns its input's dtype: a norm that returns another one is not replaced."""
+    x = x[:, :2].to(torch.bfloat16)
+    with torch.no_grad():
+        try:
+            y = _probe_copy(module, torch.bfloat16)(x if channel_dim == -1 else channels_first(x))
         except Exception as exc:
             return f"fails on bfloat16 input ({type(exc).__name__}: {exc})"
     if not isinstance(y, torch.Tensor) or y.dtype != torch.bfloat16:

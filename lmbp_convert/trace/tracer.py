@@ -318,5 +318,9 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
         tid = tracer._ids.get(id(t))
         if tid is not None:
             g.root_outputs.setdefault(tid, []).append(path)
+    for pname, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        tid = tracer._ids.get(id(t))
+        if tid is not None and g.tensors[tid].producer is None:
+            g.params.setdefault(tid, pname)
     g.build_index()
     return g, out

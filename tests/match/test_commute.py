@@ -162,3 +162,16 @@ def test_a_module_call_is_not_an_op():
     x = next(iter(g.scopes[0].args))
     lin = next(n for n in g.nodes if x in n.inputs)
     assert lin.kind == "module" and step(lin, g.tensors, x, 1, D) is None
+
+
+@pytest.mark.parametrize("fn, shape, axis, expected", [
+    (lambda x: x.reshape(2, D, 2, 3), (2, D, 6), 1, Pass(1)),  # tokens → H, W after channel-first channels
+    (lambda x: x.view(2, D, 6), (2, D, 2, 3), 1, Pass(1)),  # H, W → tokens
+    (lambda x: x.flatten(2), (2, D, 2, 3), 1, Pass(1)),
+    (lambda x: x.unflatten(2, (2, 3)), (2, D, 6), 1, Pass(1)),
+    (lambda x: x.reshape(6, D), (2, 3, D, 1), 2, None),  # channels not whole in a dim kept
+    (lambda x: x.reshape(2, 2, D * 3 // 2), (2, D, 3), 1, None),  # channels merged with tokens
+])
+def test_reshape_with_channels_first_keeps_them_when_only_other_dims_change(fn, shape, axis, expected):
+    name = next(n for n in ("reshape", "view", "flatten", "unflatten") if n in fn.__code__.co_names)
+    assert run_step(fn, name, shape, axis) == expected
