@@ -230,10 +230,12 @@ class UnitBuilder:
                 if a.weight.device.type != "meta":
                     self.swap_data(unit, a.weight, a_new)
             lin = getattr(lin, t.base)
-        w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, beta, t.layout)
-        if lin.weight.device.type == "meta":
+        weight = getattr(lin, t.weight)
+        bias = getattr(lin, "bias", None) if t.weight == "weight" else None  # a parameter target: bias untouched
+        w_new, b_new = fold_affine(weight, bias, gamma, beta, t.layout)
+        if weight.device.type == "meta":
             return
-        self._set_weight(unit, lin, w_new)
+        self._set_weight(unit, lin, w_new, t.weight)
         if b_new is None:
             return
         if getattr(lin, "bias", None) is None:
@@ -259,12 +261,13 @@ class UnitBuilder:
                 self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
                                                                                           prepend=True))
 
-    def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:
-        tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is lin.weight) > 1
+    def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor, attr: str = "weight") -> None:
+        weight = getattr(lin, attr)
+        tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is weight) > 1
         if tied:  # only planned with untie=True: give this Linear its own weight
-            self.set_attr(unit, lin, "weight", nn.Parameter(w_new, requires_grad=lin.weight.requires_grad))
+            self.set_attr(unit, lin, attr, nn.Parameter(w_new, requires_grad=weight.requires_grad))
         else:
-            self.swap_data(unit, lin.weight, w_new)
+            self.swap_data(unit, weight, w_new)
 
     def gated_mlp(self, swap: GatedMLPSwap) -> Unit:
         from ..nn.gated_mlp import MSGatedMLP
