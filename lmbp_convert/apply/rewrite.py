@@ -14,6 +14,7 @@ from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..match.moe import RecomputeRegion
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad
@@ -302,3 +303,25 @@ def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     cls = MSLayerNorm if swap.kind is NormKind.LAYER else MSRMSNorm
     builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
     return unit
+
+
+@builds(RecomputeRegion)
+def _recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
+    """Hooks on the module and its activations (`region_hooks`): nothing swapped, the state dict unchanged."""
+    from .region_hooks import register_region
+
+    unit = Unit(f"recompute region {item.name}")
+    module, acts = builder.modules[item.name], [builder.modules[a] for a in item.acts]
+    builder.add_hook(unit, lambda: _Handles(register_region(module, acts)))
+    return unit
+
+
+class _Handles:
+    """Several hook handles removed as one (`UnitBuilder.add_hook` keeps one handle per step)."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

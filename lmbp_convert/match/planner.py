@@ -16,6 +16,7 @@ from ..trace.graph import Graph
 from .activation import match_activations
 from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
+from .moe import match_recompute_regions
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
 from .plan import Plan, PlanItem, Skip
@@ -26,7 +27,8 @@ __all__ = ["MATCHERS", "MatchContext", "Matcher", "code_bytes", "make_plan", "re
 Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
-MATCHERS: list[Matcher] = [match_gated_mlps, match_norms, match_affine_free_norms, match_activations]
+MATCHERS: list[Matcher] = [match_gated_mlps, match_recompute_regions, match_norms, match_affine_free_norms,
+                           match_activations]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:
