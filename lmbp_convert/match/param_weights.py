@@ -159,7 +159,7 @@ def param_problem(ctx: "MatchContext", use: ParamUse, has_beta: bool) -> str | N
 
 def target_of(use: ParamUse, via: list[str]) -> LinearTarget:
     layout = Layout.OUT_IN if use.contracted == -1 else Layout.IN_OUT
-    return LinearTarget(use.module, layout, list(via), weight=use.attr)
+    return LinearTarget(use.module, layout, list(via), weight=use.attr, through_op=True)
 
 
 def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> str | None:

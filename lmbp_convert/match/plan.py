@@ -97,6 +97,7 @@ class LinearTarget:
     #: a module applies through an op itself (MoE experts stacked in one 3-D parameter, "gate_up_proj"), whose
     #: bias is never touched (such targets are planned only for norms without β)
     weight: str = "weight"
+    through_op: bool = False  # a parameter the module applies itself (F.linear, bmm, grouped_mm), not a Linear
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.layout)
@@ -109,7 +110,7 @@ class LinearTarget:
     @property
     def label(self) -> str:
         """How the report names it: the Linear, or the parameter where it is not a Linear's weight."""
-        return self.name if self.weight == "weight" else self.weight_key
+        return self.name if self.weight == "weight" and not self.through_op else self.weight_key
 
 
 @dataclass
