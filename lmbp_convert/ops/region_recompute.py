@@ -14,7 +14,8 @@ context held for the duration of the call (`Region`) turns every saved tensor th
 * ``x``, rows of the region's input gathered by an integer index (``IndexBackward0`` on the input's node):
   ``y[idx]``; likewise a parameter's rows gathered per routed row (``P[ids]`` of a batched matmul): ``P[ids]``;
 
-or a dtype cast (chain) or a view of one, into a recipe holding g, u, y and the index as the enclosing hooks
+or a dtype cast (chain) or a view of one — and an autocast cast of one expert's slice of a parameter
+(``P[e].to(bf16)`` in a per-expert loop: autocast caches casts of whole parameters only) — into a recipe holding g, u, y and the index as the enclosing hooks
 pack them. The recomputation runs the forward's own ops on the same tensors, so it is bitwise the forward's
 value. Everything else goes to the enclosing hooks (a `SavedTensorLedger`, ``save_on_cpu``) unchanged.
 Under torch.compile (Dynamo does not trace saved-tensor hooks) or where the caller disabled saved-tensor hooks,
@@ -112,7 +113,7 @@ class Region:
                 return None
             fn = nxt[0]
         casts.reverse()
-        made = self._act(fn) or self._product(fn) or self._gather(fn)
+        made = self._act(fn) or self._product(fn) or self._gather(fn) or (self._select(fn) if casts else None)
         if made is None:
             return None
         kind, parts, forward = made
@@ -162,15 +163,33 @@ class Region:
             return None
         return "gather", (self._opack(base), self._opack(idx[0])), None
 
+    def _select(self, fn):
+        """``P[e].to(dtype)``: an expert's weight cast by autocast inside a per-expert loop (autocast caches casts
+        of whole parameters only, so every expert's cast slice would be kept)."""
+        if type(fn).__name__ != "SelectBackward0":
+            return None
+        src = fn.next_functions[0][0]
+        p = getattr(src, "variable", None) if type(src).__name__ == "AccumulateGrad" else None
+        if not isinstance(p, nn.Parameter):
+            return None
+        try:
+            dim, index = int(fn._saved_dim), int(fn._saved_index)
+        except (AttributeError, RuntimeError, TypeError):
+            return None
+        return "select", (self._opack(p), dim, index), None
+
     def _unpack(self, packed) -> torch.Tensor:
         if not isinstance(packed, _Recipe):
             return self._ounpack(packed[0])
-        parts = [self._ounpack(p) for p in packed.parts]
+        parts = [self._ounpack(p) for p in packed.parts] if packed.kind != "select" else \
+            [self._ounpack(packed.parts[0]), *packed.parts[1:]]
         with torch.no_grad():
             if packed.kind == "act":
                 out = packed.fn(parts[0])
             elif packed.kind == "gather":
                 out = parts[0][parts[1]]
+            elif packed.kind == "select":
+                out = parts[0].select(parts[1], parts[2])
             else:
                 a = packed.fn(parts[0])
                 out = a * parts[1] if packed.kind == "mul_first" else parts[1] * a
