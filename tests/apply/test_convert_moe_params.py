@@ -234,3 +234,17 @@ def test_norm_with_shift_into_parameter_experts_is_refused_with_the_reason():
     model, x = _Block(bias=True).eval(), torch.randn(4, 5, 8)
     skips, _ = _skip(model, x)
     assert "shift β would need a bias inside that op" in skips["norm"], skips
+
+
+def test_region_under_activation_checkpointing_gives_the_original_gradients():
+    """Checkpointed layers re-run the experts in backward: the region's recipes go through the checkpoint's hooks
+    for what they keep, and gradients stay bitwise the original's."""
+    model = _model("mixtral", "grouped_mm")
+    original = copy.deepcopy(model)
+    convert(model, activations=False, norms=False)
+    ids, grads = _ids(), []
+    for m in (original, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.config.use_cache = False
+        grads.append(_bytes_and_grads(m, ids)[1])
+    assert grads[0].keys() == grads[1].keys() and all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

@@ -26,3 +26,13 @@ def test_tiny_blocks_fold_into_the_experts_and_keep_fewer_bytes(arch, capsys):
         assert {"mlp.experts.gate_up_proj", "mlp.gate.weight"} <= set(r["folded"])
         assert r["converted"] < 0.7 * r["original"], r
     assert "| original | converted | less |" in capsys.readouterr().out
+
+
+def test_benchmarks_all_keeps_the_moe_section_when_it_regenerates_the_file(tmp_path):
+    from benchmarks.all import kept_sections
+
+    md = tmp_path / "benchmarks.md"
+    section = "<!-- lmbp-kept-section moe -->\n## MoE blocks\n| a |\n<!-- /lmbp-kept-section moe -->"
+    md.write_text(f"# Benchmarks\n\nold tables\n\n{section}\n\n## Reproduce\n")
+    assert kept_sections(str(md)) == ["", section]
+    assert kept_sections(str(tmp_path / "missing.md")) == []
