@@ -11,6 +11,7 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
     gated_recompute  the gated MLP's down projection fused vs called unchanged with h recomputed: bytes, CPU time
     gated_identity   gated MLPs behind Dropout / Identity / casts / an inner norm (T5, UMT5, ModernBERT, EVA02): bytes
+    moe         MoE blocks at real sizes (Mixtral, Qwen3-MoE; experts as 3-D parameters): bytes, bf16 and autocast
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in
