@@ -118,8 +118,8 @@ def match_recompute_regions(ctx: MatchContext) -> Iterator[RecomputeRegion | Ski
             continue  # an activation also called elsewhere, or already taken by another rewrite
         if ctx.g.module_calls.get(name, 0) != 1 or not all(_gated_product(ctx, a) for a in acts):
             continue
-        if any(ctx.opt.excluded(n) for n in names):
-            continue
+        if any(ctx.opt.excluded(n) or _hooked(ctx.modules[n]) for n in names):
+            continue  # a hook on the activation could change its output: the recomputation would not replay it
         done.add(name)
         saved, gathers = 0, 0
         for a in acts:
@@ -136,6 +136,11 @@ def match_recompute_regions(ctx: MatchContext) -> Iterator[RecomputeRegion | Ski
                 gathers += 1
                 saved += tensor_bytes(ctx.g, node.outputs[0])[1]
         yield RecomputeRegion(name, class_key(ctx.modules[name]), names, len(acts), gathers, saved)
+
+
+def _hooked(mod) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or getattr(mod, "_forward_hooks_with_kwargs", None)
+                or mod._backward_hooks or mod._backward_pre_hooks)
 
 
 def _row_gather(node: Node, tid: int) -> bool:

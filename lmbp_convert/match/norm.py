@@ -353,10 +353,10 @@ def _own_weight_use(ctx: MatchContext, node: Node, d: int) -> str | None:
         if p.is_floating_point() and p.dim() >= 2 and d in p.shape[-2:]:
             if p.dim() >= 3:
                 return (f"{scope} ({type(mod).__name__}) holds its experts as {p.dim()}-D parameters ({pname} "
-                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)}: folding into "
-                        "parameter experts is not supported")
+                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)} in a way the fold "
+                        "cannot follow back to the parameter (expert selection, transposes and casts only)")
             return (f"{scope} ({type(mod).__name__}) applies its own weight ({pname} {tuple(p.shape)}) through "
-                    f"{op_short(node)}, not an nn.Linear: folding into it is not supported")
+                    f"{op_short(node)} in a way the fold cannot follow back to the parameter")
     return None
 
 
