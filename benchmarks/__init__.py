@@ -14,6 +14,7 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     coverage    every family of the matrix, plain convert(model) in fp32 / bf16 / autocast: saved bytes, or why not
                 (docs/coverage.md; floors and causes tested from coverage_expected)
     families    the tiny random-init model of every family (the tests build theirs here too)
+    moe         MoE blocks at real sizes (Mixtral, Qwen3-MoE; experts as 3-D parameters): bytes, bf16 and autocast
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in

@@ -79,6 +79,19 @@ def embedded_gpu(md_path: str) -> dict | None:
     return json.loads(m.group(1).replace("-\\-", "--")) if m else None
 
 
+KEPT_RE = re.compile(r"<!-- lmbp-kept-section (\S+) -->.*?<!-- /lmbp-kept-section \1 -->", re.S)
+
+
+def kept_sections(md_path: str) -> list[str]:
+    """Sections measured by their own benchmark module (``python -m benchmarks.moe``), written between
+    ``<!-- lmbp-kept-section NAME -->`` and ``<!-- /lmbp-kept-section NAME -->``: carried over as they are when this
+    module regenerates the file, since it does not rerun those modules."""
+    if not os.path.exists(md_path):
+        return []
+    with open(md_path) as f:
+        return [x for m in KEPT_RE.finditer(f.read()) for x in ("", m.group(0))]
+
+
 def _slim_gpu(g: dict) -> dict:
     g = json.loads(json.dumps(g))
     g.get("kernels", {}).pop("stderr_tail", None)
@@ -273,10 +286,12 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         md += ["Not run yet: `bash scripts/gpu_run.sh` on a CUDA machine (or `python -m benchmarks.speed --gpu "
                "--json bench_gpu.json`), then `python -m benchmarks.all --render-only --gpu-json bench_gpu.json "
                "--qlora-json bench_qlora.json`."]
+    md += kept_sections(os.path.join(out_dir, "benchmarks.md"))
     md += ["", "## Reproduce", "", "```bash", "pip install -e '.[bench]'   # matplotlib",
            "python -m benchmarks.all                    # everything on CPU, then docs/",
            "python -m benchmarks.memory --help          # one part at a time",
            "python -m benchmarks.host                   # host time of the CUDA path, on any CPU",
+           "python -m benchmarks.moe                    # MoE blocks (its section above is kept by benchmarks.all)",
            "python -m benchmarks.speed --gpu            # on a CUDA machine",
            "bash scripts/gpu_run.sh                     # a CUDA machine: CUDA tests, kernels, GPU speed, QLoRA flow",
            "```", ""]

@@ -225,14 +225,15 @@ def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: floa
     if beta is not None:
         _require_finite(beta, f"the shift β of {fold.name}")
     for t, lname, lin in targets:
-        wk, bk = _key(lname, "weight"), _key(lname, "bias")
-        bias = lin.bias if isinstance(getattr(lin, "bias", None), torch.Tensor) else None
+        wk, bk = _key(lname, t.weight), _key(lname, "bias")
+        weight = getattr(lin, t.weight)
+        bias = lin.bias if t.weight == "weight" and isinstance(getattr(lin, "bias", None), torch.Tensor) else None
         try:
-            w, b = unfold_affine(lin.weight, bias, gamma, beta if getattr(fold, "beta", "fold") == "fold" else None,
+            w, b = unfold_affine(weight, bias, gamma, beta if getattr(fold, "beta", "fold") == "fold" else None,
                                  t.layout)
         except UnfoldError as exc:
             raise ExportError(str(exc)) from exc
-        sd[wk] = _finite_as(w, lin.weight, f"{wk} (unfolded: W'/γ)")
+        sd[wk] = _finite_as(w, weight, f"{wk} (unfolded: W'/γ)")
         if t.adds_bias and fold.beta == "fold":  # the plain Linear has no bias: what is left of b' must be nothing
             if b is not None:
                 _require_small(b, bias, rtol, lname)

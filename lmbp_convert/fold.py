@@ -12,7 +12,9 @@ Conventions:
 * ``param`` — how a norm's ``weight`` w gives its scale γ: ``"w"`` (γ = w) or ``"1+w"`` (Gemma-style γ = 1 + w).
   A str-valued enum with these values is accepted wherever a ``param`` is.
 * ``layout`` — ``"out_in"`` for nn.Linear (weight [out, in]) and ``"in_out"`` for Hugging Face Conv1D (weight
-  [in, out]); also accepted as a str-valued enum.
+  [in, out]); also accepted as a str-valued enum. It names the *last two* dims: a weight with leading dims is a
+  stack of such matrices (MoE experts held as one parameter, [experts, out, in] or [experts, in, out]), folded
+  expert by expert along the same input dim, with biases [experts, out].
 * precision — folds compute in fp32 (fp64 for fp64 weights) and round once to the weight's dtype; unfolds compute
   and return fp64, leaving the one rounding to the caller (after its checks); the differentiable helpers the
   forward hooks use stay in the parameters' dtype, so autograd and autocast see ordinary ops.
@@ -103,7 +105,7 @@ def fold_affine(
     acc = accumulation_dtype(weight.dtype)
     w = weight.detach().to(acc)
     g = gamma.detach().to(device=w.device, dtype=acc)
-    in_dim = w.shape[1] if lay == "out_in" else w.shape[0]
+    in_dim = w.shape[-1] if lay == "out_in" else w.shape[-2]
     if g.shape != (in_dim,):
         raise ValueError(f"norm has {tuple(g.shape)} channels but the Linear takes {in_dim} inputs")
     w_new = w * g if lay == "out_in" else w * g[:, None]
@@ -174,7 +176,8 @@ def fold_rows(x: torch.Tensor, gamma: torch.Tensor, layout: Layout, r0: int, scr
     before the next call with the same scratch)."""
     acc = accumulation_dtype(x.dtype)
     g = gamma.to(acc)
-    g = g if _layout(layout) == "out_in" else g[r0:r0 + x.shape[0], None]
+    if _layout(layout) == "in_out":  # 2-D: the rows are the input dim; stacked experts: whole experts per block
+        g = g[r0:r0 + x.shape[0], None] if x.dim() == 2 else g[:, None]
     if in_place and x.dtype == acc:
         a = x
     else:
@@ -252,7 +255,7 @@ def unfold_scale(weight: torch.Tensor, gamma: torch.Tensor, layout: Layout = "ou
     g = gamma.detach().to(device=w.device, dtype=torch.float64)
     zero = g == 0
     if bool(zero.any()):
-        cols = w[:, zero] if lay == "out_in" else w[zero, :]
+        cols = w[..., zero] if lay == "out_in" else w[..., zero, :]
         if bool(cols.ne(0).any()):
             raise UnfoldError("a norm scale γ is exactly 0 but the folded Linear still reads that channel: "
                               "a plain model cannot express it")

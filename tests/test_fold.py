@@ -343,3 +343,26 @@ def test_fold_conv_input_is_exact_without_padding(stride):
     torch.testing.assert_close(unfold_conv_input(wf, g), w)
     with pytest.raises(ValueError, match="channels"):
         fold_conv_input(w, b, g[:3], beta)
+
+
+# -- stacked weights: MoE experts held as one [E, out, in] / [E, in, out] parameter --------------------------------
+def test_stacked_expert_weights_fold_expert_by_expert_bit_for_bit():
+    from lmbp_convert.fold import Scratch, fold_affine, fold_rows, fold_scale, unfold_scale
+
+    gen = torch.Generator().manual_seed(0)
+    gamma = torch.rand(6, generator=gen) + 0.5
+    w = torch.randn(3, 5, 6, generator=gen).bfloat16()  # [experts, out, in]
+    folded = fold_scale(w, gamma, "out_in")
+    assert all(torch.equal(folded[e], fold_scale(w[e], gamma, "out_in")) for e in range(3))
+    wt = w.transpose(1, 2).contiguous()  # [experts, in, out]
+    assert torch.equal(fold_scale(wt, gamma, "in_out"), folded.transpose(1, 2))
+    beta = torch.randn(6, generator=gen)
+    _, b = fold_affine(w.float(), torch.zeros(3, 5), gamma, beta, "out_in")
+    assert torch.allclose(b, torch.stack([w[e].float() @ beta for e in range(3)]), atol=1e-5)
+    back = unfold_scale(folded, gamma, "out_in")
+    assert torch.allclose(back, w.double(), rtol=1e-2)
+    for layout, x in (("out_in", w), ("in_out", wt)):  # the on-disk fold, a block of experts at a time
+        blocks = [fold_rows(x[e0:e0 + 2], gamma, layout, e0, Scratch()).clone() for e0 in (0, 2)]
+        assert torch.equal(torch.cat(blocks), fold_scale(x, gamma, layout))
+    with pytest.raises(ValueError, match="takes 5 inputs"):
+        fold_scale(w, torch.ones(6), "in_out")

@@ -50,8 +50,10 @@ def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
 class _Target:
     """One Linear of the fold (names relative to the converted model) and the state of its live tensors."""
 
-    def __init__(self, name: str, layout: str, base: str | None, lora_a: list[str], has_bias: bool, state: str):
+    def __init__(self, name: str, layout: str, base: str | None, lora_a: list[str], has_bias: bool, state: str,
+                 weight: str = "weight"):
         self.layout = layout
+        self.weight = weight  # the attribute folded into ("weight", or an expert parameter such as "gate_up_proj")
         self.linear = f"{name}.{base}" if base else name
         self.lora_a = lora_a  # module names of lora_A adapters (they take γ only)
         self.has_bias = has_bias
@@ -83,9 +85,10 @@ class FoldOnLoad(ConvertedHook):
             base = getattr(lin, t.base) if t.base else lin
             lora_a = [f"{t.name}.{t.lora_a_attr}.{a}" for a in t.lora_adapters] if t.base else []
             found.append((t, base, lora_a))
-        awaiting = any(b.weight.device.type == "meta" for _, b, _ in found) and not fold.prefolded
-        targets = [_Target(t.name, t.layout, t.base, lora_a, getattr(b, "bias", None) is not None,
-                           "unset" if awaiting else "folded") for t, b, lora_a in found]
+        awaiting = any(getattr(b, t.weight).device.type == "meta" for t, b, _ in found) and not fold.prefolded
+        targets = [_Target(t.name, t.layout, t.base, lora_a,
+                           t.weight == "weight" and getattr(b, "bias", None) is not None,
+                           "unset" if awaiting else "folded", t.weight) for t, b, lora_a in found]
         return cls(fold, targets, awaiting)
 
     @property
@@ -116,7 +119,7 @@ class FoldOnLoad(ConvertedHook):
         if self.beta_mode != "none":
             out["norm.bias"] = (self.norm, "bias")
         for t in self.targets:
-            out[f"{t.linear}.weight"] = (t.linear, "weight")
+            out[f"{t.linear}.{t.weight}"] = (t.linear, t.weight)
             if t.has_bias:
                 out[f"{t.linear}.bias"] = (t.linear, "bias")
         return out
@@ -181,7 +184,7 @@ class FoldOnLoad(ConvertedHook):
 
     def _take_target(self, module: nn.Module, sd: dict, prefix: str, t: _Target, new_gamma: bool,
                      new_beta: bool, errors: list[str]) -> None:
-        wk, bk = _key(prefix, t.linear, "weight"), _key(prefix, t.linear, "bias")
+        wk, bk = _key(prefix, t.linear, t.weight), _key(prefix, t.linear, "bias")
         w_in, b_in = sd.get(wk), sd.get(bk)
         if not self._open:  # no original affine arriving: tensors are what the model holds
             if w_in is not None:
@@ -202,8 +205,8 @@ class FoldOnLoad(ConvertedHook):
                 if ak in sd:
                     sd[ak] = fold_lora_a(sd[ak], self.gamma)
             t.state = "folded"
-        elif new_gamma and t.state == "plain" and lin.weight.device.type != "meta":
-            _copy_into(lin.weight, fold_scale(lin.weight, self.gamma, t.layout))
+        elif new_gamma and t.state == "plain" and getattr(lin, t.weight).device.type != "meta":
+            _copy_into(getattr(lin, t.weight), fold_scale(getattr(lin, t.weight), self.gamma, t.layout))
             for a in t.lora_a:
                 a_w = module.get_submodule(a).weight
                 _copy_into(a_w, fold_lora_a(a_w, self.gamma))

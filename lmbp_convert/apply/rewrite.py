@@ -15,6 +15,7 @@ from torch import nn
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
 from ..match.consumers import ConsumerFold
+from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
@@ -236,10 +237,12 @@ class UnitBuilder:
                 if a.weight.device.type != "meta":
                     self.swap_data(unit, a.weight, a_new)
             lin = getattr(lin, t.base)
-        w_new, b_new = fold_affine(lin.weight, getattr(lin, "bias", None), gamma, beta, t.layout)
-        if lin.weight.device.type == "meta":
+        weight = getattr(lin, t.weight)
+        bias = getattr(lin, "bias", None) if t.weight == "weight" else None  # a parameter target: bias untouched
+        w_new, b_new = fold_affine(weight, bias, gamma, beta, t.layout)
+        if weight.device.type == "meta":
             return
-        self._set_weight(unit, lin, w_new)
+        self._set_weight(unit, lin, w_new, t.weight)
         if b_new is None:
             return
         if getattr(lin, "bias", None) is None:
@@ -265,12 +268,13 @@ class UnitBuilder:
                 self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
                                                                                           prepend=True))
 
-    def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor) -> None:
-        tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is lin.weight) > 1
+    def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor, attr: str = "weight") -> None:
+        weight = getattr(lin, attr)
+        tied = sum(1 for m in self.model.modules() for p in m._parameters.values() if p is weight) > 1
         if tied:  # only planned with untie=True: give this Linear its own weight
-            self.set_attr(unit, lin, "weight", nn.Parameter(w_new, requires_grad=lin.weight.requires_grad))
+            self.set_attr(unit, lin, attr, nn.Parameter(w_new, requires_grad=weight.requires_grad))
         else:
-            self.swap_data(unit, lin.weight, w_new)
+            self.swap_data(unit, weight, w_new)
 
     def gated_mlp(self, swap: GatedMLPSwap) -> Unit:
         from ..nn.gated_mlp import MSGatedMLP
@@ -320,6 +324,8 @@ def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
                        keep.param, out_dtype=out)
     builder.swap_module(unit, keep.name, new)
     return unit
+
+
 @builds(ConsumerFold)
 def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     """The norm fold of `UnitBuilder.norm` (MS norm, Linear targets, re-apply hooks), plus γ (and β) folded into the
@@ -346,3 +352,25 @@ def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
 def _tensor(builder: UnitBuilder, name: str) -> torch.Tensor:
     owner, _, attr = name.rpartition(".")
     return getattr(builder.modules[owner], attr)
+
+
+@builds(RecomputeRegion)
+def _recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
+    """Hooks on the module and its activations (`region_hooks`): nothing swapped, the state dict unchanged."""
+    from .region_hooks import register_region
+
+    unit = Unit(f"recompute region {item.name}")
+    module, acts = builder.modules[item.name], [builder.modules[a] for a in item.acts]
+    builder.add_hook(unit, lambda: _Handles(register_region(module, acts)))
+    return unit
+
+
+class _Handles:
+    """Several hook handles removed as one (`UnitBuilder.add_hook` keeps one handle per step)."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 from ..apply.convert import CONFIG_KEY
 from ..kinds import Layout, StrChoice, WeightParam
 from ..match.consumers import ConsumerFold
-from ..match.plan import NormFold, Plan, PlanItem, Skip
+from ..match.plan import LinearTarget, NormFold, Plan, PlanItem, Skip
 from ..report import fmt_bytes
 from .errors import CheckpointError
 from .models import KeyMap, ModelSource, ModelView, map_keys
@@ -313,6 +313,8 @@ class _Planner:
                 m = self.km.plain.get(info.key)
                 if m is not None:
                     act = next((claims[n] for n in sorted(dst.group(m)) if n in claims), None)
+                elif info.key in self.km.converted:  # part of a model tensor a load-time converter makes
+                    act = claims.get(STORED + info.key)
                 out.tensors.append(OutTensor(info.key, info.key, act))
                 nbytes[info.key] = info.nbytes
         return shards, nbytes
@@ -426,6 +428,11 @@ class FoldOnDisk:
         names = [f"{f.name}.weight"] + ([f"{f.name}.bias"] if f.has_bias else [])
         needs_untie = False
         for t in f.targets:
+            if t.through_op or t.weight != "weight":  # a parameter the module applies itself (MoE experts)
+                problem = _param_sources(p, t, f.shape[0])
+                if isinstance(problem, str):
+                    return problem, False
+                continue
             names.append(f"{t.name}.weight")
             if f"{t.name}.bias" in p.view.state:
                 names.append(f"{t.name}.bias")
@@ -448,6 +455,10 @@ class FoldOnDisk:
         if f.has_bias:
             acts[f"{f.name}.bias"] = Action(ActionKind.ZERO, f.name, f.param)
         for t in f.targets:
+            if t.through_op or t.weight != "weight":  # no bias: such targets are planned only without β
+                for name, layout in _param_sources(p, t, f.shape[0]):
+                    acts[name] = Action(ActionKind.FOLD_W, f.name, f.param, layout, gamma=gk)
+                continue
             acts[f"{t.name}.weight"] = Action(ActionKind.FOLD_W, f.name, f.param, t.layout, gamma=gk)
             if f"{t.name}.bias" in p.view.state and bk is not None:
                 acts[f"{t.name}.bias"] = Action(ActionKind.FOLD_B, f.name, f.param, t.layout, gamma=gk, beta=bk,
@@ -458,11 +469,50 @@ class FoldOnDisk:
         return [t.name for t in f.targets]
 
     def summary(self, f: NormFold) -> dict:
-        return {"norm": f.name, "kind": f.kind, "param": f.param, "into": self.targets(f)}
+        return {"norm": f.name, "kind": f.kind, "param": f.param, "into": [t.label for t in f.targets]}
 
     def describe(self, f: NormFold) -> str:
         kind = f"{f.kind}, {f.param}" + (", +bias" if f.has_bias else "")
-        return f"  fold {f.name} [{kind}] -> {', '.join(self.targets(f))}"
+        return f"  fold {f.name} [{kind}] -> {', '.join(t.label for t in f.targets)}"
+
+
+#: prefix of an action's name for a checkpoint tensor that a load-time converter turns into part of a model tensor
+STORED = "<stored>:"
+#: converter operations that only stack or join whole tensors along a dim (transformers' MoE expert merges)
+_JOINS = ("MergeModulelist", "Concatenate")
+
+
+def _param_sources(p: _Planner, t: LinearTarget, d: int) -> list[tuple[str, Layout]] | str:
+    """The checkpoint tensors holding a parameter target (MoE experts as one 3-D parameter): the parameter itself
+    when stored as it is, or the per-expert tensors a load-time converter stacks into it (transformers ≥ 5 saves
+    Mixtral / Qwen-MoE experts as ``experts.{e}.w1.weight`` …), each folded along its own input dim. Only joins
+    that leave the input dim in place are followed; otherwise the reason why not."""
+    name = t.weight_key
+    key = p.key_of(name)
+    if key is not None:
+        info = p.src.infos[key]
+        if len(info.shape) < 2 or info.shape[-1 if t.layout is Layout.OUT_IN else -2] != d:
+            return f"{name} has shape {list(info.shape)}, which does not take {d} inputs"
+        problem = p._tensor_problem(name)
+        return problem if problem else [(name, t.layout)]
+    sources = sorted(k for k, m in p.km.converted.items() if m == name)
+    if not sources:
+        return f"{name} is not in the checkpoint"
+    for k in sources:
+        info, ops = p.src.infos[k], p.km.operations.get(k)
+        ndim = len(info.shape)
+        if t.layout is not Layout.OUT_IN or ndim < 2 or info.shape[-1] != d or ops is None:
+            return (f"{name} is made at load time from {k} {list(info.shape)} by a conversion the disk fold does "
+                    "not follow (convert() folds it when it loads the model)")
+        for op, dim in ops:  # each join must leave the input dim (the last) where it is
+            out_ndim = ndim + 1 if op == "MergeModulelist" else ndim
+            if op not in _JOINS or not isinstance(dim, int) or dim % out_ndim == out_ndim - 1:
+                return (f"{name} is made at load time from {k} by {op}(dim={dim}), which the disk fold does not "
+                        "follow (convert() folds it when it loads the model)")
+            ndim = out_ndim
+        if not info.is_float:
+            return f"{k} is stored as {info.dtype} (quantized or integer), which cannot be rewritten"
+    return [(STORED + k, Layout.OUT_IN) for k in sources]
 
 
 class ConsumerFoldOnDisk(FoldOnDisk):

@@ -167,6 +167,11 @@ def hf_model_class(raw: dict, cfg) -> tuple[Callable[..., nn.Module], str]:
 
 def build_hf(raw: dict, root: Path, dtype: torch.dtype | None) -> ModelView:
     cfg = hf_config(raw, root)
+    if getattr(cfg, "_experts_implementation", None) is not None or hasattr(cfg, "_experts_implementation_internal"):
+        # MoE experts held as parameters (transformers ≥ 5): the grouped-matmul kernel has no meta implementation
+        # for fp32 and the per-expert loop reads routing values; the batched one traces on meta, and the plan
+        # (which parameters the norm folds into) is the same whichever way the experts run
+        cfg._experts_implementation = "batched_mm"
     make, arch = hf_model_class(raw, cfg)
     kw = dtype_kwargs(dtype)
     try:
@@ -206,6 +211,8 @@ class KeyMap:
     plain: dict[str, str] = field(default_factory=dict)  # ckpt key → model name (a 1:1 rename at most)
     converted: dict[str, str] = field(default_factory=dict)  # ckpt key → model name, through a load-time converter
     ignored: list[str] = field(default_factory=list)  # keys the model class itself ignores on load
+    #: converted keys → the converter's operations, (class name, dim) each (MergeModulelist 0, Concatenate 1)
+    operations: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict)
 
     def stored(self) -> dict[str, str]:
         """model name → ckpt key, for plainly stored tensors."""
@@ -266,6 +273,10 @@ def map_keys(view: ModelView, keys: list[str], where: Callable[[str], str]) -> K
             m = fallback(k)
         if m in meta and pattern is not None:
             km.converted[k] = m
+            conv = next((c for c in converters if pattern in getattr(c, "source_patterns", ())), None)
+            if conv is not None:
+                km.operations[k] = [(type(o).__name__, getattr(o, "dim", None))
+                                    for o in getattr(conv, "operations", [])]
             continue
         if m in meta:
             if m in seen:

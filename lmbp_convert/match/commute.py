@@ -222,6 +222,17 @@ def _channel_dim_kept(op: OpCall) -> Step:
     return None
 
 
+def _unsqueeze(op: OpCall) -> Step:
+    """A new size-1 dim: the channels keep their values, one dim further right when it lands before them
+    (``x.unsqueeze(-1)`` of a batched matmul's column vectors)."""
+    dim = op.arg(1, "dim")
+    if not isinstance(dim, int) or not -op.ndim - 1 <= dim <= op.ndim:
+        return None
+    dim %= op.ndim + 1
+    new = op.axis + 1 if dim <= op.axis else op.axis
+    return Pass(-1) if new == op.ndim else Pass(new)
+
+
 def _along_dim(pos: int, keyword: str = "dim", default: int | None = 0) -> Rule:
     """Rule for an op working along the dim given at argument ``pos``; ``default`` when the call names none
     (None: the op then works on the flattened tensor, across channels, so it is not followed)."""
@@ -258,6 +269,7 @@ RULES: dict[str, Rule] = {
     **{name: _along_dim(pos) for name, pos in _DIM_ARG_OPS.items()},
     "roll": _along_dim(2, "dims", None),  # x.roll(1) rolls the flattened tensor: elements change channel
     "__getitem__": _getitem,
+    "unsqueeze": _unsqueeze,
 }
 
 

@@ -54,6 +54,7 @@ class Walk:
     inplace: list[str] = field(default_factory=list)  # in-place ops on the affine-less tensor
     opaque: list[str] = field(default_factory=list)  # modules applying their own weights to it (not nn.Linear)
     active_scopes: set[int] = field(default_factory=set)  # module calls on a path to a folded Linear
+    param_uses: dict[str, set[int]] = field(default_factory=dict)  # folded parameters → the ops applying them
     seen: set[int] = field(default_factory=set)  # the affine-less tensors
 
 
@@ -109,6 +110,12 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole,
     if isinstance(unseen, str):
         raise Refused(unseen)
     walk.targets.update(unseen)
+    if walk.param_uses:  # a folded parameter must serve this norm's output alone
+        from .param_weights import unknown_uses
+
+        other_use = unknown_uses(ctx, walk.param_uses)
+        if other_use is not None:
+            raise Refused(other_use)
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
@@ -306,6 +313,8 @@ class _Walker:
                 self.frontier.append((o, ax, via + [op_short(c)]))
             return
         block = f"{res.reason} ({self.ctx.scope_name(c)})" if isinstance(res, Block) else None
+        if block is None and op_short(c) in _WEIGHT_OPS and self._param(c, tid, axis, via):
+            return
         if block:
             w.blocks.append(block)
         elif op_short(c) in _WEIGHT_OPS:
@@ -314,6 +323,26 @@ class _Walker:
                 w.blocks.append(own)
                 w.opaque.append(own)
         w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", block))
+
+    def _param(self, c: Node, tid: int, axis: int, via: list[str]) -> bool:
+        """A parameter applied through an op (an MoE router's or 3-D experts' weight, `param_weights`): a fold
+        target, or a block with its reason. False: not such a use."""
+        from .param_weights import param_problem, param_use, target_of
+
+        use = param_use(self.ctx, c, tid, axis, self.d)
+        if use is None:
+            return False
+        w = self.walk
+        problem = param_problem(self.ctx, use, self.has_beta)
+        if problem is not None:
+            w.blocks.append(problem)
+            w.opaque.append(problem)
+            w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", problem))
+            return True
+        w.targets.setdefault(use.param, target_of(use, via))
+        w.param_uses.setdefault(use.param, set()).add(c.idx)
+        w.active_scopes.update(c.scopes)
+        return True
 
 
 #: ops that apply a weight to their input: consumers a fold could in principle go into
@@ -332,10 +361,10 @@ def _own_weight_use(ctx: MatchContext, node: Node, d: int) -> str | None:
         if p.is_floating_point() and p.dim() >= 2 and d in p.shape[-2:]:
             if p.dim() >= 3:
                 return (f"{scope} ({type(mod).__name__}) holds its experts as {p.dim()}-D parameters ({pname} "
-                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)}: folding into "
-                        "parameter experts is not supported")
+                        f"{tuple(p.shape)}) applied to the routed tokens through {op_short(node)} in a way the fold "
+                        "cannot follow back to the parameter (expert selection, transposes and casts only)")
             return (f"{scope} ({type(mod).__name__}) applies its own weight ({pname} {tuple(p.shape)}) through "
-                    f"{op_short(node)}, not an nn.Linear: folding into it is not supported")
+                    f"{op_short(node)} in a way the fold cannot follow back to the parameter")
     return None
 
 

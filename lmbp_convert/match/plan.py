@@ -93,9 +93,24 @@ class LinearTarget:
     lora_adapters: list[str] = field(default_factory=list)  # ... and adapters whose lora_A gets A·diag(γ)
     lora_a_attr: str | None = None
     unseen: bool = False  # not run by the probe: a sibling of consumers in the same ModuleList/ModuleDict
+    #: the parameter of module ``name`` the fold goes into: "weight" for Linear layers; another name for a weight
+    #: a module applies through an op itself (MoE experts stacked in one 3-D parameter, "gate_up_proj"), whose
+    #: bias is never touched (such targets are planned only for norms without β)
+    weight: str = "weight"
+    through_op: bool = False  # a parameter the module applies itself (F.linear, bmm, grouped_mm), not a Linear
 
     def __post_init__(self) -> None:
         self.layout = Layout(self.layout)
+
+    @property
+    def weight_key(self) -> str:
+        """The qualified name of the weight folded into (``name.weight`` for a Linear)."""
+        return f"{self.name}.{self.weight}" if self.name else self.weight
+
+    @property
+    def label(self) -> str:
+        """How the report names it: the Linear, or the parameter where it is not a Linear's weight."""
+        return self.name if self.weight == "weight" and not self.through_op else self.weight_key
 
 
 @dataclass
@@ -169,7 +184,7 @@ class NormFold(PlanItem):
         self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
 
     def describe(self) -> list[str]:
-        into = ", ".join(t.name + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
+        into = ", ".join(t.label + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
                          for t in self.targets)
         tag = " [weights already folded]" if self.prefolded else ""
         lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]

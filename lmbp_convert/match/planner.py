@@ -18,6 +18,7 @@ from .activation import match_activations
 from .consumers import match_consumer_folds
 from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
+from .moe import match_recompute_regions
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
 from .norm_kept import match_kept_affine_norms
@@ -29,8 +30,8 @@ __all__ = ["MATCHERS", "MatchContext", "Matcher", "code_bytes", "make_plan", "re
 Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
-MATCHERS: list[Matcher] = [match_gated_mlps, match_consumer_folds, match_norms, match_affine_free_norms,
-                           match_kept_affine_norms, match_activations]
+MATCHERS: list[Matcher] = [match_gated_mlps, match_recompute_regions, match_consumer_folds, match_norms,
+                           match_affine_free_norms, match_kept_affine_norms, match_activations]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:

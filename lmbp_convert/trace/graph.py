@@ -18,6 +18,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
     producer: int | None  # node index, or None for graph inputs / parameters / constants
+    param: str | None = None  # qualified name of the model parameter this tensor is (None: not a parameter)
 
 
 class NodeKind(StrChoice):

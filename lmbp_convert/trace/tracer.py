@@ -77,8 +77,10 @@ class _MetaAsCpu:
 
 
 class _Tracer(TorchFunctionMode):
-    def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool], meta_as_cpu: bool = False):
+    def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool], meta_as_cpu: bool = False,
+                 params: dict[int, str] | None = None):
         super().__init__()
+        self.params = params or {}  # id(parameter) → its qualified name (weights applied through ops)
         self.meta_as_cpu = meta_as_cpu
         self.g = Graph()
         self.names = names
@@ -98,7 +100,8 @@ class _Tracer(TorchFunctionMode):
         tid = len(self.g.tensors)
         self._ids[key] = tid
         self._alive.append(t)
-        self.g.tensors[tid] = TensorInfo(tid, tuple(t.shape), str(t.dtype).replace("torch.", ""), producer)
+        param = self.params.get(key) if producer is None and isinstance(t, nn.Parameter) else None
+        self.g.tensors[tid] = TensorInfo(tid, tuple(t.shape), str(t.dtype).replace("torch.", ""), producer, param)
         return tid
 
     def _same_tensor(self, original: torch.Tensor, copy: torch.Tensor) -> None:
@@ -294,7 +297,8 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
     names: dict[int, str] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
-    tracer = _Tracer(names, is_leaf, meta_as_cpu)
+    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    tracer = _Tracer(names, is_leaf, meta_as_cpu, params)
     with ExitStack() as stack:
         stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
         for mod in model.modules():

@@ -102,6 +102,13 @@ BLOCKS = {
 }
 
 
+def test_unsqueeze_after_the_channels_moves_them_left_of_the_new_dim():
+    """``x.unsqueeze(-1)``: the column vectors of a batched matmul (MoE experts through bmm)."""
+    got = run_step(lambda x: x.unsqueeze(-1), "unsqueeze")
+    assert isinstance(got, Pass) and got.axis == 2, got
+    assert run_step(lambda x: x.unsqueeze(1), "unsqueeze").axis == -1
+
+
 @pytest.mark.parametrize("op", sorted(PASSES))
 def test_commuting_op_moves_the_channels(op):
     fn, shape, axis, expected = PASSES[op]
