@@ -79,7 +79,19 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:
-                yield Skip(name, class_key(mod), str(why))
+                yield _prefolded_swap(ctx, name, mod, role.norm) or Skip(name, class_key(mod), str(why))
+
+
+def _prefolded_swap(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold | None:
+    """A norm folded on disk whose consumers cannot take a fold (quantized) is still swapped (None: it cannot)."""
+    if name not in ctx.prefolded:
+        return None
+    from .prefolded import plan_prefolded_swap  # it builds on this module's walk
+
+    try:
+        return plan_prefolded_swap(ctx, name, mod, nr)
+    except Refused:
+        return None
 
 
 def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
