@@ -20,7 +20,7 @@ from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device
-from ..trace.probe import make_probe, make_probe_with_output
+from ..trace.probe import make_probe, make_probe_with_output, trace_with_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
@@ -52,17 +52,27 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     roles = assign_roles(model, cat)
     if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
         probe = probe[0]
-    if probe is not None:
-        count, unit = 0, "sample"
-    else:
-        probe, count, unit = make_probe(model)
+    leaf = is_leaf_factory(model, roles)
     with eval_mode(model):
-        graph, out = trace(model, probe, is_leaf_factory(model, roles))
+        if probe is None and _on_meta(model):  # the trace is the probe's check: one forward
+            graph, out, probe, count, unit = trace_with_probe(model, leaf)
+        else:
+            if probe is not None:
+                count, unit = 0, "sample"
+            else:
+                probe, count, unit = make_probe(model)
+            graph, out = trace(model, probe, leaf)
     plan = make_plan(model, graph, roles, opt, prefolded_norms(model))
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit
     plan.probe, plan.reference_output = probe, out
     return plan
+
+
+def _on_meta(model: nn.Module) -> bool:
+    """Every tensor of the model on the meta device (nothing there has values to check a probe against)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
 
 
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import ProbeError
 from . import probe_inputs as pi
-from .tracer import call_model
+from .tracer import _trace_once, call_model, trace
 
 
 @dataclass(frozen=True)
@@ -242,9 +242,16 @@ def make_probe_with_output(model: nn.Module, batch: int = 2, seq: int = 8, *, se
     return probe, count, unit, outputs[0] if outputs else None
 
 
-def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list | None) -> tuple[Any, int, str]:
+def _base(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+
+
+def probe_candidates(model: nn.Module, batch: int = 2, seq: int = 8, seed: int = 0) -> Iterator[Candidate]:
+    """The probes built from the model's config and signature, in the order they are tried, on the model's device
+    and dtype (lazily: the first is built before the model has run). Raises ProbeError when an argument the model
+    requires cannot be built."""
     device, dtype = _device_dtype(model)
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
+    base = _base(model)
     params = _signature(base)
     main = getattr(base, "main_input_name", None)
 
@@ -265,9 +272,15 @@ def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list
     if missing:
         built = first.inputs if isinstance(first.inputs, dict) else {required[0]: first.inputs}
         raise _missing_error(base, missing, built)
+    return (Candidate(_to(c.inputs, device, dtype), c.count, c.unit) for c in itertools.chain([first], more))
+
+
+def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list | None) -> tuple[Any, int, str]:
+    device, _ = _device_dtype(model)
+    cands = probe_candidates(model, batch, seq, seed)
+    required = _required(_signature(_base(model)))
     tried: list[tuple[Candidate, Exception]] = []
-    for cand in itertools.chain([first], more):
-        cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
+    for cand in cands:
         err = _refusal(model, cand.inputs, device, outputs)
         if err is None:
             return cand.inputs, cand.count, cand.unit
@@ -280,3 +293,19 @@ def _make_probe(model: nn.Module, batch: int, seq: int, seed: int, outputs: list
         f"{type(model).__name__} refused every probe built from its config and signature ({len(tried)} tried); "
         f"the first failed with {type(err).__name__}: {err}; pass probe=... (a tensor, a tuple of positional "
         f"args or a dict of keyword args the model accepts), e.g. {example(shown)}") from err
+
+
+def trace_with_probe(model: nn.Module, is_leaf, batch: int = 2, seq: int = 8) -> tuple[Any, Any, Any, int, str]:
+    """(graph, output, probe, count, unit) for a model on the meta device, where a forward checks nothing a trace
+    would not: each candidate probe is traced until one runs, so the common case costs one forward, not a check
+    and then a trace. If none runs as is, the first is traced as `make_probe` would leave it (tensors the model
+    reads values of made real)."""
+    cands = list(itertools.islice(probe_candidates(model, batch, seq), 16))
+    for cand in cands:
+        try:
+            graph, out = _trace_once(model, cand.inputs, is_leaf, meta_as_cpu=False)
+        except Exception:
+            continue
+        return graph, out, cand.inputs, cand.count, cand.unit
+    graph, out = trace(model, cands[0].inputs, is_leaf)
+    return graph, out, cands[0].inputs, cands[0].count, cands[0].unit

@@ -152,3 +152,20 @@ def test_config_without_sizes_names_the_main_input():
 def test_unknown_model_gets_an_example_from_its_first_layer():
     with pytest.raises(ProbeError, match=r"argument `input`.*convert\(model, probe=torch.randn\(2, 8\)\)"):
         make_probe(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)))
+
+
+def test_meta_model_is_traced_with_one_forward():
+    """On the meta device the trace is the probe's check: the model runs once, not once to check and once to trace."""
+    from lmbp_convert.apply.convert import plan_conversion
+    from tiny_models import hf
+
+    with torch.device("meta"):
+        model = hf("llama")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    try:
+        plan = plan_conversion(model, activations=False, gated_mlp=False, verify=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert plan.norm_folds and plan.probe_tokens == 16
