@@ -58,11 +58,17 @@ class Walk:
 
 
 def prefolded_norms(model: nn.Module) -> set[str]:
-    """Norms the model's config says the checkpoint CLI folded on disk."""
-    cfg = getattr(model, "config", None)
+    """Norms the model's config says the checkpoint CLI folded on disk, named from ``model``: the record names
+    them from the model class that loaded the checkpoint, which a wrapper (PEFT's) may hold under a prefix."""
+    owner, prefix = model, ""
+    for name, mod in model.named_modules():  # the outermost module that holds the config itself
+        if isinstance(getattr(vars(mod).get("config"), CONFIG_KEY, None), dict):
+            owner, prefix = mod, name + "." if name else ""
+            break
+    cfg = getattr(owner, "config", None)
     rec = getattr(cfg, CONFIG_KEY, None) if cfg is not None else None
     if isinstance(rec, dict):
-        return set(rec.get("folded_norms", []))
+        return {prefix + n for n in rec.get("folded_norms", [])}
     return set()
 
 

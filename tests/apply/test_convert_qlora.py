@@ -83,3 +83,26 @@ def test_prefolded_norm_with_a_non_identity_weight_is_not_swapped():
         model.model.layers[0].input_layernorm.weight.mul_(2)
     rep = convert(model).lmbp_report
     assert "model.layers.0.input_layernorm" in {s.name for s in rep.plan.skips}
+
+
+def test_lora_added_before_convert():
+    """PEFT wraps the model (names gain a prefix) and the quantized projections (the adapters are part of the
+    projection): the record's norms are still found, swapped, and the gated MLPs fused."""
+    model, norms = _prefolded_llama(torch.float32)
+    model = _lora(model)
+    rep = convert(model).lmbp_report
+    assert not rep.plan.skips, rep.plan.skips
+    assert sorted(f.name for f in rep.plan.norm_folds) == sorted(f"base_model.model.{n}" for n in norms)
+    assert len(rep.plan.gated_mlps) == 2 and rep.verified
+
+
+def test_unfolded_checkpoint_loaded_later_is_refused():
+    """The swapped norms have no Linear to fold a non-identity γ into: loading such a state dict is an error, not a
+    silently different model."""
+    model, _ = _prefolded_llama(torch.float32)
+    convert(model)
+    sd = model.state_dict()
+    sd["model.layers.0.input_layernorm.weight"] = torch.full_like(sd["model.layers.0.input_layernorm.weight"], 2.0)
+    with pytest.raises(RuntimeError, match="no Linear to fold it into"):
+        model.load_state_dict(sd)
+    model.load_state_dict(model.state_dict())  # its own state dict loads as it is
