@@ -300,12 +300,13 @@ def trace_with_probe(model: nn.Module, is_leaf, batch: int = 2, seq: int = 8) ->
     would not: each candidate probe is traced until one runs, so the common case costs one forward, not a check
     and then a trace. If none runs as is, the first is traced as `make_probe` would leave it (tensors the model
     reads values of made real)."""
-    cands = list(itertools.islice(probe_candidates(model, batch, seq), 16))
-    for cand in cands:
+    first = None
+    for cand in probe_candidates(model, batch, seq):  # built one at a time: the first usually runs
+        first = first or cand
         try:
             graph, out = _trace_once(model, cand.inputs, is_leaf, meta_as_cpu=False)
         except Exception:
             continue
         return graph, out, cand.inputs, cand.count, cand.unit
-    graph, out = trace(model, cands[0].inputs, is_leaf)
-    return graph, out, cands[0].inputs, cands[0].count, cands[0].unit
+    graph, out = trace(model, first.inputs, is_leaf)
+    return graph, out, first.inputs, first.count, first.unit
