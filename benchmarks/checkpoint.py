@@ -10,6 +10,8 @@ so the streaming rate is shown apart from the fixed start-up (Python imports of 
     python -m benchmarks.checkpoint            # ~3.4 GB: hidden 4096, intermediate 11008, 7 layers, ~1 GB shards
     python -m benchmarks.checkpoint --small    # a quick smoke run (~60 MB)
     python -m benchmarks.checkpoint --cold     # SRC read from the device (the CLI prefetches it meanwhile)
+
+Contenders run in interleaved rounds (copy, CLI[, baseline] per round); medians are reported.
 """
 from __future__ import annotations
 
@@ -190,7 +192,7 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--shard-mb", type=float, default=1024)
-    ap.add_argument("--repeat", type=int, default=2, help="timings per contender (best is reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (medians are reported)")
     ap.add_argument("--dir", default=None, help="work directory (default: a new one under $TMPDIR)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout of lmbp-convert, timed in the "
@@ -213,7 +215,7 @@ def main() -> int:
         gen_s = time.perf_counter() - t0
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
-        copies, synced, clis, rsss, plans, writes, bases = [], [], [], [], [], [], []
+        copies, synced, clis, rsss, plans, writes, bases, phases = [], [], [], [], [], [], [], []
         for _ in range(a.repeat):
             os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
             evict(src) if a.cold else warm(src)
@@ -232,6 +234,9 @@ def main() -> int:
             m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
             plans.append(float(m.group(1)))
             writes.append(float(m.group(2)))
+            m = re.search(r"^plan: (.*)$", out, re.M)
+            if m:
+                phases.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
             if a.baseline is not None:
                 shutil.rmtree(cli_dst)
                 os.sync()
@@ -245,7 +250,9 @@ def main() -> int:
                 shutil.rmtree(cli_dst)
         err_max = spot_check(src, cli_dst)
         shutil.rmtree(cli_dst)
-        copy_s, sync_s, cli_s, write_s = min(copies), min(synced), min(clis), min(writes)
+        med = C.median
+        copy_s, sync_s, cli_s, write_s, plan_s = med(copies), med(synced), med(clis), med(writes), med(plans)
+        phase_s = {k: med([p[k] for p in phases if k in p]) for k in (phases[0] if phases else {})}
         gib = 2**30
         rows = machine() + [
             ("checkpoint", f"{total / gib:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shards "
@@ -259,16 +266,17 @@ def main() -> int:
                                              f"{', '.join(f'{c:.2f}' for c in synced)})"),
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
-            ("  start-up (Python, torch, path checks)",
-             f"{cli_s - plans[clis.index(cli_s)] - writes[clis.index(cli_s)]:.2f} s"),
-            ("  plan (transformers import, meta model, trace)", f"{min(plans):.2f} s"),
+            ("  start-up (Python, torch, path checks)", f"{med([c - p - w for c, p, w in zip(clis, plans, writes)]):.2f} s"),
+            ("  plan (transformers import, meta model, trace)", f"{plan_s:.2f} s  (runs: "
+                                                               f"{', '.join(f'{c:.2f}' for c in plans)})"),
+            *([("    of which", ", ".join(f"{k} {v:.2f} s" for k, v in phase_s.items()))] if phase_s else []),
             ("  streaming write (+ fsync)", f"{write_s:.2f} s  {total / write_s / gib:.2f} GiB/s  (runs: "
                                   f"{', '.join(f'{c:.2f}' for c in writes)})"),
             ("throughput vs copy", f"{copy_s / write_s:.2f}x streaming, {copy_s / cli_s:.2f}x end to end "
                                    f"(aim >= 0.5x); {sync_s / cli_s:.2f}x end to end vs the durable copy"),
-            *([("baseline end to end", f"{min(bases):.2f} s  ({a.baseline}; runs: "
+            *([("baseline end to end", f"{med(bases):.2f} s  ({a.baseline}; runs: "
                                         f"{', '.join(f'{c:.2f}' for c in bases)}); this checkout / baseline: "
-                                        f"{cli_s / min(bases):.2f}x the time")] if bases else []),
+                                        f"{cli_s / med(bases):.2f}x the time")] if bases else []),
             ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
                                       f"{'+' if max(rsss) >= largest else '-'} "
                                       f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),

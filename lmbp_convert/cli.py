@@ -188,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "
                   f"{fmt_bytes(plan.total_bytes)} in {time.perf_counter() - t0:.1f} s (plan {plan.seconds_plan:.2f} s, "
                   f"write {plan.seconds_write:.2f} s, {rate}/s)")
+            if plan.plan_phases:
+                print("plan: " + ", ".join(f"{k} {v:.2f} s" for k, v in plan.plan_phases.items()))
         return 0
     finally:
         if old_term is not None:

@@ -149,6 +149,15 @@ class FoldOnLoad(ConvertedHook):
                 self.beta = b_in.detach()
             return g_in is not None, b_in is not None and self.beta_mode == "fold"
         ident = identity_weight_value(self.param)
+        if not self.targets and self._affine_arrives(g_in, b_in, ident):
+            errors.append(f"{self.norm}: the checkpoint holds this norm's affine, but the converted model has no Linear "
+                          "to fold it into (its consumers' weights are quantized); load a checkpoint folded by "
+                          "lmbp-convert, or load this one before convert()")
+            if g_in is not None:  # the model keeps what it holds (load_state_dict copies the rest, then raises)
+                sd[gk] = torch.full_like(g_in, ident)
+            if b_in is not None and self.beta_mode == "fold":
+                sd[bk] = torch.zeros_like(b_in)
+            return False, False
         new_gamma = new_beta = False
         if g_in is not None:
             if bool(torch.all(g_in == ident)) and not (self.beta_mode == "fold" and b_in is not None
@@ -166,6 +175,11 @@ class FoldOnLoad(ConvertedHook):
         if self.beta_mode == "shift" and self.gamma is not None and (new_gamma or b_in is not None):
             self._shift_behind_scale(module, sd, bk, errors)
         return new_gamma, new_beta
+
+    def _affine_arrives(self, g_in: torch.Tensor | None, b_in: torch.Tensor | None, ident: float) -> bool:
+        """Whether the arriving entries hold an affine that is not the identity (an unfolded checkpoint)."""
+        return ((g_in is not None and not bool(torch.all(g_in == ident)))
+                or (self.beta_mode == "fold" and b_in is not None and bool(torch.any(b_in != 0))))
 
     def _shift_behind_scale(self, module: nn.Module, sd: dict, bk: str, errors: list[str]) -> None:
         """The norm keeps β/γ (see hooks.AddShift): the arriving β, or the live one when only γ arrived."""

@@ -27,7 +27,7 @@ from . import fsops
 from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
 from .diskplan import Action, DiskPlan, OutShard, plan_disk, record_json
 from .errors import CheckpointError
-from .models import build_hf, build_timm, quiet_loggers, read_config_json
+from .models import build_hf, build_timm, import_model_code, quiet_loggers, read_config_json
 from .safetensors_io import DTYPES, SafetensorsWriter
 from .sources import Source, SafetensorsSource, bin_to_safetensors_name, open_hf_source, open_timm_source
 
@@ -82,6 +82,7 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
             use_ema: bool = False, untie: bool = False, include: list[str] | None = None,
             exclude: list[str] | None = None, dst_name: str | None = None) -> Prepared:
     """Read SRC's config and headers (no tensor data), plan on the meta device, decide the on-disk folds."""
+    t0 = time.perf_counter()
     src_path = Path(src)
     if not src_path.exists():
         raise CheckpointError(f"SRC {src_path} does not exist")
@@ -106,8 +107,15 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
         out_name = (lambda s: s) if isinstance(source, SafetensorsSource) else bin_to_safetensors_name
     try:
         dtype = _dominant_float_dtype(source)  # plan in the checkpoint's dtype: per-token figures match it
+        phases = {"disk": time.perf_counter() - t0}
+        t = time.perf_counter()
+        import_model_code(timm_model, raw, src_path)
+        phases["imports"] = time.perf_counter() - t
+        t = time.perf_counter()
         make_view = None if timm_model else (lambda r: build_hf(r, src_path, dtype))
         view = build_timm(timm_model, dict(timm_kwargs or {}), dtype) if timm_model else make_view(raw)
+        phases["model"] = time.perf_counter() - t
+        t = time.perf_counter()
         try:
             with quiet_loggers():
                 plan = plan_conversion(view.model, opts)
@@ -116,8 +124,12 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
             raise CheckpointError(f"cannot trace {view.arch} on the meta device: {msg}") from exc
         summary = opts.summary()
         options = {k: summary[k] for k in ("untie", "include", "exclude")}
+        phases["trace"] = time.perf_counter() - t
+        t = time.perf_counter()
         dp = plan_disk(source, view, plan, untie=untie, raw_config=raw, make_view=make_view, out_name=out_name,
                        options=options)
+        phases["disk"] += time.perf_counter() - t
+        dp.plan_phases = phases
         if not timm_model:
             used = {*source.shards, source.index_name}
             dp.copies, left = _other_files(src_path)

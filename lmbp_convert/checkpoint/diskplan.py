@@ -81,6 +81,9 @@ class DiskPlan:
     not_copied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds_plan: float = 0.0  # reading headers, building the meta model, tracing, deciding
+    #: where seconds_plan went: "imports" (transformers / timm and the model's code), "model" (built on meta),
+    #: "trace" (plan_conversion), "disk" (headers and the disk plan)
+    plan_phases: dict = field(default_factory=dict)
     seconds_write: float = 0.0  # streaming the tensors and writing DST
     committed: bool = False  # DST is complete and in place
 

@@ -165,6 +165,19 @@ def hf_model_class(raw: dict, cfg) -> tuple[Callable[..., nn.Module], str]:
     return (lambda c, **kw: AutoModel.from_config(c, **kw)), arch_cls.__name__
 
 
+def import_model_code(timm_model: str | None, raw: dict | None, root: Path) -> None:
+    """Import the library code the meta model is built from (timm, or the transformers config and model classes),
+    so that the CLI can say how long imports took apart from building and tracing. Errors are left to the build,
+    which reports them."""
+    try:
+        if timm_model:
+            import timm  # noqa: F401
+        elif raw is not None:
+            hf_model_class(raw, hf_config(raw, root))
+    except Exception:
+        pass
+
+
 def build_hf(raw: dict, root: Path, dtype: torch.dtype | None) -> ModelView:
     cfg = hf_config(raw, root)
     if getattr(cfg, "_experts_implementation", None) is not None or hasattr(cfg, "_experts_implementation_internal"):

@@ -23,6 +23,7 @@ from ..trace.graph import Node, NodeKind, ScopeCall
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
+from .projection import is_projection_node
 from .roles import RoleKind, user_hooks
 
 FUSED_ACTS = GATED_ACT_KINDS  # what the fused op computes (one list, shared with ops.gated_mlp)
@@ -169,8 +170,7 @@ def _tail(ctx, sc, nodes, act, kids: list[ScopeCall]) -> _Tail | str | None:
             continue
         if node is None or len(node.outputs) != 1:
             return None
-        role = _role(ctx, node)
-        if role is not None and role.kind is RoleKind.LINEAR:
+        if is_projection_node(ctx, node):  # a Linear, or a projection-like module (quantized, LoRA over one)
             down = node
             break
         if not _walkable_pre(ctx, node, pre):
@@ -228,7 +228,7 @@ def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _
     ops = [n for n in nodes if n.kind is NodeKind.OP]
     producers = {o: n for n in nodes for o in n.outputs}
     mul = tail.mul
-    linears = [n for n in mods if ctx.roles[n.target].kind is RoleKind.LINEAR]
+    linears = [n for n in mods if is_projection_node(ctx, n)]
     other = next(t for t in mul.inputs if t != act.outputs[0])
     found = _projections(ctx.g, producers, linears, producers.get(act.inputs[0]), producers.get(other), act)
     if found is None:
@@ -286,7 +286,8 @@ def _attributes(ctx, sc, act, shape: _Shape) -> dict[str, str] | str:
     if act_kind not in FUSED_ACTS:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
     tail = shape.tail
-    if ctx.roles[tail.down.target].layout is not Layout.OUT_IN:
+    down_role = ctx.roles[tail.down.target]
+    if down_role.kind is RoleKind.LINEAR and down_role.layout is not Layout.OUT_IN:
         return f"down projection {tail.down.target} is not an nn.Linear"
     prefix = sc.module + "."
     attrs = {}

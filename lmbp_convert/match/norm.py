@@ -59,11 +59,17 @@ class Walk:
 
 
 def prefolded_norms(model: nn.Module) -> set[str]:
-    """Norms the model's config says the checkpoint CLI folded on disk."""
-    cfg = getattr(model, "config", None)
+    """Norms the model's config says the checkpoint CLI folded on disk, named from ``model``: the record names
+    them from the model class that loaded the checkpoint, which a wrapper (PEFT's) may hold under a prefix."""
+    owner, prefix = model, ""
+    for name, mod in model.named_modules():  # the outermost module that holds the config itself
+        if isinstance(getattr(vars(mod).get("config"), CONFIG_KEY, None), dict):
+            owner, prefix = mod, name + "." if name else ""
+            break
+    cfg = getattr(owner, "config", None)
     rec = getattr(cfg, CONFIG_KEY, None) if cfg is not None else None
     if isinstance(rec, dict):
-        return set(rec.get("folded_norms", []))
+        return {prefix + n for n in rec.get("folded_norms", [])}
     return set()
 
 
@@ -84,7 +90,19 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
             try:
                 yield _adopt_prefolded(ctx, plan_norm(ctx, name, mod, role.norm))
             except Refused as why:
-                yield Skip(name, class_key(mod), str(why))
+                yield _prefolded_swap(ctx, name, mod, role.norm) or Skip(name, class_key(mod), str(why))
+
+
+def _prefolded_swap(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole) -> NormFold | None:
+    """A norm folded on disk whose consumers cannot take a fold (quantized) is still swapped (None: it cannot)."""
+    if name not in ctx.prefolded:
+        return None
+    from .prefolded import plan_prefolded_swap  # it builds on this module's walk
+
+    try:
+        return plan_prefolded_swap(ctx, name, mod, nr)
+    except Refused:
+        return None
 
 
 def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:

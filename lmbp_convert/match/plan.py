@@ -185,7 +185,7 @@ class NormFold(PlanItem):
 
     def describe(self) -> list[str]:
         into = ", ".join(t.label + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
-                         for t in self.targets)
+                         for t in self.targets) or "nothing to fold"
         tag = " [weights already folded]" if self.prefolded else ""
         lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]
         lines += [f"      affine re-applied at {r.describe()}" for r in self.reapply]

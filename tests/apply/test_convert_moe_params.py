@@ -11,7 +11,7 @@ from torch import nn
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.match.moe import RecomputeRegion
-from tiny_models import hf
+from benchmarks.families import hf
 
 MOE = dict(num_key_value_heads=2, num_experts_per_tok=2, num_hidden_layers=1)
 CASES = {

@@ -13,7 +13,7 @@ from torch import nn
 from lmbp_convert import NothingToConvertError, SavedTensorLedger, convert
 from lmbp_convert.match.consumers import ConsumerFold
 from lmbp_convert.match.plan import Plan
-from tiny_models import randomize_norms
+from benchmarks.families import randomize_norms
 
 D, H = 32, 4
 

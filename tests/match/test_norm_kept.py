@@ -180,7 +180,7 @@ def test_module_falls_back_to_the_plain_norm_when_most_channels_are_tiny():
 
 @pytest.mark.parametrize("family", ["bart", "hubert"])
 def test_tiny_families_keep_the_affine_of_their_in_layer_norms(family):
-    from probe_families import PROBE_FAMILIES
+    from benchmarks.families import PROBE_FAMILIES
 
     model = PROBE_FAMILIES[family]().eval()
     rep = convert(model).lmbp_report

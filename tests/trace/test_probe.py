@@ -195,3 +195,20 @@ def test_find_probe_returns_what_accept_returned():
     probe, count, unit, result = find_probe(model, lambda p: ("traced", sorted(p)))
     assert result == ("traced", ["decoder_input_ids", "input_ids"])
     assert (count, unit) == make_probe(model)[1:]
+
+
+def test_meta_model_is_traced_with_one_forward():
+    """On the meta device the trace is the probe's check: the model runs once, not once to check and once to trace."""
+    from lmbp_convert.apply.convert import plan_conversion
+    from benchmarks.families import hf
+
+    with torch.device("meta"):
+        model = hf("llama")
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, args: calls.append(1))
+    try:
+        plan = plan_conversion(model, activations=False, gated_mlp=False, verify=False)
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    assert plan.norm_folds and plan.probe_tokens == 16

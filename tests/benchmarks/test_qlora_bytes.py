@@ -1,0 +1,15 @@
+"""benchmarks.qlora_bytes: the QLoRA flow on CPU with the 4-bit stand-in, end to end (CLI, load, convert, LoRA)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow  # save_pretrained, the CLI and two loads
+
+
+def test_qlora_bytes_stand_in_fp32():
+    pytest.importorskip("peft")
+    from benchmarks.qlora_bytes import measure
+
+    row = measure("fp32", "standin", log=lambda *_: None)
+    assert "5 norms, 2 gated MLPs converted; 0 skipped" in row["report"]
+    assert row["ours"] < 0.7 * row["qlora"], row
