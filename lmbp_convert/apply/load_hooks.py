@@ -72,6 +72,8 @@ class FoldOnLoad(ConvertedHook):
         self.beta_mode = getattr(fold, "beta", "fold") if fold.has_bias else "none"
         self.reapplied = bool(fold.reapply)
         self.targets = targets
+        #: a fold into parameters that functional ops apply (`ConsumerFold`): their own hook takes the affine
+        self.other_targets = bool(getattr(fold, "params", None))
         self.awaiting = awaiting  # converted on meta: the Linears have never held folded weights
         self.gamma: torch.Tensor | None = None  # the original γ (effective scale) of the checkpoint being loaded
         self.beta: torch.Tensor | None = None  # its β, where β folds into biases
@@ -149,7 +151,7 @@ class FoldOnLoad(ConvertedHook):
                 self.beta = b_in.detach()
             return g_in is not None, b_in is not None and self.beta_mode == "fold"
         ident = identity_weight_value(self.param)
-        if not self.targets and self._affine_arrives(g_in, b_in, ident):
+        if not self.targets and not self.other_targets and self._affine_arrives(g_in, b_in, ident):
             errors.append(f"{self.norm}: the checkpoint holds this norm's affine, but the converted model has no Linear "
                           "to fold it into (its consumers' weights are quantized); load a checkpoint folded by "
                           "lmbp-convert, or load this one before convert()")

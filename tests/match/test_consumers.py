@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmbp_convert import NothingToConvertError, SavedTensorLedger, convert
+from lmbp_convert.match.norm_kept import NormKeep
+from lmbp_convert.match.plan import NormFold
 from lmbp_convert.match.consumers import ConsumerFold
 from lmbp_convert.match.plan import Plan
 from benchmarks.families import randomize_norms
@@ -139,7 +141,8 @@ def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
     rep = _check_exact(model, torch.randn(2, 6, D))
-    assert "norm" in _folds(rep)
+    # with no bias to assemble, the plain norm planner's parameter targets (match/param_weights.py) take it first
+    assert "norm" in {f.name for f in rep.plan.of(NormFold)}
 
 
 def test_timm_eva_norm1_folds_into_qkv_and_its_bias_parts():
@@ -160,7 +163,10 @@ def test_transformer_encoder_layer(norm_first):
     if not norm_first:  # post-LN: the residual add sits in the layer's own forward; nothing folds into in_proj
         with pytest.raises(NothingToConvertError, match="layers.0.norm1: output also feeds add in layers.0, and "
                                                         "there is no module boundary"):
-            convert(model, probe=x, activations=False)
+            convert(copy.deepcopy(model), probe=x, activations=False, keep_affine=False)
+        # ... so the norms keep their affine and share their output with the feed-forward's Linear instead
+        rep = convert(model, probe=x, activations=False).lmbp_report
+        assert {k.name for k in rep.plan.of(NormKeep)} >= {"layers.0.norm1", "layers.1.norm1"}
         return
     before = _saved(model, x)
     rep = _check_exact(model, x)
