@@ -31,7 +31,7 @@ excluded; fp32 weights, bf16 weights, fp32 weights under bf16 autocast). "why < 
 20 % in some mode, the documented causes (`benchmarks/coverage_expected.py`) that `model.lmbp_report` bears out;
 tests/benchmarks/test_coverage.py asserts every cell's floor and cause. Tiny widths weigh embeddings, heads and
 attention more than full-size models do, so the fractions are not those of the released sizes. ReLU feed-forwards
-(OPT, T5 v1.0) are left as they are and are not listed in the report."""
+(OPT, T5 v1.0) are left as they are; the report lists each such activation with why."""
 
 
 def _call(model: nn.Module, probe):

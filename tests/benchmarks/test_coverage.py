@@ -12,7 +12,7 @@ from benchmarks.families import GROUPS, FamilyUnavailable, group_of, registry
 
 #: (family, mode) cells run in the fast loop: each cause and each kind of model at least once (seconds each);
 #: the other cells are `slow` (the whole matrix takes minutes on 2 cores)
-FAST = {("llama", "bf16"), ("bert", "autocast"), ("bart", "bf16"), ("mixtral", "autocast"), ("gpt_oss", "fp32"),
+FAST = {("llama", "bf16"), ("bert", "autocast"), ("bart", "bf16"), ("mixtral", "autocast"), ("gpt_oss", "fp32"), ("opt", "fp32"),
         ("timm_mixer_160", "fp32"), ("timm_beit", "bf16"), ("timm_hiera_160", "bf16"), ("whisper", "autocast")}
 CELLS = [pytest.param(f, m, marks=() if (f, m) in FAST else pytest.mark.slow, id=f"{f}-{m}")
          for f in coverage.ordered() for m in coverage.MODES]

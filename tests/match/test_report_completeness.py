@@ -9,10 +9,10 @@ from lmbp_convert.apply.convert import plan_conversion
 from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.match.roles import RoleKind, assign_roles
 
-from benchmarks.families import FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
+from benchmarks.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
 
 _NORM_NAME = re.compile(r"(?i).*norm.*")
-_ACT_NAME = re.compile(r"(?i).*(gelu|silu|swish).*")
+_ACT_NAME = re.compile(r"(?i).*(gelu|silu|swish|relu|tanh).*")
 
 MODELS = {
     "llama": FAMILIES["llama"], "bert": FAMILIES["bert"], "gpt2": FAMILIES["gpt2"], "vit": FAMILIES["vit"],
@@ -20,6 +20,8 @@ MODELS = {
     "bart": PROBE_FAMILIES["bart"], "persimmon": lambda: hf("persimmon", qk_layernorm=True),
     # norms no catalogue names: LayerNorm1P (γ = 1 + w) and an affine-free LayerNorm (found by behaviour)
     "nemotron": lambda: hf("nemotron", num_key_value_heads=2), "olmo": lambda: hf("olmo", num_key_value_heads=2),
+    # ReLU feed-forwards: activations with no approximate-backprop kind
+    "opt": MORE_FAMILIES["opt"], "speech_to_text": PROBE_FAMILIES["speech_to_text"],
 }
 
 
@@ -90,3 +92,13 @@ def test_post_norm_reasons_name_the_residual_add_and_the_nearest_linears():
     assert "reaches model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj only through add in model.layers.0" \
         in post, post
     assert "no Linear reads its channels" in reasons["model.layers.0.self_attn.q_norm"]
+
+
+def test_relu_feed_forwards_are_listed_with_why_they_stay():
+    """ReLU keeps only its output, which the next Linear keeps too; a squared ReLU keeps its input: both say so."""
+    plan = plan_conversion(MORE_FAMILIES["opt"]().eval())
+    relu = [s for s in plan.skips if s.cls.endswith(":ReLU")]
+    assert relu and all("backward reads only its output" in s.reason for s in relu), plan.skips
+    plan = plan_conversion(hf("nemotron", num_key_value_heads=2).eval())
+    sq = [s for s in plan.skips if "no approximate-backprop kind" in s.reason]
+    assert sq and all("its input stays kept" in s.reason for s in sq), plan.skips
