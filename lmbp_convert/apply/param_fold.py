@@ -26,14 +26,8 @@ def param_folds(targets: list[ParamTarget], get: Callable[[str], torch.Tensor], 
         else:
             pending[t.weight] = fold_weight_rows(w, gamma, rows)
             shift = rows_shift(w, beta, rows) if beta is not None else None
-        r0 = rows[0] if rows else 0
-        for part in t.bias if shift is not None else []:
-            b = pending.get(part.tensor, get(part.tensor).detach())
-            lo, hi = max(part.start, r0), min(part.stop, r0 + shift.shape[0])
-            new = b.clone()
-            new[lo - part.start:hi - part.start] = add_shift(b[lo - part.start:hi - part.start],
-                                                             shift[lo - r0:hi - r0])
-            pending[part.tensor] = new
+        if shift is not None:
+            _shift_bias_parts(pending, t, rows, shift, get)
     return pending
 
 
@@ -53,12 +47,18 @@ def param_unfolds(targets: list[ParamTarget], get: Callable[[str], torch.Tensor]
             plain = unfold_weight_rows(w, gamma, rows)
             shift = rows_shift(plain, beta, rows) if beta is not None else None
         pending[t.weight] = plain
-        r0 = rows[0] if rows else 0
-        for part in t.bias if shift is not None else []:
-            b = pending.get(part.tensor, get(part.tensor).detach())
-            lo, hi = max(part.start, r0), min(part.stop, r0 + shift.shape[0])
-            new = b.clone()
-            new[lo - part.start:hi - part.start] = add_shift(b[lo - part.start:hi - part.start],
-                                                             -shift[lo - r0:hi - r0])
-            pending[part.tensor] = new
+        if shift is not None:
+            _shift_bias_parts(pending, t, rows, -shift, get)
     return pending
+
+
+def _shift_bias_parts(pending: dict[str, torch.Tensor], t: ParamTarget, rows: tuple[int, int] | None,
+                      shift: torch.Tensor, get: Callable[[str], torch.Tensor]) -> None:
+    """Add ``shift`` (the output rows ``rows`` of W·β) to the bias parts those rows fall in."""
+    r0 = rows[0] if rows else 0
+    for part in t.bias:
+        b = pending.get(part.tensor, get(part.tensor).detach())
+        lo, hi = max(part.start, r0), min(part.stop, r0 + shift.shape[0])
+        new = b.clone()
+        new[lo - part.start:hi - part.start] = add_shift(b[lo - part.start:hi - part.start], shift[lo - r0:hi - r0])
+        pending[part.tensor] = new
