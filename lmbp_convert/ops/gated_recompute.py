@@ -22,7 +22,7 @@ saves anyway (the same traced ops, in the backward graph).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -50,11 +50,11 @@ class _Recipe:
         self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
 
-def _cast_chain(src: torch.Tensor, node, device: torch.device) -> Optional[tuple[torch.dtype, ...]]:
-    """The dtypes of the casts ``h.to(d1).to(d2)...`` that produced ``src`` from the output of ``node``, or
-    None when src is not such a chain (another op, a device move, a torch without node metadata)."""
+def cast_chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[torch.dtype, ...]]]:
+    """Follow the dtype casts (``ToCopyBackward0`` nodes) back from autograd node ``fn``: (the first node that is not
+    a cast, the cast dtypes in forward order), or None where a cast also moves devices or a node lacks the
+    metadata (another torch)."""
     casts = []
-    fn = src.grad_fn
     while fn is not None and type(fn).__name__ == "ToCopyBackward0":
         try:  # the metadata of the gradient a node receives is that of the forward op's output
             meta = fn._input_metadata[0]
@@ -67,9 +67,16 @@ def _cast_chain(src: torch.Tensor, node, device: torch.device) -> Optional[tuple
         if len(nxt) != 1:
             return None
         fn = nxt[0]
-        if fn is node:
-            return tuple(reversed(casts))
-    return None
+    return fn, tuple(reversed(casts))
+
+
+def _cast_chain(src: torch.Tensor, node, device: torch.device) -> Optional[tuple[torch.dtype, ...]]:
+    """The dtypes of the casts ``h.to(d1).to(d2)...`` that produced ``src`` from the output of ``node``, or
+    None when src is not such a chain (another op, a device move, a torch without node metadata)."""
+    walked = cast_chain(src.grad_fn, device)
+    if walked is None or walked[0] is not node or not walked[1]:
+        return None
+    return walked[1]
 
 
 class _Hooks:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .gated_recompute import _top_hooks
+from .gated_recompute import _top_hooks, cast_chain
 
 __all__ = ["Region"]
 
@@ -99,20 +99,10 @@ class Region:
         src = t if t._base is None else t._base
         if not src.is_contiguous() or src.grad_fn is None:
             return None
-        fn, casts = src.grad_fn, []
-        while type(fn).__name__ == "ToCopyBackward0":
-            try:  # the metadata of the gradient a node receives is that of the forward op's output
-                meta = fn._input_metadata[0]
-            except (AttributeError, IndexError):
-                return None
-            if meta.device != src.device:
-                return None
-            casts.append(meta.dtype)
-            nxt = [f for f, _ in fn.next_functions if f is not None]
-            if len(nxt) != 1:
-                return None
-            fn = nxt[0]
-        casts.reverse()
+        walked = cast_chain(src.grad_fn, src.device)
+        if walked is None:
+            return None
+        fn, casts = walked
         made = self._act(fn) or self._product(fn) or self._gather(fn) or (self._select(fn) if casts else None)
         if made is None:
             return None
