@@ -277,16 +277,17 @@ def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
     """Role of every named module (first name of shared modules)."""
     roles: dict[str, Role] = {}
     seen: dict[int, Role] = {}
+    checked: dict[tuple, Role] = {}  # behaviour checks, by what decides them (one per kind of norm, not per layer)
     for name, mod in model.named_modules():
         if id(mod) in seen:
             roles[name] = seen[id(mod)]
             continue
-        role = _role_of(mod, cat)
+        role = _role_of(mod, cat, checked)
         seen[id(mod)] = roles[name] = role
     return roles
 
 
-def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
+def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role] | None = None) -> Role:
     if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
         return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
@@ -295,7 +296,7 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     entry = cat.norm_entry(mod)
     leaf = next(mod.children(), None) is None  # containers are never norms, whatever their name
     if entry is not None and entry.get("kind") and leaf:  # listed: kind and param are known
-        return _norm_role(mod, entry, cat)
+        return _norm_role(mod, entry, cat, checked)
     layout = cat.linear_layout(mod)
     if layout is not None:
         return Role(RoleKind.LINEAR, layout=layout)
@@ -315,17 +316,49 @@ def _role_of(mod: nn.Module, cat: Catalogue) -> Role:
     if cat.is_identity(mod):
         return Role(RoleKind.IDENTITY)
     if could_be_norm(mod) or (entry is not None and leaf):  # by behaviour: whatever acts as a norm is one
-        role = _norm_role(mod, entry, cat)
+        role = _norm_role(mod, entry, cat, checked)
         if role.kind is RoleKind.NORM or entry is not None:  # named like a norm: say why it is not one
             return role
     return Role(RoleKind.OTHER)
 
 
-def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue) -> Role:
-    found = identify_norm(mod, entry, cat.eps_of(mod))
+def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role] | None = None
+               ) -> Role:
+    eps = cat.eps_of(mod)
+    key = behaviour_key(mod, entry, eps) if checked is not None else None
+    if key is not None and key in checked:
+        return checked[key]
+    found = identify_norm(mod, entry, eps)
     if isinstance(found, NormRole):
-        return Role(RoleKind.NORM, norm=found)
-    return Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
+        role = Role(RoleKind.NORM, norm=found)
+    else:
+        role = Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
+    if key is not None:
+        checked[key] = role
+    return role
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.Size)
+
+
+def behaviour_key(mod: nn.Module, entry: dict | None, eps: float | None) -> tuple | None:
+    """What decides the behaviour check's answer: the class, its plain attributes, its tensors' names, shapes and
+    dtypes (the check draws its own γ, β, so their values do not matter), the catalogue entry and eps. Modules with
+    equal keys get one check (a 32-layer model's 65 norms, one). None, so no sharing, when the module holds state
+    of another kind (an object whose contents could change its forward)."""
+    if mod._forward_hooks or mod._forward_pre_hooks:  # the check runs them too: each module its own
+        return None
+    attrs = []
+    for k, v in sorted(vars(mod).items()):
+        if k.startswith("_") or k == "training":
+            continue
+        if isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and all(isinstance(i, _PLAIN) for i in v)):
+            attrs.append((k, repr(v)))
+        else:
+            return None
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*mod.named_parameters(recurse=False),
+                                                               *mod.named_buffers(recurse=False)))
+    return type(mod), tuple(attrs), tensors, repr(sorted(entry.items())) if entry else None, eps
 
 
 def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):

@@ -209,3 +209,21 @@ def test_affine_free_swap_round_trips_through_a_plan_file():
     plan = Plan(items=[NormSwap("n", "x:BareLN", "layer", 1e-5, [16], ["lin"], 64)])
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.items[0].kind is NormKind.LAYER
+
+
+def test_norms_of_one_kind_are_checked_once(monkeypatch):
+    """The behaviour check depends on the class, plain attributes and tensor shapes (it draws its own γ, β): a deep
+    model's identical norms share one check; a norm that differs in any of those gets its own."""
+    from lmbp_convert.catalogue import load_catalogue
+    from lmbp_convert.match import roles as R
+
+    calls = []
+    real = R.identify_norm
+    monkeypatch.setattr(R, "identify_norm", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    model = nn.Sequential(*[nn.LayerNorm(16) for _ in range(6)], nn.LayerNorm(16, eps=1e-3), nn.LayerNorm(8),
+                          nn.RMSNorm(16))
+    model[0].register_forward_hook(lambda m, a, y: y * 2)  # a hooked norm behaves otherwise: its own check
+    got = R.assign_roles(model, load_catalogue())
+    assert len(calls) == 5  # LayerNorm(16) once, the hooked one, eps 1e-3, width 8, RMSNorm
+    assert all(got[str(i)].kind is R.RoleKind.NORM for i in range(1, 9))
+    assert got["6"].norm.eps == 1e-3 and got["1"].norm.eps == 1e-5
