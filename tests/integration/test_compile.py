@@ -234,3 +234,41 @@ def test_fullgraph_aot_eager_matches_eager_for_each_kind(family):
 @pytest.mark.parametrize("family", ["bart", "timm_convnext", "mixtral"])
 def test_fullgraph_inductor_matches_eager_for_each_kind(family):
     _compiled_step_matches_eager(family, "inductor")
+
+
+def test_fullgraph_aot_eager_prefolded_norms_over_quantized_projections():
+    """The QLoRA flow (norms folded on disk, 4-bit stand-in projections, LoRA over them, the gated MLP fused over
+    the quantized gate/up): one graph, the eager loss and adapter gradients."""
+    from benchmarks.quant_standin import quantize_linears
+    from lmbp_convert.checkpoint import mark_prefolded
+
+    peft = pytest.importorskip("peft")
+    torch._dynamo.reset()
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = hf("llama", num_hidden_layers=1)
+    norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
+    with torch.no_grad():
+        for n in norms:
+            model.get_submodule(n).weight.fill_(1)
+    mark_prefolded(model, {"folded_norms": norms})
+    convert(quantize_linears(model, targets))
+    assert all(f.prefolded for f in model.lmbp_report.plan.norm_folds) and model.lmbp_report.plan.gated_mlps
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets), task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, cfg).train()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(7))
+    batch = _llama_batch()
+    loss_e = _loss(model, batch)
+    loss_e.backward()
+    grads_e = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    loss_c = _loss(torch.compile(model, backend="aot_eager", fullgraph=True), batch)
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-4, atol=1e-5)
+    params = dict(model.named_parameters())
+    assert grads_e and all("lora_" in n for n in grads_e)
+    for n, g in grads_e.items():
+        torch.testing.assert_close(params[n].grad, g, rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    torch._dynamo.reset()
