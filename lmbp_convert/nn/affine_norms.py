@@ -8,16 +8,18 @@ The guard: channels whose x̂ cannot be recovered from y to the documented bound
 input columns instead. Which channels those are is decided once per parameter update (keyed on the parameters'
 version counters, so a GPU forward does not sync on every call); when more than half the channels would need it,
 the forward is the plain norm (saving its input, as the original did): exact, nothing gained, nothing lost.
+
+Under torch.compile the forward is that plain norm as well: the guard's key (version counters, data pointers)
+and its channel choice (a data-dependent count) cannot be traced into a graph, and a guess at them could go
+stale after an optimizer step. Outputs are identical and gradients exact; the input is saved, as the original norm did.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..fold import norm_scale
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
-from ..ops.ms_norm_affine import ms_norm_affine, unreliable_channels
+from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
 
 __all__ = ["MSAffineNorm"]
 
@@ -66,17 +68,12 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         if x.dim() == 0 or x.shape[-1] != n:
             raise ValueError(f"MSAffineNorm: normalized_shape ({n},) does not match the last dim of the input of "
                              f"shape {tuple(x.shape)}")
-        keep = self.kept_channels(x.device)
-        if keep is None:  # the guard: too many channels cannot be inverted; the plain norm, exactly
-            gamma = norm_scale(self.weight, self.param)
-            if self.norm_kind is NormKind.LAYER:
-                y = F.layer_norm(x, self.normalized_shape, gamma, self.bias, self.eps)
-            else:
-                y = F.rms_norm(x, self.normalized_shape, gamma, self.eps)
-                y = y + self.bias if self.bias is not None else y
-            return y if self.out_dtype is None else y.to(self.out_dtype)
-        return ms_norm_affine(x, self.weight, self.bias, n, self.eps, self.norm_kind is NormKind.RMS,
-                              self.param is WeightParam.ONE_PLUS_W, keep, self.out_dtype)
+        is_rms, one_plus = self.norm_kind is NormKind.RMS, self.param is WeightParam.ONE_PLUS_W
+        # the guard (too many channels cannot be inverted), or a graph that cannot hold it: the plain norm, exactly
+        keep = None if torch.compiler.is_compiling() else self.kept_channels(x.device)
+        if keep is None:
+            return plain_norm_affine(x, self.weight, self.bias, n, self.eps, is_rms, one_plus, self.out_dtype)
+        return ms_norm_affine(x, self.weight, self.bias, n, self.eps, is_rms, one_plus, keep, self.out_dtype)
 
     def __getstate__(self) -> dict:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()

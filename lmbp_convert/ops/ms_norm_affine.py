@@ -36,7 +36,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["BETA_RATIO", "GAMMA_FLOOR", "MSAffineNormFunction", "ms_norm_affine", "unreliable_channels"]
+__all__ = ["BETA_RATIO", "GAMMA_FLOOR", "MSAffineNormFunction", "ms_norm_affine", "plain_norm_affine",
+           "unreliable_channels"]
 
 #: longest row the Triton kernels hold in registers; longer rows take the PyTorch path
 MAX_BLOCK = 16384
@@ -252,6 +253,19 @@ class MSAffineNormFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None, None
 
 
+def plain_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, eps: float,
+                      is_rms: bool, one_plus: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The same norm through torch's own ops (autograd saves its input): exact, nothing saved. What the guard
+    falls back to, and what runs under torch.compile where the guard's channel choice would be data-dependent."""
+    gamma = 1.0 + weight if one_plus else weight
+    if is_rms:
+        y = torch.nn.functional.rms_norm(x, (n,), gamma, eps)
+        y = y + bias if bias is not None else y
+    else:
+        y = torch.nn.functional.layer_norm(x, (n,), gamma, bias, eps)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
 def ms_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, eps: float,
                    is_rms: bool, one_plus: bool = False, keep_idx: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -262,6 +276,9 @@ def ms_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     of being recovered from y; None: those `unreliable_channels` finds now (a host sync on GPUs: modules pass the
     indices they cached for the current parameters). Output dtype: ``out_dtype``, else the autocast compute dtype
     under autocast (so the consumer Linear saves this very storage), else x's.
+
+    Under torch.compile, ``keep_idx=None`` means `plain_norm_affine` (the channel search has a data-dependent
+    size, which a graph cannot hold); explicit indices compile as they are.
     """
     check_dtype(x, "ms_norm_affine")
     if weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
@@ -270,6 +287,8 @@ def ms_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if x.dim() == 0 or x.shape[-1] != n:
         raise ValueError(f"ms_norm_affine: input of shape {tuple(x.shape)} has no rows of {n}")
     if keep_idx is None:
+        if torch.compiler.is_compiling():
+            return plain_norm_affine(x, weight, bias, n, eps, is_rms, one_plus, out_dtype)
         keep_idx = torch.nonzero(unreliable_channels(weight, bias, one_plus)).reshape(-1)
     out = out_dtype if out_dtype is not None else autocast_dtype_for(x)
     return MSAffineNormFunction.apply(x, weight, bias, n, float(eps), is_rms, one_plus, out, keep_idx)

@@ -9,7 +9,6 @@ masks it built itself) is traced again with the meta device shown to it as the C
 """
 from __future__ import annotations
 
-import functools
 import inspect
 from contextlib import ExitStack
 from typing import Any, Callable
@@ -245,13 +244,21 @@ def call_model(model: nn.Module, probe: Any) -> Any:
     return model(probe)
 
 
-@functools.lru_cache(maxsize=None)
+#: class → does its forward take ``return_dict``? A plain dict, not an lru_cache: the re-apply hook asks on every
+#: call, and torch.compile traces a dict lookup as a guarded constant but warns on every lru_cache it meets
+_TAKES_RETURN_DICT: dict[type, bool] = {}
+
+
 def _takes_return_dict(cls: type) -> bool:
-    try:
-        params = inspect.signature(cls.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "return_dict" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    known = _TAKES_RETURN_DICT.get(cls)
+    if known is None:
+        try:
+            params = inspect.signature(cls.forward).parameters.values()
+            known = any(p.name == "return_dict" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+        except (TypeError, ValueError):
+            known = False
+        _TAKES_RETURN_DICT[cls] = known
+    return known
 
 
 def wants_tuple(model: nn.Module, kwargs: dict) -> bool:

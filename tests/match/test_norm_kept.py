@@ -178,6 +178,35 @@ def test_module_falls_back_to_the_plain_norm_when_most_channels_are_tiny():
     assert any(e.nbytes == x.numel() * 4 and e.shape == x.shape for e in led.entries)  # saves x, as LayerNorm does
 
 
+def test_module_compiles_with_fullgraph_as_the_plain_norm():
+    """Under torch.compile the guard (version counters, a data-dependent channel count) cannot be traced: the
+    module is torch's norm there (same values, exact gradients); its guard cache is left to eager calls, which
+    still save no input column but the guarded ones."""
+    ln = nn.LayerNorm(D)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(D, generator=torch.Generator().manual_seed(0)))
+        ln.weight[0] = 0.0
+        ln.bias.fill_(0.2)
+    norm = MSAffineNorm("layer", D, ln.eps, copy.deepcopy(ln.weight), copy.deepcopy(ln.bias))
+    x = torch.randn(4, D, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    torch._dynamo.reset()
+    y = torch.compile(norm, backend="aot_eager", fullgraph=True)(x)
+    assert norm._guard_key is None  # nothing cached from inside a graph
+    ref = ln(x)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(4, D, generator=torch.Generator().manual_seed(2))
+    for got, want in zip(torch.autograd.grad(y, (x, norm.weight, norm.bias), g),
+                         torch.autograd.grad(ref, (x, ln.weight, ln.bias), g)):
+        torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
+    with SavedTensorLedger(norm) as led:
+        norm(x)
+    assert norm.kept_channels(x.device).tolist() == [0]
+    full = [e for e in led.entries if e.shape == x.shape]
+    assert len(full) == 1 and full[0].grad_fn == "MSAffineNormFunctionBackward", led.summary()  # y, not x
+    assert any(e.shape == (4, 1) for e in led.entries), led.summary()  # the guarded channel's input column
+
+
 @pytest.mark.parametrize("family", ["bart", "hubert"])
 def test_tiny_families_keep_the_affine_of_their_in_layer_norms(family):
     from benchmarks.families import PROBE_FAMILIES

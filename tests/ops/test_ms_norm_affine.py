@@ -221,3 +221,24 @@ def test_cuda_kernels_match_the_pytorch_path(kind, dtype, n):
     for a, r in zip(got[1:], ref[1:]):
         scale = float(r.abs().max())
         torch.testing.assert_close(a.double() / scale, r.double() / scale, **tol(dtype, "bwd"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("explicit", [False, True], ids=["keep_idx_none", "keep_idx_given"])
+def test_compiles_with_fullgraph(kind, explicit):
+    """torch.compile(fullgraph=True): given indices trace as they are; ``keep_idx=None`` (a channel search of
+    data-dependent size) becomes torch's own norm. Values and gradients match eager either way."""
+    gen = torch.Generator().manual_seed(4)
+    w, b = hostile(48, gen)
+    x, g = torch.randn(3, 5, 48, generator=gen), torch.randn(3, 5, 48, generator=gen)
+    idx = torch.nonzero(unreliable_channels(w, b, False)).reshape(-1) if explicit else None
+
+    def fn(x_, w_, b_):
+        return ms_norm_affine(x_, w_, b_, 48, 1e-5, kind == "rms", False, idx)
+
+    torch._dynamo.reset()
+    eager = grads(fn, x, w, b, g)
+    compiled = grads(torch.compile(fn, backend="aot_eager", fullgraph=True), x, w, b, g)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
