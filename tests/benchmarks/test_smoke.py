@@ -325,3 +325,32 @@ def test_gpu_runner_commands_parse():
     assert S.parse_args(cmd["bench_speed"][3:]).gpu
     text = open(sh).read()
     assert "bitsandbytes==" in text and "liger-kernel==" in text
+
+
+def test_host_block_key_groups_module_roles():
+    assert H._block_key("base_model.model.blocks.7.mlp.fc1") == "blocks.*.mlp.fc1"
+    assert H._block_key("base_model.model.norm") == "norm"
+    assert H._block_key("") == "(model)"
+
+
+@pytest.mark.slow
+def test_host_bench_attribution_parts(tmp_path):
+    """--parts context,breakdown: our op → Linear pairs against the native pairs, and the proxy step split into
+    forward / backward / optimizer and per module role, for both models."""
+    pytest.importorskip("triton")
+    import subprocess
+
+    out = tmp_path / "host.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.host", "--quick", "--parts", "context,breakdown",
+                        "--json", str(out)], cwd=ROOT, env=_env_without_interpreter(), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["op"] for r in data["context"]] == ["MSLayerNorm → Linear", "ApproxActivation(gelu) → Linear"]
+    assert all(r["ours_us"] > 0 and r["native_us"] > 0 for r in data["context"])
+    bd = data["vit_breakdown"]
+    assert [r["phase"] for r in bd["phases"]] == ["forward", "backward", "optimizer"]
+    roles = {r["module"] for r in bd["forward_by_module"]}
+    assert "blocks.*.norm1" in roles and all(r["original_us"] > 0 for r in bd["forward_by_module"])
+    md = H.host_tables(data)
+    assert "MSLayerNorm → Linear" in md and "forward of blocks.*.norm1" in md
