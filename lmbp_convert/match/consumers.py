@@ -216,15 +216,7 @@ def _linear(ctx: MatchContext, node: Node, reader: Reader, d: int, beta) -> list
         return None
     if reader.axis != len(ctx.g.tensors[reader.tid].shape) - 1:
         return None
-    where = f"linear in {ctx.scope_name(node)}"
-    weight = _weight(ctx, node, a.get("weight"), d, where, dims=2)
-    if isinstance(weight, Problem):
-        return str(weight)
-    out = ctx.g.tensors[_tid(a["weight"])].shape[0]
-    parts = _bias_parts(ctx, node, a.get("bias"), out, where, beta)
-    if isinstance(parts, str):
-        return parts
-    return [ParamTarget(weight, "linear", ctx.scope_name(node), None, parts)]
+    return _weight_and_bias(ctx, node, a, d, f"linear in {ctx.scope_name(node)}", beta, "linear", 2)
 
 
 def _conv(ctx: MatchContext, node: Node, reader: Reader, d: int, beta) -> list[ParamTarget] | str | None:
@@ -241,15 +233,21 @@ def _conv(ctx: MatchContext, node: Node, reader: Reader, d: int, beta) -> list[P
     if padded and _nonzero(beta):
         return (f"{where} pads its input (padding={pad}): padded positions would see 0 instead of the norm's β, so "
                 "β cannot fold into its bias")
-    nd = int(op_short(node)[-2])
-    weight = _weight(ctx, node, a.get("weight"), d, where, dims=nd + 2)
+    return _weight_and_bias(ctx, node, a, d, where, beta, op_short(node), int(op_short(node)[-2]) + 2, conv=True)
+
+
+def _weight_and_bias(ctx: MatchContext, node: Node, a: dict, d: int, where: str, beta, op: str, dims: int, *,
+                     conv: bool = False) -> list[ParamTarget] | str:
+    """The target of an op applying a named weight (``dims``-D, ``d`` input channels) and a bias of named parts to
+    the norm's output, or why not."""
+    weight = _weight(ctx, node, a.get("weight"), d, where, dims=dims)
     if isinstance(weight, Problem):
         return str(weight)
     out = ctx.g.tensors[_tid(a["weight"])].shape[0]
     parts = _bias_parts(ctx, node, a.get("bias"), out, where, beta)
     if isinstance(parts, str):
         return parts
-    return [ParamTarget(weight, op_short(node), ctx.scope_name(node), None, parts, conv=True)]
+    return [ParamTarget(weight, op, ctx.scope_name(node), None, parts, conv=conv)]
 
 
 def _mha(ctx: MatchContext, node: Node, reader: Reader, d: int, beta) -> list[ParamTarget] | str | None:
