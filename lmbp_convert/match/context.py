@@ -49,6 +49,8 @@ class MatchContext:
     param_owners: dict[int, list[str]] = field(init=False)
     #: modules taken over by an item already planned: later matchers leave them alone
     claimed: set[str] = field(default_factory=set, init=False)
+    #: module → whether it passed the projection behaviour check (`projection.is_projection_node`), run once each
+    projection_checked: dict[str, bool] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

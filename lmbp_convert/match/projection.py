@@ -93,7 +93,7 @@ def is_projection_node(ctx, node: Node) -> bool:
         return True
     if role.kind not in PROBED_ROLES or not node.inputs:
         return False
-    cache = ctx.__dict__.setdefault("_projection_checked", {})
+    cache = ctx.projection_checked
     if node.target not in cache:
         shape = ctx.g.tensors[node.inputs[0]].shape
         cache[node.target] = projection_problem(ctx.modules[node.target], shape[-1] if shape else None) is None
