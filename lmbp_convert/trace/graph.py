@@ -66,7 +66,8 @@ class Graph:
     module_calls: dict[str, int] = field(default_factory=dict)  # module name -> number of calls
     root_outputs: dict[int, list[tuple]] = field(default_factory=dict)  # tensor id -> paths in the output
     #: tensor id -> qualified name of the parameter or buffer it is (first name of a tied one), for tensors the
-    #: forward used directly (a weight passed to F.linear, bias pieces concatenated in forward)
+    #: forward used directly (a weight passed to F.linear, bias pieces concatenated in forward); ``TensorInfo.param``
+    #: holds the same name for parameters only
     params: dict[int, str] = field(default_factory=dict)
     _consumers: dict[int, list[Node]] | None = field(default=None, repr=False)
 

@@ -79,7 +79,9 @@ class _Tracer(TorchFunctionMode):
     def __init__(self, names: dict[int, str], is_leaf: Callable[[nn.Module], bool], meta_as_cpu: bool = False,
                  params: dict[int, str] | None = None):
         super().__init__()
-        self.params = params or {}  # id(parameter) → its qualified name (weights applied through ops)
+        #: id(parameter or buffer) → its qualified name (first name of a tied one): weights and bias pieces the
+        #: forward applies itself through ops
+        self.params = params or {}
         self.meta_as_cpu = meta_as_cpu
         self.g = Graph()
         self.names = names
@@ -99,8 +101,11 @@ class _Tracer(TorchFunctionMode):
         tid = len(self.g.tensors)
         self._ids[key] = tid
         self._alive.append(t)
-        param = self.params.get(key) if producer is None and isinstance(t, nn.Parameter) else None
+        name = self.params.get(key) if producer is None else None
+        param = name if isinstance(t, nn.Parameter) else None
         self.g.tensors[tid] = TensorInfo(tid, tuple(t.shape), str(t.dtype).replace("torch.", ""), producer, param)
+        if name is not None:
+            self.g.params.setdefault(tid, name)
         return tid
 
     def _same_tensor(self, original: torch.Tensor, copy: torch.Tensor) -> None:
@@ -304,7 +309,9 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
     names: dict[int, str] = {}
     for name, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), name)
-    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+    params: dict[int, str] = {}
+    for pname, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        params.setdefault(id(t), pname)
     tracer = _Tracer(names, is_leaf, meta_as_cpu, params)
     with ExitStack() as stack:
         stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
@@ -329,9 +336,5 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
         tid = tracer._ids.get(id(t))
         if tid is not None:
             g.root_outputs.setdefault(tid, []).append(path)
-    for pname, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
-        tid = tracer._ids.get(id(t))
-        if tid is not None and g.tensors[tid].producer is None:
-            g.params.setdefault(tid, pname)
     g.build_index()
     return g, out
