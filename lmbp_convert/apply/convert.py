@@ -66,12 +66,6 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     return plan
 
 
-def _on_meta(model: nn.Module) -> bool:
-    """Every tensor of the model on the meta device (nothing there has values to check a probe against)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
-
-
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
     """include/exclude patterns that name no module are a typo or a different model: say which (an error when
     no include pattern matches, since then nothing can be converted; a warning otherwise)."""
