@@ -20,7 +20,7 @@ from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device
-from ..trace.probe import find_probe, make_probe_with_output
+from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
@@ -55,14 +55,14 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     is_leaf = is_leaf_factory(model, roles)
     with eval_mode(model):
         if probe is not None:
-            count, unit = 0, "sample"
+            count, unit, index = 0, "sample", 0
             graph, out = trace(model, probe, is_leaf)
         else:  # the trace is the probe's acceptance check: one forward, not two
-            probe, count, unit, (graph, out) = find_probe(model, lambda p: trace(model, p, is_leaf))
+            probe, count, unit, (graph, out), index = search_probe(model, lambda p: trace(model, p, is_leaf))
     plan = make_plan(model, graph, roles, opt, prefolded_norms(model))
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit
-    plan.probe, plan.reference_output = probe, out
+    plan.probe, plan.reference_output, plan.probe_index = probe, out, index
     return plan
 
 
@@ -147,7 +147,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
         )
     checks = [Check(probe, reference, "the traced probe")]
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
-        checks += _other_inputs(model, given, probe, report)
+        checks += _other_inputs(model, given, probe, report, plan.probe_index)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
     params_before = dict(_params(model))
@@ -174,16 +174,18 @@ class Check:
     how: str  # where the input came from, for the report
 
 
-def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport) -> list[Check]:
+def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport, index: int = 0
+                  ) -> list[Check]:
     """The inputs verification uses besides the traced one, each with the original's output (one forward each):
-    the user's further `Probes`, else the automatic probe drawn with another seed, else one derived from the
-    user's probe (`lmbp_convert.trace.second_probe`). None found: a note and a warning, never an error."""
+    the user's further `Probes`, else the automatic probe drawn with another seed (trying first the candidate
+    that won at seed 0, ``index``), else one derived from the user's probe (`lmbp_convert.trace.second_probe`).
+    None found: a note and a warning, never an error."""
     if isinstance(given, Probes):
         return [Check(p, _reference(model, p, i + 2), f"probe {i + 2} of {len(given)}")
                 for i, p in enumerate(given[1:])]
     if given is None:
         try:
-            second, _, _, ref = make_probe_with_output(model, seed=1)
+            second, _, _, ref = make_probe_with_output(model, seed=1, first=index)
         except ProbeError as exc:
             why = f"the automatic probe with another seed was refused ({exc})"
         else:

@@ -270,7 +270,8 @@ _PLAN_FIELDS = ("skips", "already_converted", "probe_tokens", "probe_unit", "opt
 class Plan:
     """The items in the order their units are applied (gated MLPs, norms, activations: matcher order), the
     skips with their reasons, and what the plan was made from. ``probe`` and ``reference_output`` (the probe
-    forward's output, which verification compares with) are run-time data: not serialised, not compared."""
+    forward's output, which verification compares with) are run-time data: not serialised, not compared; so is
+    ``probe_index``, where the automatic probe stood among the candidates (a second seed starts there)."""
 
     items: list[PlanItem] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
@@ -280,6 +281,7 @@ class Plan:
     options: dict = field(default_factory=dict)
     probe: Any = field(default=None, repr=False, compare=False)
     reference_output: Any = field(default=None, repr=False, compare=False)
+    probe_index: int = field(default=0, repr=False, compare=False)  # the automatic probe's place among candidates
 
     def __iter__(self) -> Iterator[PlanItem]:
         return iter(self.items)

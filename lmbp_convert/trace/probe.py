@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 import torch
 from torch import nn
@@ -236,22 +236,44 @@ def make_probe(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0)
     return probe, count, unit
 
 
-def make_probe_with_output(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0
+def make_probe_with_output(model: nn.Module, batch: int = 2, seq: int = 8, *, seed: int = 0, first: int = 0
                            ) -> tuple[Any, int, str, Any]:
     """`make_probe` plus the model's output on the probe (eval mode, no grad) from the forward that checked the
-    model accepts it, so a caller that needs both pays one forward. On the meta device the output is None."""
-    return find_probe(model, None, batch, seq, seed=seed)
+    model accepts it, so a caller that needs both pays one forward. On the meta device the output is None.
+    ``first``: the candidate to try first (`Found.index` of an earlier search with another seed)."""
+    return search_probe(model, None, batch, seq, seed=seed, first=first)[:4]
 
 
 def find_probe(model: nn.Module, accept: Callable[[Any], T] | None, batch: int = 2, seq: int = 8, *,
                seed: int = 0) -> tuple[Any, int, str, T | Any]:
-    """Return (probe, count, unit, result): the first candidate the model takes, and ``accept(probe)``.
+    """Return (probe, count, unit, result): the first candidate the model takes, and ``accept(probe)``
+    (`search_probe` without the candidate's index)."""
+    return search_probe(model, accept, batch, seq, seed=seed)[:4]
+
+
+class Found(NamedTuple):
+    """The chosen probe, ``accept``'s result on it, and its place in the candidate order (``index``): the order
+    and the shapes do not depend on the seed, so a search with another seed can start where this one ended."""
+
+    probe: Any
+    count: int
+    unit: str
+    result: Any
+    index: int
+
+
+def search_probe(model: nn.Module, accept: Callable[[Any], T] | None, batch: int = 2, seq: int = 8, *,
+                 seed: int = 0, first: int = 0) -> Found:
+    """The first candidate the model takes, and ``accept(probe)``.
 
     ``accept`` is the work the caller wants done on the probe (the trace), run as the acceptance check itself,
     so the model runs once on the winning candidate instead of once to check it and once more to use it. When
     it raises, a plain forward (eval mode, no grad) decides whose failure that was: the model refuses the
     candidate, so the next one is tried; or the model takes it, so ``accept``'s own error is raised. With
-    ``accept=None`` the result is the plain forward's output (None on the meta device)."""
+    ``accept=None`` the result is the plain forward's output (None on the meta device).
+
+    ``first``: the index of the candidate tried first (the one that won an earlier search with another seed);
+    should the model refuse it with this seed's data, the others follow in their usual order."""
     device, dtype = _device_dtype(model)
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model  # PEFT
     params = _signature(base)
@@ -264,31 +286,47 @@ def find_probe(model: nn.Module, accept: Callable[[Any], T] | None, batch: int =
 
     # a batch of one last: heads that find each row's last token through a pad token the config lacks refuse more
     more = itertools.chain.from_iterable(candidates(b) for b in dict.fromkeys((batch, 1)))
-    first = next(more, None)
+    head = next(more, None)
     required = _required(params)
-    if first is None:
+    if head is None:
         names = [main] if isinstance(main, str) else required[:1] or ["input"]
         raise _missing_error(base, names, {})
-    covered = set(first.inputs) if isinstance(first.inputs, dict) else set(required[:1])
+    covered = set(head.inputs) if isinstance(head.inputs, dict) else set(required[:1])
     missing = [n for n in required if n not in covered]
     if missing:
-        built = first.inputs if isinstance(first.inputs, dict) else {required[0]: first.inputs}
+        built = head.inputs if isinstance(head.inputs, dict) else {required[0]: head.inputs}
         raise _missing_error(base, missing, built)
-    tried: list[tuple[Candidate, Exception]] = []
-    for cand in itertools.chain([first], more):
+    tried: list[tuple[int, Candidate, Exception]] = []
+    for i, cand in _first_at(itertools.chain([head], more), first):
         cand = Candidate(_to(cand.inputs, device, dtype), cand.count, cand.unit)
         result = _accepted(model, cand.inputs, device, accept)
         if not isinstance(result, _Refused):
-            return cand.inputs, cand.count, cand.unit, result
-        tried.append((cand, result.error))
-    cand, err = tried[0]
+            return Found(cand.inputs, cand.count, cand.unit, result, i)
+        tried.append((i, cand, result.error))
+    i, cand, err = tried[0]
     if device.type == "meta":  # a meta forward cannot answer data-dependent checks: the trace will tell
-        return cand.inputs, cand.count, cand.unit, accept(cand.inputs) if accept is not None else None
+        return Found(cand.inputs, cand.count, cand.unit, accept(cand.inputs) if accept is not None else None, i)
     shown = cand.inputs if isinstance(cand.inputs, dict) else {(required[:1] or ["input"])[0]: cand.inputs}
     raise ProbeError(
         f"{type(model).__name__} refused every probe built from its config and signature ({len(tried)} tried); "
         f"the first failed with {type(err).__name__}: {err}; pass probe=... (a tensor, a tuple of positional "
         f"args or a dict of keyword args the model accepts), e.g. {example(shown)}") from err
+
+
+def _first_at(cands: Iterator[Candidate], first: int) -> Iterator[tuple[int, Candidate]]:
+    """(index, candidate) in the usual order, but the one at ``first`` ahead of the rest (nothing skipped: the
+    candidates before it are kept and follow it)."""
+    before = []
+    for i, cand in enumerate(cands):
+        if i < first:
+            before.append((i, cand))
+        elif i == first:
+            yield i, cand
+            yield from before
+            before = []
+        else:
+            yield i, cand
+    yield from before  # ``first`` beyond the end: the usual order
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from torch import nn
 
 from lmbp_convert import ProbeError, convert
 from lmbp_convert import plan_conversion
-from lmbp_convert.trace.probe import find_probe, make_probe
+from lmbp_convert.trace.probe import find_probe, make_probe, search_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import PROBE_FAMILIES
 
@@ -212,3 +212,26 @@ def test_meta_model_is_traced_with_one_forward():
         handle.remove()
     assert len(calls) == 1
     assert plan.norm_folds and plan.probe_tokens == 16
+
+
+def test_the_second_automatic_probe_starts_from_the_candidate_that_won_at_seed_0():
+    """Seeds change the data, not the shapes or their order: verification's second probe (seed 1) is the shape
+    the trace chose, found with one forward instead of a new search through the refused candidates."""
+    model = PROBE_FAMILIES["bert_multiple_choice"]()  # refuses the 2-D ids, takes the 3-D ones
+    first = search_probe(model, None)
+    assert first.index > 0 and first.probe["input_ids"].dim() == 3
+    calls = _count_forwards(model)
+    second = search_probe(model, None, seed=1, first=first.index)
+    assert len(calls) == 1
+    assert second.index == first.index and _shapes(second.probe) == _shapes(first.probe)
+    assert not torch.equal(second.probe["input_ids"], first.probe["input_ids"])
+    calls.clear()
+    convert(model)  # trace: 2-D refused (trace + plain forward), 3-D traced; verification's forwards only after
+    assert model.lmbp_report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
+    assert len(calls) == 3 + 1 + 2  # + seed 1 once (no refused 2-D candidate) + the converted model on both
+
+
+def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_order():
+    model = PROBE_FAMILIES["bert_multiple_choice"]()
+    found = search_probe(model, None, first=0)  # the 2-D ids: refused, then the others in order
+    assert found.probe["input_ids"].dim() == 3 and found.index == search_probe(model, None).index
