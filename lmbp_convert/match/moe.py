@@ -21,6 +21,7 @@ from .commute import Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .param_weights import weight_operand
 from .plan import PlanItem, Skip, register_item
+from .readers import At, end_readers
 from .roles import RoleKind
 
 _MULS = ("mul", "__mul__", "__rmul__")
@@ -56,32 +57,31 @@ class RecomputeRegion(PlanItem):
 def _feeds_weight_op(ctx: MatchContext, tid: int) -> bool:
     """Every reader of ``tid`` (past casts, views, an unsqueeze: ops that move its last dim as a whole) applies a
     weight to it: a Linear module, or ``linear`` / ``bmm`` / ``grouped_mm`` with it as the data operand."""
-    d = ctx.g.tensors[tid].shape[-1]
-    frontier, seen, found = [(tid, len(ctx.g.tensors[tid].shape) - 1)], set(), False
-    while frontier:
-        t, axis = frontier.pop()
-        if t in seen:
-            continue
-        seen.add(t)
-        for c in ctx.g.consumers(t):
-            if is_metadata(c):
-                continue
-            if c.kind is NodeKind.MODULE:
-                role = ctx.roles.get(c.target)
-                if role is None or role.kind is not RoleKind.LINEAR or axis != len(ctx.g.tensors[t].shape) - 1:
-                    return False
-                found = True
-            elif op_short(c) in _WEIGHT_OPS:
-                if weight_operand(ctx.g, c, t, axis) is None:
-                    return False
-                found = True
-            else:
-                res = step(c, ctx.g.tensors, t, axis, d)
-                if not isinstance(res, Pass) or op_short(c) == "dropout":
-                    return False
-                for o in c.outputs:
-                    frontier.append((o, res.axis if res.axis >= 0 else len(ctx.g.tensors[o].shape) + res.axis))
+    g, d = ctx.g, ctx.g.tensors[tid].shape[-1]
+
+    def through(c: Node, at: At) -> list[At] | None:
+        if c.kind is NodeKind.MODULE or op_short(c) in _WEIGHT_OPS:
+            return None
+        res = step(c, g.tensors, at[0], at[1], d)
+        if not isinstance(res, Pass) or op_short(c) == "dropout":
+            return None
+        return [(o, res.axis % len(g.tensors[o].shape)) for o in c.outputs]
+
+    found = False
+    for c, (t, axis) in end_readers(g, (tid, len(g.tensors[tid].shape) - 1), through):
+        if not _applies_weight(ctx, c, t, axis):
+            return False
+        found = True
     return found
+
+
+def _applies_weight(ctx: MatchContext, c: Node, t: int, axis: int) -> bool:
+    """``c`` applies a weight to the channels on ``axis`` of ``t``: a Linear module, or a weight op with ``t`` as
+    its data operand."""
+    if c.kind is NodeKind.MODULE:
+        role = ctx.roles.get(c.target)
+        return role is not None and role.kind is RoleKind.LINEAR and axis == len(ctx.g.tensors[t].shape) - 1
+    return op_short(c) in _WEIGHT_OPS and weight_operand(ctx.g, c, t, axis) is not None
 
 
 def _gated_product(ctx: MatchContext, act: Node) -> bool:

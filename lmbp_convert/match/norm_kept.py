@@ -20,6 +20,7 @@ from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .norm import Refused, emitted_dtype, plan_norm
 from .plan import PlanItem, Skip, register_item
+from .readers import At, end_readers
 from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
 
 #: ops whose result shares its input's storage (what a consumer saves of a view is the norm's output itself)
@@ -134,25 +135,22 @@ def kept_bytes_saved(ctx: MatchContext, node: Node, nr: NormRole, w: torch.Tenso
 def output_keepers(ctx: MatchContext, out: int) -> list[str]:
     """Consumers that keep ``out`` itself (or a view of it) for their backward: Linear-like modules whose weight
     (or a LoRA adapter without dropout) is trained."""
-    found: list[str] = []
-    frontier, seen = [out], set()
-    while frontier:
-        tid = frontier.pop()
-        if tid in seen:
-            continue
-        seen.add(tid)
-        for c in ctx.g.consumers(tid):
-            if is_metadata(c):
-                continue
-            if c.kind is NodeKind.MODULE:
-                role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
-                if role.kind is RoleKind.IDENTITY or (role.kind is RoleKind.DROPOUT and not role.p):
-                    frontier.extend(c.outputs)
-                elif role.kind is RoleKind.LINEAR and _keeps_input(ctx, c.target, role):
-                    found.append(c.target)
-            elif c.inputs and c.inputs[0] == tid and (op_short(c) in _VIEW_OPS or _basic_getitem(c)):
-                frontier.extend(c.outputs)
+    def through(c: Node, at: At) -> list[At] | None:
+        if c.kind is NodeKind.MODULE:
+            role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
+            passes = role.kind is RoleKind.IDENTITY or (role.kind is RoleKind.DROPOUT and not role.p)
+        else:
+            passes = bool(c.inputs) and c.inputs[0] == at[0] and (op_short(c) in _VIEW_OPS or _basic_getitem(c))
+        return [(o, None) for o in c.outputs] if passes else None
+
+    found = [c.target for c, _ in end_readers(ctx.g, (out, None), through)
+             if c.kind is NodeKind.MODULE and _keeper(ctx, c.target)]
     return sorted(set(found))
+
+
+def _keeper(ctx: MatchContext, name: str) -> bool:
+    role = ctx.roles.get(name, Role(RoleKind.OTHER))
+    return role.kind is RoleKind.LINEAR and _keeps_input(ctx, name, role)
 
 
 def _basic_getitem(c: Node) -> bool:

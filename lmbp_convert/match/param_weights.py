@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from ..kinds import Layout
 from ..trace.graph import Graph, Node, NodeKind
-from .commute import is_metadata, op_short
+from .commute import op_short
 from .plan import LinearTarget
+from .readers import At, end_readers
 
 if TYPE_CHECKING:
     from .context import MatchContext
@@ -165,22 +166,20 @@ def target_of(use: ParamUse, via: list[str]) -> LinearTarget:
 def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> str | None:
     """A use of a target parameter that is not one of the recognised weight ops reading the norm's output (the
     parameter would be folded for a consumer of something else), or None when every use the trace saw is one."""
+    hands_on = _CASTS | _TRANSPOSES | {"t", "__getitem__", "index_select"}
     for pname, known in uses.items():
         ptid = next((t for t, info in ctx.g.tensors.items() if info.param == pname), None)
-        frontier, seen = [ptid], set()
-        while frontier:
-            t = frontier.pop()
-            if t is None or t in seen:
-                continue
-            seen.add(t)
-            for c in ctx.g.consumers(t):
-                if is_metadata(c) or c.idx in known:
-                    continue
-                if c.kind is NodeKind.OP and _t(c.info.get("args", ()), 0) == t and (
-                        op_short(c) in _CASTS | _TRANSPOSES | {"t", "__getitem__", "index_select"}):
-                    frontier.extend(c.outputs)
-                    continue
-                where = ctx.scope_name(c)
-                return (f"{pname} is also used by {op_short(c)} in {where}, which does not read this norm's output "
-                        "(folding the norm into it would change that use)")
+        if ptid is None:
+            continue
+
+        def through(c: Node, at: At, known: set[int] = known) -> list[At] | None:
+            if c.idx in known:
+                return []
+            if c.kind is NodeKind.OP and _t(c.info.get("args", ()), 0) == at[0] and op_short(c) in hands_on:
+                return [(o, None) for o in c.outputs]
+            return None
+
+        for c, _ in end_readers(ctx.g, (ptid, None), through):
+            return (f"{pname} is also used by {op_short(c)} in {ctx.scope_name(c)}, which does not read this norm's "
+                    "output (folding the norm into it would change that use)")
     return None
