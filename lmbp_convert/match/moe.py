@@ -19,7 +19,7 @@ from ..catalogue import class_key
 from ..trace.graph import Node, NodeKind
 from .commute import Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
-from .param_weights import weight_operand
+from .functional import weight_operand
 from .plan import PlanItem, Skip, register_item
 from .readers import At, end_readers
 from .roles import RoleKind

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from ..kinds import BetaMode, ConvertedHook, NormKind, ReapplyKind
 from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
-from .plan import LinearTarget, NormFold, ReapplySite, Skip
+from .plan import LinearTarget, NormFold, ParamTarget, ReapplySite, Skip
 from .reach import follow
 from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
 
@@ -55,6 +55,8 @@ class Walk:
     opaque: list[str] = field(default_factory=list)  # modules applying their own weights to it (not nn.Linear)
     active_scopes: set[int] = field(default_factory=set)  # module calls on a path to a folded Linear
     param_uses: dict[str, set[int]] = field(default_factory=dict)  # folded parameters → the ops applying them
+    params: list[ParamTarget] = field(default_factory=list)  # parameter rows functional ops apply (`ConsumerFold`)
+    problems: list[str] = field(default_factory=list)  # why a functional consumer of that kind cannot take it
     seen: set[int] = field(default_factory=set)  # the affine-less tensors
 
 
@@ -117,19 +119,20 @@ def _adopt_prefolded(ctx: MatchContext, fold: NormFold) -> NormFold:
     return fold
 
 
-def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole,
-              take: Callable[[Walk], int] | None = None) -> NormFold:
-    """``take``: takes the readers it can fold into out of the walk (functional consumers, match/consumers.py)
-    and returns how many it took; they count as targets."""
+def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: Walk | None = None) -> NormFold:
+    """``walk``: an empty `Walk` to fill, with the parameter rows functional ops apply (`ParamTarget`s,
+    match/functional.py) taken as targets; the caller (match/consumers.py) reads them there, even on a refusal.
+    Without it they are readers like any other op."""
     node = _single_call(ctx, name, mod)
-    walk = walk_readers(ctx, node.outputs[0], nr)
-    taken = take(walk) if take is not None else 0
+    rows = walk is not None
+    walk = walk_readers(ctx, node.outputs[0], nr, mod.bias if nr.has_bias else None, walk)
+    taken = len(walk.params) if rows else 0
     unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
     if isinstance(unseen, str):
         raise Refused(unseen)
     walk.targets.update(unseen)
     if walk.param_uses:  # a folded parameter must serve this norm's output alone
-        from .param_weights import unknown_uses
+        from .functional import unknown_uses
 
         other_use = unknown_uses(ctx, walk.param_uses)
         if other_use is not None:
@@ -245,18 +248,22 @@ def unseen_siblings(ctx: MatchContext, norm: str, walk: Walk, has_beta: bool) ->
 
 
 # -- walk --------------------------------------------------------------------------------------------------
-def walk_readers(ctx: MatchContext, out: int, nr: NormRole) -> Walk:
+def walk_readers(ctx: MatchContext, out: int, nr: NormRole, beta: torch.Tensor | None = None,
+                 into: Walk | None = None) -> Walk:
     """Every reader of the norm's output ``out``, through affine-commuting ops: the Linears the affine can fold
-    into and the others (with why a Linear on the way cannot take it)."""
-    return _Walker(ctx, nr.shape[0], nr.has_bias).run(out, nr.channel_dim)
+    into and the others (with why a Linear on the way cannot take it). ``into``: a `Walk` to fill, which also
+    takes functional consumers' parameter rows (`plan_norm`)."""
+    return _Walker(ctx, nr.shape[0], nr.has_bias, beta, into).run(out, nr.channel_dim)
 
 
 class _Walker:
     """Follows the normalised tensor through affine-commuting ops to the Linears that can take the fold."""
 
-    def __init__(self, ctx: MatchContext, d: int, has_beta: bool):
-        self.ctx, self.g, self.d, self.has_beta = ctx, ctx.g, d, has_beta
-        self.walk = Walk()
+    def __init__(self, ctx: MatchContext, d: int, has_beta: bool, beta: torch.Tensor | None = None,
+                 into: Walk | None = None):
+        self.ctx, self.g, self.d, self.has_beta, self.beta = ctx, ctx.g, d, has_beta, beta
+        self.rows = into is not None  # functional consumers' rows are taken as targets
+        self.walk = into if into is not None else Walk()
         self.frontier: list[tuple[int, int, list[str]]] = []
 
     def run(self, out: int, channel_dim: int = -1) -> Walk:
@@ -331,7 +338,7 @@ class _Walker:
                 self.frontier.append((o, ax, via + [op_short(c)]))
             return
         block = f"{res.reason} ({self.ctx.scope_name(c)})" if isinstance(res, Block) else None
-        if block is None and op_short(c) in _WEIGHT_OPS and self._param(c, tid, axis, via):
+        if block is None and self._functional(c, tid, axis, via):
             return
         if block:
             w.blocks.append(block)
@@ -342,24 +349,29 @@ class _Walker:
                 w.opaque.append(own)
         w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", block))
 
-    def _param(self, c: Node, tid: int, axis: int, via: list[str]) -> bool:
-        """A parameter applied through an op (an MoE router's or 3-D experts' weight, `param_weights`): a fold
-        target, or a block with its reason. False: not such a use."""
-        from .param_weights import param_problem, param_use, target_of
+    def _functional(self, c: Node, tid: int, axis: int, via: list[str]) -> bool:
+        """An op applying a parameter to the channels (the consumer table, match/functional.py): a fold target, or
+        its problems recorded. True: it is taken (or read as a blocked reader); False: the walk goes on with it."""
+        from .functional import Reading, read_by
 
-        use = param_use(self.ctx, c, tid, axis, self.d)
-        if use is None:
-            return False
+        v = read_by(Reading(self.ctx, c, tid, axis, self.d, self.has_beta, self.beta, via), self.rows)
         w = self.walk
-        problem = param_problem(self.ctx, use, self.has_beta)
-        if problem is not None:
-            w.blocks.append(problem)
-            w.opaque.append(problem)
-            w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", problem))
+        if v.use is not None:
+            w.targets.setdefault(v.use.param, v.use.target())
+            w.param_uses.setdefault(v.use.param, set()).add(c.idx)
+            w.active_scopes.update(c.scopes)
             return True
-        w.targets.setdefault(use.param, target_of(use, via))
-        w.param_uses.setdefault(use.param, set()).add(c.idx)
-        w.active_scopes.update(c.scopes)
+        if v.params:
+            w.params += v.params
+            w.active_scopes.update(c.scopes)  # no re-apply site may enclose it
+            return True
+        w.problems += [p for p in v.problems if not p.blocks]
+        blocked = [p for p in v.problems if p.blocks]
+        if not blocked:
+            return False
+        w.blocks += blocked
+        w.opaque += blocked
+        w.others.append(Reader(c, tid, axis, f"{op_short(c)} in {self.ctx.scope_name(c)}", blocked[0]))
         return True
 
 

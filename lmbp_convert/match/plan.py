@@ -114,6 +114,38 @@ class LinearTarget:
 
 
 @dataclass
+class BiasPart:
+    """Output rows [start, stop) of an op's bias come from the 1-D parameter or buffer ``tensor``."""
+
+    tensor: str
+    start: int
+    stop: int
+    parameter: bool = True  # False: a buffer (``persistent``: saved in the state dict)
+    persistent: bool = True
+
+
+@dataclass
+class ParamTarget:
+    """Rows [rows[0], rows[1]) (all: None) of the parameter ``weight`` read the norm's output through ``op``: the
+    norm's γ folds into them; its β into the ``bias`` parts covering those rows (W·β, or Σ_k W·β for a conv)."""
+
+    weight: str
+    op: str  # "linear", "multi_head_attention_forward", "conv2d", ...
+    scope: str  # the module the call runs in (the report)
+    rows: list[int] | None = None
+    bias: list[BiasPart] = field(default_factory=list)
+    conv: bool = False
+
+    def __post_init__(self) -> None:
+        self.bias = [BiasPart(**b) if isinstance(b, dict) else b for b in self.bias]
+
+    def describe(self) -> str:
+        rows = f"[{self.rows[0]}:{self.rows[1]}]" if self.rows else ""
+        parts = f" (+β into {', '.join(b.tensor for b in self.bias)})" if self.bias else ""
+        return f"{self.weight}{rows} via {self.op} in {self.scope}{parts}"
+
+
+@dataclass
 class ReapplySite:
     """Where the folded-out affine is put back for a consumer that is not a folded Linear."""
 

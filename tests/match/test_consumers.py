@@ -141,7 +141,7 @@ def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
     rep = _check_exact(model, torch.randn(2, 6, D))
-    # with no bias to assemble, the plain norm planner's parameter targets (match/param_weights.py) take it first
+    # with no bias to assemble, the plain norm planner's parameter targets (match/functional.py) take it first
     assert "norm" in {f.name for f in rep.plan.of(NormFold)}
 
 
