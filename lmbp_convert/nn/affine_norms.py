@@ -6,8 +6,19 @@ post-LN residual add in the same forward, a tied head): the norm's input is then
 
 The guard: channels whose x̂ cannot be recovered from y to the documented bound (|γ| tiny, or |β| ≫ |γ|) keep their
 input columns instead. Which channels those are is decided once per parameter update (keyed on the parameters'
-version counters, so a GPU forward does not sync on every call); when more than half the channels would need it,
-the forward is the plain norm (saving its input, as the original did): exact, nothing gained, nothing lost.
+version counters); when more than half the channels would need it, the forward is the plain norm (saving its
+input, as the original did): exact, nothing gained, nothing lost.
+
+No host sync in a training step. The channel mask is computed on the device, and the index set is the first k of
+the channels ordered unreliable-first (a static-shape sort, no ``nonzero``), k being the count the host knows.
+After an update the new count is copied to the host without blocking (`HostCount`) and read once it has arrived,
+so a GPU step never waits on it. While the set stays the same — every step but the rare one where a channel
+crosses the guard's threshold — the kept columns, the saved bytes and the gradients are exactly those of a guard
+read at every update. When the set changes, the host learns it by the next forward: a shrinking set keeps a few
+reliable columns more for that step (exact); a growing one recovers the new channels from y for that step (a
+channel with γ = 0 gives x̂ = 0, never inf). ``deferred_guard = False`` reads the count at every update instead (one
+host sync per update), for exact guarding from the very first step. The first forward (and one after a move to
+another device) reads the count once.
 
 Under torch.compile the forward is that plain norm as well: the guard's key (version counters, data pointers)
 and its channel choice (a data-dependent count) cannot be traced into a graph, and a guess at them could go
@@ -21,7 +32,35 @@ from torch import nn
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
 
-__all__ = ["MSAffineNorm"]
+__all__ = ["HostCount", "MSAffineNorm"]
+
+
+class HostCount:
+    """A count on ``device`` copied to the host without blocking: `post` starts the copy (into pinned memory, with
+    an event, on CUDA); `take` returns it once it has arrived (None before, or when nothing is pending), reading host
+    memory, never waiting on the device. On the CPU the copy has arrived when `post` returns. The buffer and the
+    event are made here, at the first forward, not in a training step."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = torch.device(device).type == "cuda"
+        self._buf = torch.zeros((), dtype=torch.int64, pin_memory=cuda)
+        self._event = torch.cuda.Event() if cuda else None
+        self._pending = False
+
+    def post(self, count: torch.Tensor) -> None:
+        self._buf.copy_(count, non_blocking=self._event is not None)
+        if self._event is not None:
+            self._event.record()
+        self._pending = True
+
+    def ready(self) -> bool:
+        return self._pending and (self._event is None or self._event.query())
+
+    def take(self) -> int | None:
+        if not self.ready():
+            return None
+        self._pending = False
+        return int(self._buf.numpy())  # host memory the copy has written: no device op
 
 
 class MSAffineNorm(ConvertedModule, nn.Module):
@@ -29,6 +68,8 @@ class MSAffineNorm(ConvertedModule, nn.Module):
 
     #: fall back to the plain norm when more than this fraction of the channels must keep their input column
     max_kept_fraction = 0.5
+    #: read the guard's channel count without blocking, one forward late (False: at every update, a host sync)
+    deferred_guard = True
 
     def __init__(self, kind: NormKind | str, n: int, eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
@@ -45,23 +86,51 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         self.out_dtype = out_dtype
         self.register_parameter("weight", weight)
         self.register_parameter("bias", bias)
+        self._reset_guard()
+
+    def _reset_guard(self) -> None:
         self._guard_key: tuple | None = None
         self._keep_idx: torch.Tensor | None = None
+        self._bad: torch.Tensor | None = None  # the unreliable channels, on the device
+        self._k = 0  # how many channels the index set holds (the count the host last knew)
+        self._count: HostCount | None = None  # the count after the last update, on its way to the host
 
     @property
     def kind(self) -> str:
         return f"{self.norm_kind}_norm"
 
     def kept_channels(self, device: torch.device) -> torch.Tensor | None:
-        """Indices of the channels whose input column is kept (None: too many, use the plain norm)."""
+        """Indices of the channels whose input column is kept (None: too many, use the plain norm). Recomputed
+        on the device when γ/β change; no host read in the steady state (see the module doc)."""
         w, b = self.weight, self.bias
         key = (w._version, w.data_ptr(), None if b is None else (b._version, b.data_ptr()), device)
         if key != self._guard_key:
-            bad = unreliable_channels(w, b, self.param is WeightParam.ONE_PLUS_W)
-            idx = torch.nonzero(bad).reshape(-1)
-            self._keep_idx = None if idx.numel() > self.max_kept_fraction * bad.numel() else idx.to(device)
+            moved = self._guard_key is None or self._guard_key[-1] != device
             self._guard_key = key
+            self._bad = unreliable_channels(w, b, self.param is WeightParam.ONE_PLUS_W).to(device)
+            count = self._bad.sum()
+            if moved:
+                self._count = HostCount(device)
+            if moved or not self.deferred_guard:
+                self._k = int(count)  # the first forward (or exact mode): one host read
+            else:
+                self._count.post(count)  # arrives later; the index set is redone then if the count changed
+            self._keep_idx = self._indices()
+        if self._count is not None and self._count.ready():
+            k = self._count.take()
+            if k != self._k:
+                self._k = k
+                self._keep_idx = self._indices()
         return self._keep_idx
+
+    def _indices(self) -> torch.Tensor | None:
+        """``_k`` channels, the unreliable ones first (exactly the unreliable set when the count is current),
+        sorted, from sorts of static shape: no data-dependent size on the device. Its own storage: backward keeps
+        k indices, not the whole order."""
+        if self._k > self.max_kept_fraction * self._bad.numel():
+            return None
+        order = torch.sort((~self._bad).to(torch.uint8), stable=True).indices
+        return torch.sort(order[: self._k]).values
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.normalized_shape[0]
@@ -78,7 +147,7 @@ class MSAffineNorm(ConvertedModule, nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
-        state["_guard_key"], state["_keep_idx"] = None, None  # recomputed after a copy or a load
+        state.update(_guard_key=None, _keep_idx=None, _bad=None, _k=0, _count=None)  # recomputed after a copy
         return state
 
     def extra_repr(self) -> str:

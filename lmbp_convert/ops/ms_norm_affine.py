@@ -91,7 +91,8 @@ if HAS_TRITON:
         if HAS_SIDE:
             slot = tl.load(CMAP + cols, mask=mask, other=-1)
         fixed = slot >= 0
-        inv = 1.0 / tl.where(fixed | ~mask, 1.0, gamma)  # fixed channels are rebuilt from the kept columns
+        # fixed channels are rebuilt from the kept columns; γ = 0 left unguarded (a guard one update late) gives x̂ = 0
+        inv = 1.0 / tl.where(fixed | ~mask | (gamma == 0.0), 1.0, gamma)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
         db = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(0, ROWS):
@@ -206,7 +207,8 @@ def _bwd_torch(g, y, w, b, rstd, mean, keep_idx, side, is_rms, one_plus, x_dtype
     r = rstd.reshape(rows, 1).to(cdt)
     if b is not None:
         yf = yf - b.detach().to(cdt)
-    safe = gamma if keep_idx is None else gamma.index_fill(0, keep_idx, 1.0)
+    safe = gamma.masked_fill(gamma == 0, 1.0)  # γ = 0 left unguarded (a guard one update late): x̂ = 0, not inf
+    safe = safe if keep_idx is None else safe.index_fill(0, keep_idx, 1.0)
     xh = yf / safe
     if side is not None:  # the unreliable channels, exactly as torch computes them: (x − mean)·rstd
         xh[:, keep_idx] = (side.to(cdt) - mean.reshape(rows, 1).to(cdt)) * r

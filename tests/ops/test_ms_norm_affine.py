@@ -95,12 +95,22 @@ def test_guard_keeps_the_channels_gamma_cannot_invert(kind, dtype):
 
 
 def test_without_the_guard_a_zero_gamma_channel_is_lost():
-    """What the guard is for: γ = 0 makes y independent of x̂ on that channel, so inverting gives inf/NaN."""
+    """What the guard is for: γ = 0 makes y independent of x̂ on that channel, so it cannot be recovered from y. The
+    op then takes x̂ = 0 there (finite: a guard one update late must not put inf/NaN into a training step), and the
+    gradients are wrong; the guarded op's are right."""
     w, b = hostile(48, torch.Generator().manual_seed(0))
     x = torch.randn(4, 48, requires_grad=True)
+    w.requires_grad_()
+    g = torch.randn(4, 48, generator=torch.Generator().manual_seed(1))
     none = torch.empty(0, dtype=torch.long)
-    dx, = torch.autograd.grad(ms_norm_affine(x, w, b, 48, 1e-5, False, keep_idx=none).sum() * 1.0, (x,))
-    assert not torch.isfinite(dx).all()
+    lost = torch.autograd.grad(ms_norm_affine(x, w, b, 48, 1e-5, False, keep_idx=none), (x, w), g)
+    guarded = torch.autograd.grad(ms_norm_affine(x, w, b, 48, 1e-5, False), (x, w), g)
+    want = torch.autograd.grad(F.layer_norm(x, (48,), w, b, 1e-5), (x, w), g)
+    assert all(torch.isfinite(t).all() for t in lost)
+    assert float(lost[1][1]) == 0.0 and abs(float(want[1][1])) > 0.1  # dγ of the γ = 0 channel: Σ g·x̂ with x̂ lost
+    assert not torch.allclose(lost[0], want[0], rtol=1e-3, atol=1e-3)
+    for a, b_ in zip(guarded, want):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-5)
 
 
 def test_criterion_constants_match_the_documented_bound():
