@@ -1,0 +1,255 @@
+"""The C++ host path (`ops/cuda_host.py`, ``csrc/cuda_host.cpp``) without a GPU.
+
+Proof by the driver call itself: with the stub libcuda of benchmarks/triton_stub.py recording every
+``cuLaunchKernelEx`` (config, attributes, the word at each parameter address), each op runs once through the
+Python path (Triton's own C launcher) and again through C++, on the same tensors; the two launches must be
+identical parameter by parameter (pointers resolved to the tensors they point at), for every variant class:
+contiguous and strided inputs, fp32 / bf16 / fp16, odd sizes, misaligned pointers, sizes where Triton turns an
+int equal to 1 into a constexpr, the looped norm kernels, autocast. Kernels are never compiled: the test's fake
+compile hands Triton's real ``CudaLauncher`` a signature, so the check takes seconds (plus the one-time build
+of the extension, ~20 s on a 2-core machine, cached on disk).
+
+GPU-only tests (skipped without CUDA) compare outputs and gradients of the C++ path with the Python path bitwise.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lmbp_convert.ops import cuda_host
+from lmbp_convert.ops._common import HAS_TRITON
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("c++") is None,
+                               reason="needs gcc and a C++ compiler (stub libcuda, the extension)")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PARITY_SCRIPT = r"""
+import struct, sys
+from types import SimpleNamespace
+import torch
+from benchmarks import triton_stub as stub
+
+st = stub.activate(native=True)
+assert st.mode == "native-launch", st.note
+from triton.runtime.jit import JITFunction
+from triton.backends.nvidia.driver import CudaLauncher
+from lmbp_convert.ops import approx_act as A, ms_norm as N, cuda_host
+
+TYPES = {}  # tagged kernel handle -> Triton's parameter types (extractor indices), scratch pointers included
+counter = [0]
+
+def fake_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+    # Triton's real launcher for the real signature; the kernel is never built. Backward kernels ask for
+    # programmatic dependent launch, norm kernels for a cooperative grid, so the attribute paths are covered.
+    src = self.ASTSource(self, signature, constexprs, attrs)
+    name = self.fn.__name__
+    md = SimpleNamespace(num_ctas=1, global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+                         profile_scratch_align=1, launch_cooperative_grid="ms_norm" in name,
+                         launch_pdl="bwd" in name)
+    run = CudaLauncher(src, md)
+    counter[0] += 1
+    nparams = len(run.kernel_signature) + 2
+    handle = stub.RECORD_TAG | (counter[0] << 8) | nparams
+    TYPES[handle] = bytes(run.kernel_signature) + b"\x01\x01"
+    k = SimpleNamespace(src=src, run=run, function=handle, launch_metadata=lambda *a: None,
+                        packed_metadata=(options.num_warps, 1, 1024 + 16 * options.num_warps))
+    self.device_caches[device][0][key] = k
+    return k
+
+JITFunction._do_compile = fake_compile
+
+def symbolic(rec, names):
+    types = TYPES[rec["function"]]
+    assert len(types) == len(rec["params"]), (types, rec)
+    params = []
+    for t, w in zip(types, rec["params"]):
+        if t == 1:
+            params.append(names.get(w, "NULL" if w == 0 else "ptr?"))
+        elif t in (4, 8):
+            params.append(("i32", w & 0xFFFFFFFF))
+        elif t in (5, 9):
+            params.append(("i64", w))
+        elif t == 12:
+            params.append(("f32", struct.unpack("<f", struct.pack("<I", w & 0xFFFFFFFF))[0]))
+        else:
+            raise AssertionError(f"unexpected parameter type {t}")
+    return {k: rec[k] for k in ("grid", "block", "shared", "stream", "function", "attrs")} | {"params": params}
+
+def run(op, x, g):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        y = op(x)
+    n0 = st.launch_count()
+    if x.requires_grad:
+        (dx,) = torch.autograd.grad(y, x, g)
+    else:
+        dx = None
+    names = {x.data_ptr(): "x", y.data_ptr(): "y", g.data_ptr(): "g"}
+    names.update({t.data_ptr(): f"saved{i}" for i, t in enumerate(saved)})
+    if dx is not None:
+        names[dx.data_ptr()] = "dx"
+    k = 2 if x.requires_grad else 1
+    recs = stub.launch_records(st.launch_count() - k)
+    assert len(recs) == k and st.launch_count() - n0 == k - 1, (len(recs), k)
+    return [symbolic(r, names) for r in recs], y, dx
+
+def check(label, op, x, g):
+    with stub.triton_path(True):
+        with cuda_host.disabled():
+            ref, y0, dx0 = run(op, x, g)  # Triton's own launcher
+        before = cuda_host.ext().stats()["direct"]
+        run(op, x, g)  # first C++ call of this variant class: may launch through Python (a miss)
+        mid = cuda_host.ext().stats()["direct"]
+        got, y1, dx1 = run(op, x, g)
+        after = cuda_host.ext().stats()["direct"]
+    assert after - mid == len(got), (label, "the C++ launch did not run", before, mid, after)
+    assert y1.dtype == y0.dtype and y1.shape == y0.shape and y1.stride() == y0.stride(), label
+    if dx0 is not None:
+        assert dx1.dtype == dx0.dtype and dx1.shape == dx0.shape, label
+    assert got == ref, (label, ref, got)
+    # the comparison is sensitive: a swapped parameter pair is a difference
+    bad = [dict(r, params=r["params"][1:2] + r["params"][:1] + r["params"][2:]) for r in got]
+    assert bad != ref, label
+    return len(got)
+
+cases = 0
+def rnd(*shape, dtype, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for kind, bits in (("silu", 2), ("gelu", 3)):
+        act = lambda t, kind=kind, bits=bits: A.approx_act_unchecked(t, kind, bits)
+        shapes = {"contiguous": rnd(4, 64, dtype=dtype), "odd": rnd(5, 33, dtype=dtype),
+                  "one element": rnd(1, dtype=dtype), "16-multiple": rnd(2, 128, dtype=dtype)}
+        base = torch.randn(6, 64, dtype=dtype)
+        shapes["strided rows"] = base[:, :40].requires_grad_()
+        shapes["strided cols"] = torch.randn(8, 10, dtype=dtype)[:, ::2].requires_grad_()
+        shapes["misaligned"] = torch.randn(200, dtype=dtype)[1:161].view(4, 40).requires_grad_()
+        shapes["no grad"] = rnd(3, 48, dtype=dtype, grad=False)
+        for label, x in shapes.items():
+            g = torch.randn(x.shape, dtype=dtype)
+            if label == "strided rows":
+                g = torch.randn(6, 64, dtype=dtype)[:, :40]
+            cases += check(f"{kind}/{bits} {dtype} {label}", act, x, g)
+    for rms in (False, True):
+        norm = lambda t, rms=rms: N.ms_norm_unchecked(t, t.shape[-1], 1e-5, rms)
+        shapes = {"contiguous": rnd(3, 40, dtype=dtype), "n == 1": rnd(7, 1, dtype=dtype),
+                  "16-multiple": rnd(2, 64, dtype=dtype), "looped": rnd(2, 20000, dtype=dtype),
+                  "strided rows": torch.randn(5, 64, dtype=dtype)[:, :40].requires_grad_(),
+                  "misaligned": torch.randn(200, dtype=dtype)[1:121].view(3, 40).requires_grad_(),
+                  "no grad": rnd(3, 40, dtype=dtype, grad=False)}
+        for label, x in shapes.items():
+            g = torch.randn(x.shape, dtype=dtype)
+            cases += check(f"norm rms={rms} {dtype} {label}", norm, x, g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 in, bf16 out (what the next Linear computes in)
+            x = rnd(3, 40, dtype=dtype)
+            cases += check(f"norm rms={rms} {dtype} autocast", norm, x, torch.randn(3, 40, dtype=torch.bfloat16))
+print("launches compared:", cases)
+print("ok")
+"""
+
+
+def _run(script: str, env: dict | None = None) -> str:
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                         timeout=900, cwd=ROOT,
+                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT, **(env or {})})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    return res.stdout
+
+
+@pytest.mark.slow  # builds the extension once (~20 s), then seconds
+@needs_triton
+@needs_gcc
+def test_cpp_launch_passes_what_tritons_launcher_passes():
+    out = _run(PARITY_SCRIPT)
+    assert "ok" in out, out
+
+
+SWITCH_SCRIPT = """
+import warnings
+from lmbp_convert.ops import cuda_host
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # switched off: no build, no warning
+    assert cuda_host.ext() is None
+print(cuda_host.status())
+"""
+
+
+def test_env_switch_turns_the_cpp_path_off_without_building():
+    out = _run(SWITCH_SCRIPT, {cuda_host.ENV_SWITCH: "0"})
+    assert "Python launch path (LMBP_CUDA_HOST=0)" in out
+
+
+@needs_triton
+def test_describe_reads_the_parameter_layout_from_the_compiled_kernel():
+    """Kernel parameters are the runtime arguments Triton did not make constexpr, typed as its C launcher's
+    ``kernel_signature`` says; anything C++ cannot launch (no direct entry, tuples) is refused."""
+    from types import SimpleNamespace
+
+    src = SimpleNamespace(signature={"x": "*bf16", "n": "i32", "one": "constexpr", "s": "i64", "eps": "fp32",
+                                     "BLOCK": "constexpr"})
+    entry = SimpleNamespace(compiled=SimpleNamespace(src=src), annotations=[], metadata=(8, 1, 4096),
+                            signature=b"\x01\x04\x05\x0c", function=77, coop=False, pdl=True)
+    assert cuda_host.describe(entry, 5) == (77, 8, 1, 4096, False, True, b"\x01\x01\x00\x01\x01",
+                                            b"\x01\x04\x05\x0c")
+    assert cuda_host.describe(SimpleNamespace(**{**vars(entry), "annotations": None}), 5) is None  # via Triton
+    assert cuda_host.describe(entry, 7) is None  # more runtime arguments than the kernel has
+    tup = SimpleNamespace(signature={**src.signature, "t": ("i32", "i32")})
+    assert cuda_host.describe(SimpleNamespace(**{**vars(entry), "compiled": SimpleNamespace(src=tup)}), 5) is None
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or not HAS_TRITON, reason="needs CUDA and Triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 64), (5, 33), (1,), (3, 20000)])
+def test_gpu_cpp_path_is_bitwise_the_python_path(dtype, shape):
+    from lmbp_convert.ops import approx_act as A
+    from lmbp_convert.ops import ms_norm as N
+
+    assert cuda_host.available(), cuda_host.status()
+    ops = [lambda t: A.approx_act_unchecked(t, "silu", 2), lambda t: A.approx_act_unchecked(t, "gelu", 2)]
+    if len(shape) > 1:
+        ops += [lambda t: N.ms_norm_unchecked(t, t.shape[-1], 1e-5, False),
+                lambda t: N.ms_norm_unchecked(t, t.shape[-1], 1e-6, True)]
+    base = torch.randn(*shape[:-1], shape[-1] + 8, device="cuda", dtype=dtype)
+    for x0 in (base[..., :shape[-1]].contiguous(), base[..., :shape[-1]]):  # contiguous, strided rows
+        for op in ops:
+            outs = []
+            for cxx in (False, True):
+                x = x0.detach().clone().requires_grad_() if x0.is_contiguous() else x0.detach().requires_grad_()
+                g = torch.randn(shape, device="cuda", dtype=dtype, generator=torch.Generator("cuda").manual_seed(0))
+                ctx = cuda_host.disabled() if not cxx else __import__("contextlib").nullcontext()
+                with ctx:
+                    y = op(x)
+                    (dx,) = torch.autograd.grad(y, x, g.to(y.dtype))
+                outs.append((y, dx))
+            (y0, dx0), (y1, dx1) = outs
+            assert y0.dtype == y1.dtype and torch.equal(y0, y1)
+            assert torch.equal(dx0, dx1)
+    torch.cuda.synchronize()
+    assert cuda_host.ext().stats()["direct"] > 0  # the C++ launch ran
+
+
+@needs_cuda
+def test_gpu_cpp_path_uses_torchs_current_stream():
+    from lmbp_convert.ops import approx_act as A
+
+    s = torch.cuda.Stream()
+    x = torch.randn(1000, device="cuda", requires_grad=True)
+    A.approx_act_unchecked(x, "silu", 2).sum().backward()  # warm: entries cached
+    with torch.cuda.stream(s):
+        x2 = x.detach().clone().requires_grad_()
+        y = A.approx_act_unchecked(x2, "silu", 2)
+        y.backward(torch.ones_like(y))
+    s.synchronize()
+    with cuda_host.disabled():
+        ref = A.approx_act_unchecked(x.detach(), "silu", 2)
+    assert torch.equal(y, ref) and torch.isfinite(x2.grad).all()
