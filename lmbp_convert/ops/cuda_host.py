@@ -35,8 +35,10 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import cpu_native
+from ._common import triton_interpreting
 
-__all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear"]
+__all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
+           "under_interpreter"]
 
 ENV_SWITCH = "LMBP_CUDA_HOST"
 _SOURCE = Path(__file__).with_name("csrc") / "cuda_host.cpp"
@@ -49,6 +51,7 @@ _state = "unloaded"  # "unloaded" | "ready" | "off" | "failed"
 _reason = ""
 _info: dict = {}
 _suspended = 0
+_interpreter_ok = 0  # > 0 inside `under_interpreter()`
 _STATE_CACHES: list = []
 
 
@@ -132,8 +135,10 @@ def _load() -> Any:
 
 
 def ext() -> Any:
-    """The loaded extension (building it on first call), or None: switched off, failed, or inside `disabled`."""
-    if _suspended:
+    """The loaded extension (building it on first call), or None: switched off, failed, inside `disabled`, or
+    under Triton's interpreter (which compiles nothing, so every launch would go back through Python) unless
+    `under_interpreter` asks for it."""
+    if _suspended or (not _interpreter_ok and triton_interpreting()):
         return None
     return _ext if _state == "ready" else _load()
 
@@ -146,6 +151,8 @@ def status() -> str:
     """One line: which launch path the ops' CUDA path takes, and why."""
     if _suspended:
         return "Python launch path (disabled())"
+    if not _interpreter_ok and triton_interpreting():
+        return "Python launch path (Triton interpreter)"
     if ext() is not None:
         return f"C++ host path ({_info.get('path', '')})"
     return f"Python launch path ({_reason})"
@@ -166,6 +173,20 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _suspended -= 1
+        _reset()
+
+
+@contextlib.contextmanager
+def under_interpreter() -> Iterator[None]:
+    """Use the C++ path under TRITON_INTERPRET=1 too: its autograd, allocations and saved tensors then run on
+    CPU tensors, every launch through Python's interpreted kernels (tests check its semantics this way)."""
+    global _interpreter_ok
+    _interpreter_ok += 1
+    _reset()
+    try:
+        yield
+    finally:
+        _interpreter_ok -= 1
         _reset()
 
 

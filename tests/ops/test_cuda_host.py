@@ -253,3 +253,112 @@ def test_gpu_cpp_path_uses_torchs_current_stream():
     with cuda_host.disabled():
         ref = A.approx_act_unchecked(x.detach(), "silu", 2)
     assert torch.equal(y, ref) and torch.isfinite(x2.grad).all()
+
+
+# ------------------------------------------------------------------- the C++ autograd, under the interpreter
+@pytest.fixture
+def cxx_path(monkeypatch):
+    """The C++ host path on CPU tensors: its Functions, allocations and saved tensors run for real; each launch
+    goes back through Python to Triton's interpreter (which computes the values)."""
+    if not HAS_TRITON or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
+    from lmbp_convert.ops import approx_act as A
+    from lmbp_convert.ops import ms_norm as N
+
+    for mod in (A, N):
+        monkeypatch.setattr(mod, "use_triton", lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    with cuda_host.under_interpreter():
+        if not cuda_host.available():
+            pytest.skip(f"C++ host path not built: {cuda_host.status()}")
+        yield A, N
+
+
+def _is_cpp(t: torch.Tensor) -> bool:
+    return type(t.grad_fn).__name__ == "CppFunction"
+
+
+@pytest.mark.slow  # the extension build (once)
+@pytest.mark.parametrize("kind", ("gelu", "silu"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_cpp_approx_act_values_bytes_and_double_backward(cxx_path, kind, dtype):
+    from tolerances import tol
+
+    from lmbp_convert.memory import SavedTensorLedger
+    from lmbp_convert.ops.approx_act import packed_nbytes
+
+    A, _ = cxx_path
+    x = (torch.randn(6, 37) * 3).to(dtype).requires_grad_()  # 222 elements: a partial last code byte
+    go = torch.randn(6, 37, dtype=dtype)
+    with SavedTensorLedger() as ledger:
+        y = A.approx_act_unchecked(x, kind, 2)
+    assert _is_cpp(y)
+    assert ledger.count == 1 and ledger.bytes == packed_nbytes(x.numel(), 2)  # only the codes
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = A.approx_act(x_ref, kind, 2, backend="torch")
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    (dx,) = torch.autograd.grad(y, x, go)
+    (dx_ref,) = torch.autograd.grad(y_ref, x_ref, go)
+    torch.testing.assert_close(dx, dx_ref, **tol(dtype))
+    # double backward: the first-order gradient is differentiable (the PyTorch backward, called from C++)
+    y2 = A.approx_act_unchecked(x, kind, 2)
+    g = go.clone().requires_grad_()
+    (dx2,) = torch.autograd.grad(y2, x, g, create_graph=True)
+    torch.testing.assert_close(dx2, dx_ref, **tol(dtype))
+    (dgo,) = torch.autograd.grad(dx2.sum(), g)
+    (slopes,) = torch.autograd.grad(A.approx_act(x_ref, kind, 2, backend="torch"), x_ref, torch.ones_like(go))
+    torch.testing.assert_close(dgo, slopes, **tol(dtype))
+    with torch.no_grad(), SavedTensorLedger() as ledger:
+        y0 = A.approx_act_unchecked(x, kind, 2)
+    assert ledger.count == 0 and y0.grad_fn is None
+    torch.testing.assert_close(y0, y_ref.detach(), **tol(dtype))
+    # a strided input (a slice of a wider tensor) is read in place and gives the same values
+    wide = (torch.randn(6, 50) * 3).to(dtype)
+    xs = wide[:, :37].requires_grad_()
+    ys = A.approx_act_unchecked(xs, kind, 2)
+    assert _is_cpp(ys) and ys.is_contiguous()
+    torch.testing.assert_close(ys, A.approx_act(wide[:, :37], kind, 2, backend="torch"), **tol(dtype))
+
+
+@pytest.mark.slow  # the extension build (once)
+@pytest.mark.parametrize("rms", (False, True))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_cpp_ms_norm_values_bytes_autocast_and_double_backward(cxx_path, rms, dtype):
+    from torch import nn
+    from tolerances import tol
+
+    from lmbp_convert.memory import SavedTensorLedger
+
+    _, N = cxx_path
+    x = (torch.randn(2, 5, 32) * 2).to(dtype).requires_grad_()
+    g = torch.randn(2, 5, 32).to(dtype)
+    lin = nn.Linear(32, 16, dtype=dtype)
+    with SavedTensorLedger(lin) as ledger:
+        y = N.ms_norm_unchecked(x, 32, 1e-5, rms)
+        out = lin(y)
+    assert _is_cpp(y) and y.dtype == dtype
+    assert ledger.count == 2 and ledger.bytes == y.numel() * y.element_size() + 10 * 4, ledger.summary()
+    (dx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    out.float().sum().backward()
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref, _ = N._fwd_torch(x_ref.detach(), 32, 1e-5, rms, dtype)
+    torch.testing.assert_close(y, y_ref, **tol(dtype))
+    ref_fn = N.ms_rms_norm if rms else N.ms_layer_norm
+    with cuda_host.disabled():
+        (dx_ref,) = torch.autograd.grad(ref_fn(x_ref, 32, 1e-5), x_ref, g)
+    torch.testing.assert_close(dx, dx_ref, **tol(dtype, "bwd"))
+    # autocast: fp32 input, the autocast dtype out, that one storage shared with the Linear
+    xa = torch.randn(2, 5, 32, requires_grad=True)
+    lin32 = nn.Linear(32, 16)
+    with SavedTensorLedger(lin32) as ledger, torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = N.ms_norm_unchecked(xa, 32, 1e-5, rms)
+        lin32(ya).float().sum().backward()
+    assert _is_cpp(ya) and ya.dtype == torch.bfloat16 and xa.grad.dtype == torch.float32
+    assert ledger.bytes == ya.numel() * 2 + 10 * 4, ledger.summary()
+    # double backward is refused, as on the Python path
+    (gx,) = torch.autograd.grad(N.ms_norm_unchecked(x, 32, 1e-5, rms).float().pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+    with torch.no_grad(), SavedTensorLedger() as ledger:
+        y0 = N.ms_norm_unchecked(x, 32, 1e-5, rms)
+    assert ledger.count == 0 and y0.grad_fn is None
+    torch.testing.assert_close(y0, y_ref, **tol(dtype))
