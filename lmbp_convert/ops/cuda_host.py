@@ -11,6 +11,10 @@ arguments on and keeps one launch entry per (slot, specialisation class, device)
 and describes the compiled kernel for C++, or returns None where the kernel needs Triton's own launcher
 (scratch buffers, clusters, another backend); such calls keep going through Python.
 
+Self-check: the first C++ launch of every new variant on a GPU writes into fresh outputs, compared bit for bit
+with what Triton's launcher wrote for the same call (one sync per variant); a mismatch warns once and turns the
+C++ launches off for the process (``LMBP_CUDA_HOST_CHECK=0`` skips the check).
+
 Build: at first use with the host's C++ compiler against torch's headers and libraries (no CUDA toolkit:
 the driver is reached with dlopen), cached on disk next to the native CPU kernels
 (``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``) per (source, compiler, flags, torch,
@@ -41,6 +45,7 @@ __all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "stat
            "under_interpreter"]
 
 ENV_SWITCH = "LMBP_CUDA_HOST"
+ENV_CHECK = "LMBP_CUDA_HOST_CHECK"
 _SOURCE = Path(__file__).with_name("csrc") / "cuda_host.cpp"
 _MODULE = "lmbp_cuda_host"
 _BUILD_TIMEOUT_S = 600
@@ -125,6 +130,7 @@ def _load() -> Any:
                     from triton import knobs
 
                     mod.set_launcher(_miss, knobs.runtime, getattr(knobs, "HookChain", None))
+                    mod.set_self_check(os.environ.get(ENV_CHECK, "1").strip().lower() not in ("0", "false", "off"))
                     _ext, _state = mod, "ready"
                 except Exception as e:  # any failure: the Python launch path runs instead
                     _state, _reason = "failed", str(e) or type(e).__name__

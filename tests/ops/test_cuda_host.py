@@ -235,7 +235,9 @@ def test_gpu_cpp_path_is_bitwise_the_python_path(dtype, shape):
             assert y0.dtype == y1.dtype and torch.equal(y0, y1)
             assert torch.equal(dx0, dx1)
     torch.cuda.synchronize()
-    assert cuda_host.ext().stats()["direct"] > 0  # the C++ launch ran
+    stats = cuda_host.ext().stats()
+    assert stats["direct"] > 0  # the C++ launch ran
+    assert stats["self_checked"] > 0 and not stats["self_check_failed"], stats
 
 
 @needs_cuda

@@ -167,7 +167,9 @@ PyObject* g_miss = nullptr;       // Python: (slot, gx, gy, gz, args, device) ->
 PyObject* g_runtime = nullptr;    // triton.knobs.runtime (launch hooks)
 PyObject* g_hookchain = nullptr;  // triton.knobs.HookChain
 std::atomic<bool> g_hooks_clear{true};
-std::atomic<int64_t> g_direct{0}, g_via_python{0};
+std::atomic<bool> g_self_check{true};  // compare each new CUDA entry's first launch with Triton's, bitwise
+std::atomic<bool> g_failed{false};     // a self-check failed: every launch goes through Python from then on
+std::atomic<int64_t> g_direct{0}, g_via_python{0}, g_checked{0};
 
 // Whether Triton's launch hooks are unset (read under the GIL on every forward; backward uses the last value).
 bool read_hooks_clear() {
@@ -264,9 +266,11 @@ struct Launch {
   int64_t gx;
   int device;
   int nargs = 0;
+  unsigned outs = 0;  // bit j: argument j is an output the kernel writes in full (the self-check compares them)
   Arg args[kMaxArgs];
   const at::Tensor* tensors[kMaxArgs] = {};
   void ptr(const at::Tensor& t) { tensors[nargs] = &t; args[nargs++] = ptr_arg(t); }
+  void out(const at::Tensor& t) { outs |= 1u << nargs; ptr(t); }
   void i(int64_t v) { args[nargs++] = int_arg(v); }
   void f(double v) { args[nargs++] = float_arg(v); }
 };
@@ -312,6 +316,37 @@ void launch_direct(const Entry& e, const Launch& l) {
   check(d->launch(&cfg, e.fn, params, nullptr), "cuLaunchKernelEx");
 }
 
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  auto as_int = [](const at::Tensor& t) {
+    switch (t.element_size()) {
+      case 1: return t.view(at::kByte);
+      case 2: return t.view(at::kShort);
+      case 4: return t.view(at::kInt);
+      default: return t.view(at::kLong);
+    }
+  };
+  return as_int(a).equal(as_int(b));  // NaN payloads compare too
+}
+
+// The first direct launch of a new CUDA entry writes into fresh outputs; they must equal, bit for bit, what
+// Triton's launcher just wrote. Nobody ran this path on a GPU before it shipped: a mismatch turns it off.
+bool self_check(const Entry& e, const Launch& l) {
+  Launch l2 = l;
+  std::vector<at::Tensor> fresh;
+  fresh.reserve(kMaxArgs);
+  for (int j = 0; j < l.nargs; ++j) {
+    if (!(l.outs >> j & 1)) continue;
+    fresh.push_back(at::empty_like(*l.tensors[j]));
+    l2.tensors[j] = &fresh.back();
+    l2.args[j] = ptr_arg(fresh.back());
+  }
+  launch_direct(e, l2);
+  g_checked.fetch_add(1, std::memory_order_relaxed);
+  for (int j = 0; j < l.nargs; ++j)
+    if ((l.outs >> j & 1) && !bitwise_equal(*l.tensors[j], *l2.tensors[j])) return false;
+  return true;
+}
+
 void launch(Launch& l, bool in_backward) {
   if (l.gx <= 0) return;
   Key k{uint64_t(l.slot) << 16 | uint64_t(uint8_t(l.device + 1)) << 8 | uint64_t(l.nargs), 0};
@@ -320,7 +355,7 @@ void launch(Launch& l, bool in_backward) {
   if (l.device >= 0) {  // Triton switches devices itself; launch from here only on the current one
     current = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() == l.device;
   }
-  if (current && g_hooks_clear.load(std::memory_order_relaxed)) {
+  if (current && g_hooks_clear.load(std::memory_order_relaxed) && !g_failed.load(std::memory_order_relaxed)) {
     Entry e;
     bool hit;
     {
@@ -350,14 +385,27 @@ void launch(Launch& l, bool in_backward) {
   Py_DECREF(targs);
   if (!res) fail_python(in_backward);
   g_via_python.fetch_add(1, std::memory_order_relaxed);
+  Entry e;
+  if (current) e.py_only = !(res != Py_None && describe(res, l.args, l.nargs, &e));
+  Py_DECREF(res);
+  if (current && !e.py_only && l.device >= 0 && g_self_check.load()) {
+    auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+    if (impl->isStreamCapturing(impl->getStream(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(l.device)))))
+      return;  // no sync inside a CUDA-graph capture: checked (and cached) at a later call
+  }
   if (current) {
-    Entry e;
-    e.py_only = !(res != Py_None && describe(res, l.args, l.nargs, &e));
+    if (!e.py_only && l.device >= 0 && g_self_check.load() && !self_check(e, l)) {
+      g_failed.store(true);
+      e.py_only = true;
+      if (PyErr_WarnEx(PyExc_RuntimeWarning,
+                       "lmbp_convert: the C++ launch of a Triton kernel did not reproduce Triton's own launch "
+                       "bit for bit; the C++ host path is off for this process (please report this)", 1) < 0)
+        fail_python(in_backward);
+    }
     std::lock_guard<std::mutex> g(g_mu);
     if (g_cache.size() >= 4096) g_cache.clear();
     g_cache[k] = e;
   }
-  Py_DECREF(res);
 }
 
 // Python's `x.view(-1, x.size(-1))` strides when that view exists (a strided row view read in place).
@@ -399,7 +447,7 @@ std::pair<at::Tensor, at::Tensor> act_fwd(const at::Tensor& x, const ActPlan& p,
     rs = 0, cs = 1, cols = 1;
   }
   l.slot = p.fwd_slot[contiguous];
-  l.ptr(src); l.ptr(y); l.ptr(packed); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  l.ptr(src); l.out(y); l.out(packed); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
   launch(l, in_backward);
   return {y, packed};
 }
@@ -422,7 +470,7 @@ at::Tensor act_bwd(const at::Tensor& g, const at::Tensor& packed, const ActPlan&
     rs = 0, cs = 1, cols = 1;
   }
   l.slot = p.bwd_slot[contiguous];
-  l.ptr(src); l.ptr(packed); l.ptr(dx); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  l.ptr(src); l.ptr(packed); l.out(dx); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
   launch(l, true);
   return dx;
 }
@@ -510,7 +558,7 @@ struct MSNormFn : public torch::autograd::Function<MSNormFn> {
     l.device = device_index_of(x);
     l.gx = m;
     l.slot = int(fwd_slot);
-    l.ptr(x2); l.ptr(y); l.ptr(rstd); l.i(stride_x); l.i(n); l.i(n); l.f(eps);
+    l.ptr(x2); l.out(y); l.out(rstd); l.i(stride_x); l.i(n); l.i(n); l.f(eps);
     launch(l, false);
     if (ctx) {
       ctx->save_for_backward({y, rstd});
@@ -548,7 +596,7 @@ struct MSNormFn : public torch::autograd::Function<MSNormFn> {
       l.device = device_index_of(y);
       l.gx = m;
       l.slot = int(ctx->saved_data["s"].toInt());
-      l.ptr(g2); l.ptr(y2); l.ptr(rstd); l.ptr(dx); l.i(sg); l.i(sy); l.i(n); l.i(n);
+      l.ptr(g2); l.ptr(y2); l.ptr(rstd); l.out(dx); l.i(sg); l.i(sy); l.i(n); l.i(n);
       launch(l, true);
     }
     return {dx, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
@@ -659,9 +707,15 @@ PyObject* py_stats(PyObject*, PyObject*) {
     entries = g_cache.size();
     for (auto& kv : g_cache) direct_entries += !kv.second.py_only;
   }
-  return Py_BuildValue("{s:L,s:L,s:n,s:n}", "direct", (long long)g_direct.load(), "via_python",
+  return Py_BuildValue("{s:L,s:L,s:n,s:n,s:L,s:O}", "direct", (long long)g_direct.load(), "via_python",
                        (long long)g_via_python.load(), "entries", (Py_ssize_t)entries, "direct_entries",
-                       (Py_ssize_t)direct_entries);
+                       (Py_ssize_t)direct_entries, "self_checked", (long long)g_checked.load(), "self_check_failed",
+                       g_failed.load() ? Py_True : Py_False);
+}
+
+PyObject* py_set_self_check(PyObject*, PyObject* arg) {
+  g_self_check.store(PyObject_IsTrue(arg) == 1);
+  Py_RETURN_NONE;
 }
 
 PyMethodDef methods[] = {
@@ -672,6 +726,7 @@ PyMethodDef methods[] = {
     {"set_norm_callbacks", py_set_norm_callbacks, METH_VARARGS, "(row length -> slots, create_graph backward)"},
     {"clear", py_clear, METH_NOARGS, "drop every cached launch entry and norm plan"},
     {"stats", py_stats, METH_NOARGS, "launch counters"},
+    {"set_self_check", py_set_self_check, METH_O, "compare each new CUDA entry's first launch with Triton's"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lmbp_cuda_host", nullptr, -1, methods};
