@@ -425,7 +425,7 @@ struct ActPlan {
   int64_t per_byte, fwd_block, bwd_block;
   PyObject* fallback_bwd;  // Python (grad, packed) -> dx, differentiable (double backward, other dtypes)
 };
-std::vector<ActPlan> g_act_plans;
+std::vector<const ActPlan*> g_act_plans;  // grown under the GIL; plans live for the process (backward holds them)
 
 int device_index_of(const at::Tensor& t) { return t.is_cuda() ? int(t.get_device()) : -1; }
 
@@ -497,13 +497,14 @@ at::Tensor call_fallback(PyObject* fn, std::initializer_list<const at::Tensor*> 
 
 struct ApproxActFn : public torch::autograd::Function<ApproxActFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, int64_t plan) {
-    auto yp = act_fwd(x, g_act_plans[size_t(plan)], false);
+    const ActPlan* p = g_act_plans[size_t(plan)];
+    auto yp = act_fwd(x, *p, false);
     ctx->save_for_backward({yp.second});
-    ctx->saved_data["p"] = plan;
+    ctx->saved_data["p"] = int64_t(reinterpret_cast<intptr_t>(p));  // not the index: the vector may grow
     return yp.first;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const ActPlan& p = g_act_plans[size_t(ctx->saved_data["p"].toInt())];
+    const ActPlan& p = *reinterpret_cast<const ActPlan*>(intptr_t(ctx->saved_data["p"].toInt()));
     at::Tensor packed = ctx->get_saved_variables()[0];
     const at::Tensor& g = grads[0];
     at::Tensor dx;
@@ -632,7 +633,7 @@ PyObject* py_approx_act(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   g_hooks_clear.store(read_hooks_clear(), std::memory_order_relaxed);
   if (x.requires_grad() && at::GradMode::is_enabled())
     return THPVariable_Wrap(ApproxActFn::apply(x, plan));
-  return THPVariable_Wrap(act_fwd(x, g_act_plans[size_t(plan)], false).first);
+  return THPVariable_Wrap(act_fwd(x, *g_act_plans[size_t(plan)], false).first);
   GUARD_END
 }
 
@@ -669,7 +670,7 @@ PyObject* py_register_act_plan(PyObject*, PyObject* args) {
     return nullptr;
   Py_INCREF(fb);
   p.fallback_bwd = fb;
-  g_act_plans.push_back(p);
+  g_act_plans.push_back(new ActPlan(p));
   return PyLong_FromSize_t(g_act_plans.size() - 1);
 }
 
