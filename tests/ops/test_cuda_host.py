@@ -38,7 +38,7 @@ st = stub.activate(native=True)
 assert st.mode == "native-launch", st.note
 from triton.runtime.jit import JITFunction
 from triton.backends.nvidia.driver import CudaLauncher
-from lmbp_convert.ops import approx_act as A, ms_norm as N, cuda_host
+from lmbp_convert.ops import approx_act as A, gated_mlp as G, ms_norm as N, cuda_host
 
 TYPES = {}  # tagged kernel handle -> Triton's parameter types (extractor indices), scratch pointers included
 counter = [0]
@@ -85,18 +85,21 @@ def run(op, x, g):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
         y = op(x)
     n0 = st.launch_count()
-    if x.requires_grad:
-        (dx,) = torch.autograd.grad(y, x, g)
-    else:
-        dx = None
-    names = {x.data_ptr(): "x", y.data_ptr(): "y", g.data_ptr(): "g"}
+    dx = None
+    if x.requires_grad:  # backward() as in training: every leaf that requires grad gets one
+        x.grad = None
+        y.backward(g)
+        dx = x.grad
+    names = {x.data_ptr(): "x", y.data_ptr(): "y"}  # what the forward launch can point at
     names.update({t.data_ptr(): f"saved{i}" for i, t in enumerate(saved)})
-    if dx is not None:
-        names[dx.data_ptr()] = "dx"
+    names_bwd = dict(names)
+    names_bwd[g.data_ptr()] = "g"
+    if dx is not None:  # an address the forward freed may come back here: named for the backward only
+        names_bwd[dx.data_ptr()] = "dx"
     k = 2 if x.requires_grad else 1
     recs = stub.launch_records(st.launch_count() - k)
     assert len(recs) == k and st.launch_count() - n0 == k - 1, (len(recs), k)
-    return [symbolic(r, names) for r in recs], y, dx
+    return [symbolic(r, names if i == 0 else names_bwd) for i, r in enumerate(recs)], y, dx
 
 def check(label, op, x, g):
     with stub.triton_path(True):
@@ -149,6 +152,16 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 in, bf16 out (what the next Linear computes in)
             x = rnd(3, 40, dtype=dtype)
             cases += check(f"norm rms={rms} {dtype} autocast", norm, x, torch.randn(3, 40, dtype=torch.bfloat16))
+    for act, trainable in (("silu", False), ("gelu", True)):  # STORE_H off / on in the backward kernel
+        f = 24
+        w = torch.randn(10, f, dtype=dtype).requires_grad_(trainable)
+        halves = lambda t, act=act, w=w: G.gated_mlp(t[..., :f], t[..., f:], w, None, act)  # strided g, u
+        cases += check(f"gated {act} {dtype} strided halves", halves, rnd(6, 2 * f, dtype=dtype),
+                       torch.randn(6, 10, dtype=dtype))
+        u = torch.randn(5, 33, dtype=dtype)
+        w2 = torch.randn(7, 33, dtype=dtype).requires_grad_(trainable)
+        plain = lambda t, act=act, u=u, w2=w2: G.gated_mlp(t, u, w2, None, act)  # contiguous, odd width
+        cases += check(f"gated {act} {dtype} contiguous", plain, rnd(5, 33, dtype=dtype), torch.randn(5, 7, dtype=dtype))
 print("launches compared:", cases)
 print("ok")
 """
@@ -238,6 +251,36 @@ def test_gpu_cpp_path_is_bitwise_the_python_path(dtype, shape):
     stats = cuda_host.ext().stats()
     assert stats["direct"] > 0  # the C++ launch ran
     assert stats["self_checked"] > 0 and not stats["self_check_failed"], stats
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,amp", [(torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("adapters,strided", [(0, False), (2, True)])
+def test_gpu_cpp_gated_mlp_is_bitwise_the_python_path(dtype, amp, adapters, strided):
+    import contextlib
+
+    from lmbp_convert.ops import gated_mlp as G
+
+    outs = []
+    for cxx in (False, True):
+        g, u, w, b, lora, leaves = _gated_case(dtype, True, True, adapters, strided)
+        to = lambda t: t.detach().cuda().requires_grad_(t.requires_grad)  # noqa: E731
+        g, u, w, b = (to(t) if t is not None else None for t in (g, u, w, b))
+        lora = [G.LoraAdapter(to(a.a_weight), to(a.b_weight), to(a.b_bias) if a.b_bias is not None else None,
+                              a.scale, a.cast_input) for a in lora]
+        ctx = cuda_host.disabled() if not cxx else contextlib.nullcontext()
+        amp_ctx = torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext()
+        with ctx, amp_ctx:
+            out = G.gated_mlp(g, u, w, b, "silu", lora)
+        leaves = [t for t in [g, u, w, b] + [x for a in lora for x in (a.a_weight, a.b_weight, a.b_bias)]
+                  if t is not None and t.requires_grad]
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype).cuda()
+        outs.append((out, torch.autograd.grad(out, leaves, dy)))
+    (o0, g0), (o1, g1) = outs
+    assert torch.equal(o0, o1)
+    for a, c in zip(g0, g1):
+        assert torch.equal(a, c)
+    assert not cuda_host.ext().stats()["self_check_failed"]
 
 
 @needs_cuda
@@ -364,3 +407,81 @@ def test_cpp_ms_norm_values_bytes_autocast_and_double_backward(cxx_path, rms, dt
         y0 = N.ms_norm_unchecked(x, 32, 1e-5, rms)
     assert ledger.count == 0 and y0.grad_fn is None
     torch.testing.assert_close(y0, y_ref, **tol(dtype))
+
+
+def _gated_case(dtype, bias, trainable, adapters, strided, seed=0):
+    from lmbp_convert.ops.gated_mlp import LoraAdapter
+
+    gen = torch.Generator().manual_seed(seed)
+    t, f, n = 6, 24, 10
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    if strided:  # the two halves of one fused gate_up output
+        gu = rnd(2, t // 2, 2 * f).requires_grad_()
+        g, u = gu[..., :f], gu[..., f:]
+        leaves = [gu]
+    else:
+        g, u = rnd(t, f).requires_grad_(), rnd(t, f).requires_grad_()
+        leaves = [g, u]
+    w = rnd(n, f).requires_grad_(trainable)
+    b = rnd(n).requires_grad_(trainable) if bias else None
+    lora = []
+    for i in range(adapters):
+        a_w = rnd(4, f).requires_grad_()
+        b_w = rnd(n, 4).requires_grad_()
+        b_b = rnd(n).requires_grad_() if i == 1 else None
+        lora.append(LoraAdapter(a_w, b_w, b_b, 0.5 + i, cast_input=i == 0))
+    params = [p for p in [w, b] + [x for ad in lora for x in (ad.a_weight, ad.b_weight, ad.b_bias)]
+              if p is not None and p.requires_grad]
+    return g, u, w, b, lora, leaves + params
+
+
+@pytest.mark.slow  # the extension build (once)
+@pytest.mark.parametrize("dtype,amp", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("bias,trainable,adapters,strided", [(False, False, 0, False), (True, True, 0, True),
+                                                             (True, False, 2, False), (False, True, 1, True)])
+def test_cpp_gated_mlp_is_bitwise_the_python_function(cxx_path, monkeypatch, dtype, amp, bias, trainable, adapters,
+                                                      strided):
+    """The C++ port of GatedMLPFunction makes the same ATen calls in the same order: outputs, every gradient and
+    the saved bytes are identical to the Python Function's (PEFT LoRA adapters, autocast, strided gate/up)."""
+    from lmbp_convert.memory import SavedTensorLedger
+    from lmbp_convert.ops import gated_mlp as G
+
+    monkeypatch.setattr(G, "use_triton", lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    results = []
+    for cxx in (False, True):
+        g, u, w, b, lora, leaves = _gated_case(dtype, bias, trainable, adapters, strided)
+        ctx = cuda_host.disabled() if not cxx else __import__("contextlib").nullcontext()
+        amp_ctx = torch.autocast("cpu", dtype=amp) if amp else __import__("contextlib").nullcontext()
+        with ctx, SavedTensorLedger() as ledger, amp_ctx:
+            out = G.gated_mlp(g, u, w, b, "silu", lora)
+        assert _is_cpp(out) == cxx
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+        grads = torch.autograd.grad(out, leaves, dy)
+        results.append((out, grads, ledger.bytes, ledger.count))
+    (o0, g0, b0, c0), (o1, g1, b1, c1) = results
+    assert o0.dtype == o1.dtype and torch.equal(o0, o1)
+    assert (b0, c0) == (b1, c1)
+    for a, c in zip(g0, g1):
+        assert a.dtype == c.dtype and torch.equal(a, c)
+
+
+@pytest.mark.slow  # the extension build (once)
+def test_cpp_gated_mlp_double_backward_is_refused_and_no_grad_saves_nothing(cxx_path, monkeypatch):
+    from lmbp_convert.memory import SavedTensorLedger
+    from lmbp_convert.ops import gated_mlp as G
+
+    monkeypatch.setattr(G, "use_triton", lambda t: t.dtype in (torch.float32, torch.bfloat16, torch.float16))
+    g, u, w, b, lora, leaves = _gated_case(torch.float32, True, True, 1, False)
+    out = G.gated_mlp(g, u, w, b, "silu", lora)
+    assert _is_cpp(out)
+    grads = torch.autograd.grad(out.pow(2).sum(), leaves, create_graph=True)
+    with cuda_host.disabled():
+        ref = torch.autograd.grad(G.gated_mlp(g, u, w, b, "silu", lora).pow(2).sum(), leaves)
+    for a, c in zip(grads, ref):
+        torch.testing.assert_close(a, c)
+    with pytest.raises(RuntimeError):
+        grads[0].sum().backward()
+    with torch.no_grad(), SavedTensorLedger() as ledger:
+        y0 = G.gated_mlp(g, u, w, b, "silu", lora)
+    assert ledger.count == 0 and y0.grad_fn is None
+    torch.testing.assert_close(y0, out.detach())

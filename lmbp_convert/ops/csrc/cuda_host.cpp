@@ -25,6 +25,7 @@
 #include <ATen/TensorUtils.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -119,7 +120,7 @@ void ensure_context(Driver* d) {
 }
 
 // ------------------------------------------------------------------------------------------- launch args
-constexpr int kMaxArgs = 8;
+constexpr int kMaxArgs = 16;
 
 struct Arg {
   enum Kind : uint8_t { PTR, INT, FLOAT } kind;
@@ -154,11 +155,13 @@ struct Entry {
 };
 
 struct Key {
-  uint64_t a, b;
-  bool operator==(const Key& o) const { return a == o.a && b == o.b; }
+  uint64_t a, b, c;  // slot, device, argument count; one class byte per argument
+  bool operator==(const Key& o) const { return a == o.a && b == o.b && c == o.c; }
 };
 struct KeyHash {
-  size_t operator()(const Key& k) const { return std::hash<uint64_t>()(k.a * 0x9E3779B97F4A7C15ull ^ k.b); }
+  size_t operator()(const Key& k) const {
+    return std::hash<uint64_t>()((k.a * 0x9E3779B97F4A7C15ull ^ k.b) * 0x9E3779B97F4A7C15ull ^ k.c);
+  }
 };
 
 std::mutex g_mu;  // the cache is read by autograd's device threads too
@@ -263,7 +266,8 @@ bool describe(PyObject* d, const Arg* args, int nargs, Entry* e) {
 // Everything a launch needs from the tensors: device index (-1 off CUDA) and, for a miss, the tensors.
 struct Launch {
   int slot;
-  int64_t gx;
+  int64_t gx, gy = 1;
+  int alias_in = -1;  // an input argument an output overwrites (gated backward writes dg over dh)
   int device;
   int nargs = 0;
   unsigned outs = 0;  // bit j: argument j is an output the kernel writes in full (the self-check compares them)
@@ -312,7 +316,7 @@ void launch_direct(const Entry& e, const Launch& l) {
     stream = static_cast<CUstream>(
         impl->getStreamNativeHandle(impl->getStream(c10::Device(c10::DeviceType::CUDA, c10::DeviceIndex(l.device)))));
   }
-  CUlaunchConfig cfg{unsigned(l.gx), 1u, 1u, e.block_x, 1u, 1u, e.shared, stream, attrs, nattrs};
+  CUlaunchConfig cfg{unsigned(l.gx), unsigned(l.gy), 1u, e.block_x, 1u, 1u, e.shared, stream, attrs, nattrs};
   check(d->launch(&cfg, e.fn, params, nullptr), "cuLaunchKernelEx");
 }
 
@@ -330,8 +334,12 @@ bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
 
 // The first direct launch of a new CUDA entry writes into fresh outputs; they must equal, bit for bit, what
 // Triton's launcher just wrote. Nobody ran this path on a GPU before it shipped: a mismatch turns it off.
-bool self_check(const Entry& e, const Launch& l) {
+bool self_check(const Entry& e, const Launch& l, const at::Tensor& alias_copy) {
   Launch l2 = l;
+  if (l.alias_in >= 0) {  // the input as it was before Triton's launch overwrote it
+    l2.tensors[l.alias_in] = &alias_copy;
+    l2.args[l.alias_in] = ptr_arg(alias_copy);
+  }
   std::vector<at::Tensor> fresh;
   fresh.reserve(kMaxArgs);
   for (int j = 0; j < l.nargs; ++j) {
@@ -348,9 +356,9 @@ bool self_check(const Entry& e, const Launch& l) {
 }
 
 void launch(Launch& l, bool in_backward) {
-  if (l.gx <= 0) return;
-  Key k{uint64_t(l.slot) << 16 | uint64_t(uint8_t(l.device + 1)) << 8 | uint64_t(l.nargs), 0};
-  for (int j = 0; j < l.nargs; ++j) k.b |= uint64_t(l.args[j].cls) << (8 * j);
+  if (l.gx <= 0 || l.gy <= 0) return;
+  Key k{uint64_t(l.slot) << 16 | uint64_t(uint8_t(l.device + 1)) << 8 | uint64_t(l.nargs), 0, 0};
+  for (int j = 0; j < l.nargs; ++j) (j < 8 ? k.b : k.c) |= uint64_t(l.args[j].cls) << (8 * (j % 8));
   bool current = true;
   if (l.device >= 0) {  // Triton switches devices itself; launch from here only on the current one
     current = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index() == l.device;
@@ -381,7 +389,10 @@ void launch(Launch& l, bool in_backward) {
     else o = PyFloat_FromDouble(l.args[j].f);
     PyTuple_SET_ITEM(targs, j, o);
   }
-  PyObject* res = PyObject_CallFunction(g_miss, "iLiiOi", l.slot, (long long)l.gx, 1, 1, targs, l.device);
+  at::Tensor alias_copy;
+  if (l.alias_in >= 0 && l.device >= 0 && current && g_self_check.load()) alias_copy = l.tensors[l.alias_in]->clone();
+  PyObject* res = PyObject_CallFunction(g_miss, "iLLiOi", l.slot, (long long)l.gx, (long long)l.gy, 1, targs,
+                                        l.device);
   Py_DECREF(targs);
   if (!res) fail_python(in_backward);
   g_via_python.fetch_add(1, std::memory_order_relaxed);
@@ -394,7 +405,7 @@ void launch(Launch& l, bool in_backward) {
       return;  // no sync inside a CUDA-graph capture: checked (and cached) at a later call
   }
   if (current) {
-    if (!e.py_only && l.device >= 0 && g_self_check.load() && !self_check(e, l)) {
+    if (!e.py_only && l.device >= 0 && g_self_check.load() && !self_check(e, l, alias_copy)) {
       g_failed.store(true);
       e.py_only = true;
       if (PyErr_WarnEx(PyExc_RuntimeWarning,
@@ -662,6 +673,354 @@ PyObject* py_ms_norm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   GUARD_END
 }
 
+// ------------------------------------------------------------------------------------------- gated MLP
+// The port of ops/gated_mlp.py's GatedMLPFunction (forward and its non-create_graph backward), step for step:
+// the same ATen calls in the same order and dtypes, so results are bitwise the Python Function's.
+struct GatedPlan {
+  int64_t block;
+  int fwd_slot, bwd_slot[2];  // bwd_slot[store_h]
+};
+std::unordered_map<int64_t, GatedPlan> g_gated_plans;  // (act code, row length) -> kernels
+PyObject* g_gated_plan_cb = nullptr;   // Python: (code, n) -> (block, fwd slot, bwd slot, bwd slot storing h)
+PyObject* g_gated_fallback = nullptr;  // Python: create_graph backward (the Function's, once differentiable)
+PyObject* g_parameter_type = nullptr;  // torch.nn.Parameter
+
+const GatedPlan& gated_plan(int64_t code, int64_t n) {  // called with the GIL (forward)
+  int64_t key = code << 48 | n;
+  auto it = g_gated_plans.find(key);
+  if (it != g_gated_plans.end()) return it->second;
+  PyObject* r = PyObject_CallFunction(g_gated_plan_cb, "LL", (long long)code, (long long)n);
+  if (!r) throw PythonErrorSet();
+  GatedPlan p;
+  long long block;
+  int ok = PyArg_ParseTuple(r, "Liii", &block, &p.fwd_slot, &p.bwd_slot[0], &p.bwd_slot[1]);
+  Py_DECREF(r);
+  if (!ok) throw PythonErrorSet();
+  p.block = block;
+  if (g_gated_plans.size() >= 4096) g_gated_plans.clear();
+  return g_gated_plans[key] = p;
+}
+
+at::Tensor gated_fwd(const at::Tensor& g, const at::Tensor& u, int64_t block, int slot, at::ScalarType h_dtype,
+                     bool in_backward) {
+  int64_t n = g.size(-1);
+  int64_t sg, su;
+  at::Tensor g2 = rows_view(g, n, &sg), u2 = rows_view(u, n, &su);
+  at::Tensor h = at::empty_like(g, g.options().dtype(h_dtype), at::MemoryFormat::Contiguous);
+  Launch l;
+  l.device = device_index_of(g);
+  l.gx = g.numel() / n;
+  l.gy = (n + block - 1) / block;
+  l.slot = slot;
+  l.ptr(g2); l.ptr(u2); l.out(h); l.i(sg); l.i(su); l.i(n); l.i(n);
+  launch(l, in_backward);
+  return h;
+}
+
+// (dg, du, h or undefined); dg is written over dh when dh is contiguous and of g's dtype (dh not needed after)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_bwd(const at::Tensor& dh, const at::Tensor& g,
+                                                         const at::Tensor& u, int64_t block, const int* slots,
+                                                         std::optional<at::ScalarType> h_dtype) {
+  int64_t n = g.size(-1);
+  bool dh_contiguous = dh.is_contiguous();
+  int64_t sdh, sg, su;
+  at::Tensor dh2 = rows_view(dh, n, &sdh), g2 = rows_view(g, n, &sg), u2 = rows_view(u, n, &su);
+  bool into_dh = dh_contiguous && dh.scalar_type() == g.scalar_type();
+  at::Tensor dg = into_dh ? dh.view(g.sizes()) : at::empty_like(g, at::MemoryFormat::Contiguous);
+  at::Tensor du = at::empty_like(u, at::MemoryFormat::Contiguous);
+  at::Tensor h;
+  if (h_dtype) h = at::empty_like(g, g.options().dtype(*h_dtype), at::MemoryFormat::Contiguous);
+  Launch l;
+  l.device = device_index_of(g);
+  l.gx = g.numel() / n;
+  l.gy = (n + block - 1) / block;
+  l.slot = slots[h_dtype ? 1 : 0];
+  if (into_dh) l.alias_in = 0;
+  l.ptr(dh2); l.ptr(g2); l.ptr(u2); l.out(dg); l.out(du);
+  if (h_dtype) l.out(h); else l.ptr(du);  // never written when STORE_H is off
+  l.i(sdh); l.i(sg); l.i(su); l.i(n); l.i(n); l.i(n); l.i(n);
+  launch(l, true);
+  return {dg, du, h};
+}
+
+struct Casts {  // eager F.linear's dtypes under autocast (``_lin_dtype`` / ``_cast`` / ``_to`` in gated_mlp.py)
+  std::optional<at::ScalarType> ac;
+  at::ScalarType lin(at::ScalarType d) const {
+    return ac && at::isFloatingType(d) && d != at::kDouble ? *ac : d;
+  }
+  at::Tensor cast(const at::Tensor& t) const {
+    if (!t.defined()) return t;
+    auto d = lin(t.scalar_type());
+    return d == t.scalar_type() ? t : t.to(d);
+  }
+  static at::Tensor to(const at::Tensor& t, at::ScalarType d) {
+    return !t.defined() || t.scalar_type() == d ? t : t.to(d);
+  }
+};
+
+std::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+// Autograd's inputs are the defined tensors only: the bias is an optional argument, and the LoRA list holds A, B
+// and (where bit i of ``bb_mask`` is set) B's bias of each adapter. These map full positions (g, u, weight, bias,
+// then A, B, B-bias per adapter) to input-edge indices (-1: no tensor there).
+std::vector<int> edge_index(bool has_bias, size_t k, int64_t bb_mask) {
+  std::vector<int> e(4 + 3 * k, -1);
+  int next = 0;
+  for (int j = 0; j < 3; ++j) e[size_t(j)] = next++;
+  if (has_bias) e[3] = next++;
+  for (size_t i = 0; i < k; ++i) {
+    e[4 + 3 * i] = next++;
+    e[4 + 3 * i + 1] = next++;
+    if (bb_mask >> i & 1) e[4 + 3 * i + 2] = next++;
+  }
+  return e;
+}
+
+std::vector<at::Tensor> full_lora(at::TensorList defined, size_t k, int64_t bb_mask) {
+  std::vector<at::Tensor> out(3 * k);
+  size_t j = 0;
+  for (size_t i = 0; i < k; ++i) {
+    out[3 * i] = defined[j++];
+    out[3 * i + 1] = defined[j++];
+    if (bb_mask >> i & 1) out[3 * i + 2] = defined[j++];
+  }
+  return out;
+}
+
+struct GatedMLPFn : public torch::autograd::Function<GatedMLPFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& g, const at::Tensor& u, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias_opt, at::TensorList lora_defined, int64_t code,
+                            const std::vector<double>& scales, int64_t casts, int64_t bb_mask) {
+    at::Tensor bias = bias_opt ? *bias_opt : at::Tensor();
+    std::vector<at::Tensor> lora = full_lora(lora_defined, scales.size(), bb_mask);
+    auto dev_type = g.device().type();
+    Casts c;
+    if (at::autocast::is_autocast_enabled(dev_type)) c.ac = at::autocast::get_autocast_dtype(dev_type);
+    auto h_dtype = g.scalar_type() == u.scalar_type() ? g.scalar_type()
+                                                      : at::promote_types(g.scalar_type(), u.scalar_type());
+    const GatedPlan& p = gated_plan(code, g.size(-1));
+    at::Tensor out;
+    {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      at::Tensor h = gated_fwd(g, u, p.block, p.fwd_slot, h_dtype, false);
+      out = c.ac ? at::linear(c.cast(h), c.cast(weight), opt(c.cast(bias))) : at::linear(h, weight, opt(bias));
+      auto out_dtype = out.scalar_type();
+      at::Tensor acc = out;
+      for (size_t i = 0; i < scales.size(); ++i) {
+        const at::Tensor &a_w = lora[3 * i], &b_w = lora[3 * i + 1], &b_b = lora[3 * i + 2];
+        at::Tensor hx = (casts >> i & 1) ? Casts::to(h, a_w.scalar_type()) : h;
+        at::Tensor t = at::linear(c.cast(hx), c.cast(a_w));
+        acc = acc + at::linear(c.cast(t), c.cast(b_w), opt(c.cast(b_b))) * scales[i];
+      }
+      out = Casts::to(acc, out_dtype);
+    }
+    if (ctx) {
+      bool need_dh = ctx->needs_input_grad(0) || ctx->needs_input_grad(1);
+      std::vector<at::Tensor> saved{g, u, need_dh ? weight : at::Tensor()};
+      saved.insert(saved.end(), lora.begin(), lora.end());
+      ctx->save_for_backward(saved);
+      ctx->saved_data["ac"] = int64_t(c.ac ? int64_t(*c.ac) : -1);
+      ctx->saved_data["h"] = int64_t(h_dtype);
+      ctx->saved_data["w"] = int64_t(weight.scalar_type());
+      ctx->saved_data["b"] = int64_t(bias.defined() ? int64_t(bias.scalar_type()) : -1);
+      ctx->saved_data["code"] = code;
+      ctx->saved_data["sc"] = scales;
+      ctx->saved_data["cast"] = casts;
+      ctx->saved_data["block"] = p.block;
+      ctx->saved_data["slots"] = std::vector<int64_t>{p.fwd_slot, p.bwd_slot[0], p.bwd_slot[1]};
+      ctx->saved_data["bb"] = bb_mask;
+    }
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &g = saved[0], &u = saved[1], &weight = saved[2];
+    size_t k = (saved.size() - 3) / 3;
+    auto lora = [&](size_t j) -> const at::Tensor& { return saved[3 + j]; };
+    std::vector<double> scales = ctx->saved_data["sc"].toDoubleVector();
+    int64_t casts = ctx->saved_data["cast"].toInt();
+    int64_t ac_i = ctx->saved_data["ac"].toInt();
+    Casts c;
+    if (ac_i >= 0) c.ac = at::ScalarType(ac_i);
+    auto h_dtype = at::ScalarType(ctx->saved_data["h"].toInt());
+    auto weight_dtype = at::ScalarType(ctx->saved_data["w"].toInt());
+    int64_t bias_i = ctx->saved_data["b"].toInt();
+    int64_t bb_mask = ctx->saved_data["bb"].toInt();
+    std::vector<int> edge = edge_index(bias_i >= 0, k, bb_mask);
+    std::vector<bool> needs(4 + 3 * k);
+    for (size_t j = 0; j < needs.size(); ++j) needs[j] = edge[j] >= 0 && ctx->needs_input_grad(size_t(edge[j]));
+    variable_list full(4 + 3 * k);  // gradients by full position; returned below in autograd's argument layout
+    auto& out = full;
+    const at::Tensor& dy = grads[0];
+    if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, whose result refuses a second one
+      Gil gil;
+      PyObject* ts = PyTuple_New(Py_ssize_t(saved.size()));
+      for (size_t j = 0; j < saved.size(); ++j) PyTuple_SET_ITEM(ts, j, THPVariable_Wrap(saved[j]));
+      PyObject* nd = PyTuple_New(Py_ssize_t(needs.size()));
+      for (size_t j = 0; j < needs.size(); ++j) PyTuple_SET_ITEM(nd, j, PyBool_FromLong(needs[j]));
+      PyObject* sc = PyTuple_New(Py_ssize_t(k));
+      for (size_t j = 0; j < k; ++j) PyTuple_SET_ITEM(sc, j, PyFloat_FromDouble(scales[j]));
+      auto dtype = [](int64_t st) -> PyObject* {
+        if (st < 0) Py_RETURN_NONE;
+        PyObject* o = reinterpret_cast<PyObject*>(torch::getTHPDtype(at::ScalarType(st)));
+        Py_INCREF(o);
+        return o;
+      };
+      PyObject* args = Py_BuildValue("(NNNNNLNLNN)", THPVariable_Wrap(dy), ts, nd, dtype(ac_i),
+                                     dtype(int64_t(h_dtype)), (long long)ctx->saved_data["code"].toInt(), sc,
+                                     (long long)casts, dtype(int64_t(weight_dtype)), dtype(bias_i));
+      PyObject* r = args ? PyObject_CallObject(g_gated_fallback, args) : nullptr;
+      Py_XDECREF(args);
+      if (!r) throw std::runtime_error(take_python_error());
+      // (dg, du, dw, db, None, None, *grads_lora): the Python Function's inputs
+      Py_ssize_t nr = PySequence_Check(r) ? PySequence_Size(r) : -1;
+      if (nr != Py_ssize_t(6 + 3 * k)) {
+        Py_DECREF(r);
+        throw std::runtime_error("lmbp cuda_host: gated backward fallback returned a wrong gradient count");
+      }
+      for (Py_ssize_t j = 0; j < nr; ++j) {
+        if (j == 4 || j == 5) continue;
+        PyObject* o = PySequence_GetItem(r, j);
+        size_t dst = j < 4 ? size_t(j) : size_t(j - 2);
+        if (o && THPVariable_Check(o)) out[dst] = THPVariable_Unpack(o);
+        Py_XDECREF(o);
+      }
+      Py_DECREF(r);
+      return layout(full, k, bb_mask);
+    }
+    bool need_dh = needs[0] || needs[1];
+    bool need_h = needs[2];
+    for (size_t i = 0; i < k; ++i) need_h = need_h || needs[4 + 3 * i] || needs[4 + 3 * i + 1];
+    int64_t f = g.size(-1);
+    at::Tensor dy2 = dy.dim() == 2 ? dy : dy.reshape({-1, dy.size(-1)});
+    at::Tensor dyc = c.ac ? c.cast(dy2) : dy2;
+    at::Tensor dg, du, dw, db, h;
+    int64_t block = ctx->saved_data["block"].toInt();
+    auto slot_list = ctx->saved_data["slots"].toIntVector();
+    int bwd_slots[2] = {int(slot_list[1]), int(slot_list[2])};
+    {
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      std::vector<at::Tensor> gys(k), gts(k);
+      for (size_t i = 0; i < k; ++i) {
+        const at::Tensor &a_w = lora(3 * i), &b_w = lora(3 * i + 1);
+        auto y_dtype = c.lin((casts >> i & 1) ? a_w.scalar_type() : h_dtype);
+        bool used = need_dh || needs[4 + 3 * i] || needs[4 + 3 * i + 1] || needs[4 + 3 * i + 2];
+        if (used) gys[i] = Casts::to(dy2, y_dtype) * scales[i];
+        if (need_dh || needs[4 + 3 * i]) gts[i] = gys[i].matmul(c.cast(b_w));
+      }
+      if (need_dh) {
+        at::Tensor dh = Casts::to(dyc.matmul(c.ac ? c.cast(weight) : weight), h_dtype);
+        for (size_t i = 0; i < k; ++i) {
+          const at::Tensor& a_w = lora(3 * i);
+          auto hx_dtype = (casts >> i & 1) ? a_w.scalar_type() : h_dtype;
+          dh = dh + Casts::to(Casts::to(gts[i].matmul(c.cast(a_w)), hx_dtype), h_dtype);
+        }
+        dh = dh.view(g.sizes());
+        auto r = gated_bwd(dh, g, u, block, bwd_slots,
+                           need_h ? std::optional<at::ScalarType>(h_dtype) : std::nullopt);
+        dh.reset();
+        if (needs[0]) dg = std::get<0>(r);
+        if (needs[1]) du = std::get<1>(r);
+        h = std::get<2>(r);
+      } else if (need_h) {
+        h = gated_fwd(g, u, block, int(slot_list[0]), h_dtype, true);
+      }
+      if (need_h) {
+        at::Tensor h2 = h.reshape({-1, f});
+        if (needs[2]) dw = Casts::to(dyc.t().matmul(c.cast(h2)), weight_dtype);
+        for (size_t i = 0; i < k; ++i) {
+          const at::Tensor &a_w = lora(3 * i), &b_w = lora(3 * i + 1);
+          if (!(needs[4 + 3 * i] || needs[4 + 3 * i + 1])) continue;
+          at::Tensor hxc = c.cast((casts >> i & 1) ? Casts::to(h2, a_w.scalar_type()) : h2);
+          if (needs[4 + 3 * i]) out[4 + 3 * i] = Casts::to(gts[i].t().matmul(hxc), a_w.scalar_type());
+          if (needs[4 + 3 * i + 1]) {
+            at::Tensor t = at::linear(hxc, c.cast(a_w));  // A(h) recomputed, never saved
+            out[4 + 3 * i + 1] = Casts::to(gys[i].t().matmul(c.cast(t)), b_w.scalar_type());
+          }
+        }
+      }
+      if (needs[3]) db = Casts::to(dyc.sum(0), at::ScalarType(bias_i));
+      for (size_t i = 0; i < k; ++i) {
+        const at::Tensor& b_b = lora(3 * i + 2);
+        if (needs[4 + 3 * i + 2] && b_b.defined()) out[4 + 3 * i + 2] = Casts::to(gys[i].sum(0), b_b.scalar_type());
+      }
+    }
+    out[0] = dg, out[1] = du, out[2] = dw, out[3] = db;
+    return layout(full, k, bb_mask);
+  }
+
+  // Autograd's layout: one entry per forward argument (g, u, weight, bias, each defined LoRA tensor, then the
+  // four non-tensor arguments).
+  static variable_list layout(const variable_list& full, size_t k, int64_t bb_mask) {
+    variable_list out{full[0], full[1], full[2], full[3]};
+    for (size_t i = 0; i < k; ++i) {
+      out.push_back(full[4 + 3 * i]);
+      out.push_back(full[4 + 3 * i + 1]);
+      if (bb_mask >> i & 1) out.push_back(full[4 + 3 * i + 2]);
+    }
+    out.resize(out.size() + 4);
+    return out;
+  }
+};
+
+bool plain_tensor(PyObject* o) {  // torch.Tensor or nn.Parameter (no __torch_function__ of its own)
+  return THPVariable_CheckExact(o) || (g_parameter_type && Py_TYPE(o) == (PyTypeObject*)g_parameter_type);
+}
+
+// gated_mlp(g, u, weight, bias|None, act code, lora (A, B, B-bias|None)*, scales, cast mask) -> out | NotImplemented
+PyObject* py_gated_mlp(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  GUARD_BEGIN
+  if (nargs != 8 || !g_gated_plan_cb || !g_gated_fallback) return not_implemented();
+  if (!plain_tensor(args[0]) || !plain_tensor(args[1]) || !plain_tensor(args[2]) ||
+      (args[3] != Py_None && !plain_tensor(args[3])) || !PyTuple_Check(args[5]) || !PyTuple_Check(args[6]))
+    return not_implemented();
+  const at::Tensor& g = THPVariable_Unpack(args[0]);
+  const at::Tensor& u = THPVariable_Unpack(args[1]);
+  const at::Tensor& weight = THPVariable_Unpack(args[2]);
+  at::Tensor bias = args[3] == Py_None ? at::Tensor() : THPVariable_Unpack(args[3]);
+  int64_t code = PyLong_AsLongLong(args[4]);
+  int64_t casts = PyLong_AsLongLong(args[7]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_ssize_t nl = PyTuple_GET_SIZE(args[5]), k = PyTuple_GET_SIZE(args[6]);
+  if (nl != 3 * k || k > 60 || g.numel() == 0 || g.dim() == 0) return not_implemented();
+  std::vector<at::Tensor> lora;  // the defined ones (B's bias may be None)
+  int64_t bb_mask = 0;
+  for (Py_ssize_t j = 0; j < nl; ++j) {
+    PyObject* o = PyTuple_GET_ITEM(args[5], j);
+    if (o == Py_None && j % 3 == 2) continue;
+    if (!plain_tensor(o)) return not_implemented();
+    if (j % 3 == 2) bb_mask |= int64_t(1) << (j / 3);
+    lora.push_back(THPVariable_Unpack(o));
+  }
+  std::vector<double> scales(static_cast<size_t>(k));
+  for (Py_ssize_t j = 0; j < k; ++j) scales[size_t(j)] = PyFloat_AsDouble(PyTuple_GET_ITEM(args[6], j));
+  if (PyErr_Occurred()) return nullptr;
+  g_hooks_clear.store(read_hooks_clear(), std::memory_order_relaxed);
+  bool grad = at::GradMode::is_enabled() && (g.requires_grad() || u.requires_grad() || weight.requires_grad() ||
+                                             (bias.defined() && bias.requires_grad()));
+  for (const auto& t : lora) grad = grad || (at::GradMode::is_enabled() && t.defined() && t.requires_grad());
+  std::optional<at::Tensor> bias_opt = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+  if (grad)
+    return THPVariable_Wrap(
+        GatedMLPFn::apply(g, u, weight, bias_opt, at::TensorList(lora), code, scales, casts, bb_mask));
+  at::AutoGradMode no_grad(false);
+  return THPVariable_Wrap(GatedMLPFn::forward(nullptr, g, u, weight, bias_opt, at::TensorList(lora), code, scales,
+                                              casts, bb_mask));
+  GUARD_END
+}
+
+PyObject* py_set_gated_callbacks(PyObject*, PyObject* args) {
+  PyObject *plan_cb, *fallback, *param;
+  if (!PyArg_ParseTuple(args, "OOO", &plan_cb, &fallback, &param)) return nullptr;
+  Py_INCREF(plan_cb); Py_INCREF(fallback); Py_INCREF(param);
+  Py_XDECREF(g_gated_plan_cb); Py_XDECREF(g_gated_fallback); Py_XDECREF(g_parameter_type);
+  g_gated_plan_cb = plan_cb, g_gated_fallback = fallback, g_parameter_type = param;
+  Py_RETURN_NONE;
+}
+
 PyObject* py_register_act_plan(PyObject*, PyObject* args) {
   ActPlan p;
   PyObject* fb;
@@ -698,6 +1057,7 @@ PyObject* py_clear(PyObject*, PyObject*) {
   std::lock_guard<std::mutex> g(g_mu);
   g_cache.clear();
   g_norm_plans.clear();
+  g_gated_plans.clear();
   Py_RETURN_NONE;
 }
 
@@ -725,6 +1085,10 @@ PyMethodDef methods[] = {
     {"register_act_plan", py_register_act_plan, METH_VARARGS, "register an approx_act plan, returns its id"},
     {"set_launcher", py_set_launcher, METH_VARARGS, "(miss callback, triton.knobs.runtime, HookChain)"},
     {"set_norm_callbacks", py_set_norm_callbacks, METH_VARARGS, "(row length -> slots, create_graph backward)"},
+    {"gated_mlp", (PyCFunction)(void (*)(void))py_gated_mlp, METH_FASTCALL,
+     "gated_mlp(g, u, weight, bias, act code, lora, scales, cast mask) -> out"},
+    {"set_gated_callbacks", py_set_gated_callbacks, METH_VARARGS, "((code, n) -> slots, create_graph backward, "
+     "nn.Parameter)"},
     {"clear", py_clear, METH_NOARGS, "drop every cached launch entry and norm plan"},
     {"stats", py_stats, METH_NOARGS, "launch counters"},
     {"set_self_check", py_set_self_check, METH_O, "compare each new CUDA entry's first launch with Triton's"},
