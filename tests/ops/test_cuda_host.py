@@ -266,14 +266,18 @@ def test_gpu_cpp_gated_mlp_is_bitwise_the_python_path(dtype, amp, adapters, stri
         g, u, w, b, lora, leaves = _gated_case(dtype, True, True, adapters, strided)
         to = lambda t: t.detach().cuda().requires_grad_(t.requires_grad)  # noqa: E731
         g, u, w, b = (to(t) if t is not None else None for t in (g, u, w, b))
+        if strided:  # the two halves of one fused gate_up output, on the GPU
+            f = g.shape[-1]
+            gu = torch.cat([g, u], -1).detach().requires_grad_()
+            g, u = gu[..., :f], gu[..., f:]
         lora = [G.LoraAdapter(to(a.a_weight), to(a.b_weight), to(a.b_bias) if a.b_bias is not None else None,
                               a.scale, a.cast_input) for a in lora]
         ctx = cuda_host.disabled() if not cxx else contextlib.nullcontext()
         amp_ctx = torch.autocast("cuda", dtype=amp) if amp else contextlib.nullcontext()
         with ctx, amp_ctx:
             out = G.gated_mlp(g, u, w, b, "silu", lora)
-        leaves = [t for t in [g, u, w, b] + [x for a in lora for x in (a.a_weight, a.b_weight, a.b_bias)]
-                  if t is not None and t.requires_grad]
+        leaves = [t for t in ([gu] if strided else [g, u]) + [w, b]
+                  + [x for a in lora for x in (a.a_weight, a.b_weight, a.b_bias)] if t is not None and t.requires_grad]
         dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype).cuda()
         outs.append((out, torch.autograd.grad(out, leaves, dy)))
     (o0, g0), (o1, g1) = outs
