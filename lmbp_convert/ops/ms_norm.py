@@ -16,7 +16,8 @@ computed in fp32 from the saved output; note that for a low-precision output ŷ 
 the approximation the method accepts.
 
 Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
-everywhere else; both share one signature so tests compare them directly. Eager launches go through
+everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
+path builds (`cuda_host`), else their launches go through
 `LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
 ``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
 Rows up to ``MAX_FUSED_BLOCK`` (16384) elements are held in registers by one program; longer rows use a

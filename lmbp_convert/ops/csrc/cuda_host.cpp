@@ -1,5 +1,5 @@
-// Host side of the ops' CUDA path in C++: the autograd Functions of approx_act and the MS norms, their
-// allocations, and the launch of the Triton-compiled kernels through the driver's cuLaunchKernelEx.
+// Host side of the ops' CUDA path in C++: the autograd Functions of approx_act, the MS norms and the gated
+// MLP, their allocations, and the launch of the Triton-compiled kernels through the driver's cuLaunchKernelEx.
 //
 // Why: on a GPU a converted training step of a mid-sized model is bound by host time. A Python
 // autograd.Function with two direct C launches already costs ~13 µs per op call over the native op; here one
