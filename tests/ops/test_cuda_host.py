@@ -148,6 +148,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
                   "no grad": rnd(3, 40, dtype=dtype, grad=False)}
         for label, x in shapes.items():
             g = torch.randn(x.shape, dtype=dtype)
+            if label == "strided rows":  # a strided upstream gradient too: stride_g (64) differs from stride_y (40)
+                g = torch.randn(5, 64, dtype=dtype)[:, :40]
             cases += check(f"norm rms={rms} {dtype} {label}", norm, x, g)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 in, bf16 out (what the next Linear computes in)
             x = rnd(3, 40, dtype=dtype)
@@ -158,9 +160,9 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         halves = lambda t, act=act, w=w: G.gated_mlp(t[..., :f], t[..., f:], w, None, act)  # strided g, u
         cases += check(f"gated {act} {dtype} strided halves", halves, rnd(6, 2 * f, dtype=dtype),
                        torch.randn(6, 10, dtype=dtype))
-        u = torch.randn(5, 33, dtype=dtype)
+        u = torch.randn(5, 40, dtype=dtype)[:, :33]  # row stride 40, g's 33: every stride argument differs
         w2 = torch.randn(7, 33, dtype=dtype).requires_grad_(trainable)
-        plain = lambda t, act=act, u=u, w2=w2: G.gated_mlp(t, u, w2, None, act)  # contiguous, odd width
+        plain = lambda t, act=act, u=u, w2=w2: G.gated_mlp(t, u, w2, None, act)  # contiguous g, odd width
         cases += check(f"gated {act} {dtype} contiguous", plain, rnd(5, 33, dtype=dtype), torch.randn(5, 7, dtype=dtype))
 print("launches compared:", cases)
 print("ok")
