@@ -17,7 +17,8 @@ through benchmarks/triton_stub.py (Triton's real launcher on a stub libcuda; CPU
 
 Timing: ``time.thread_time`` (this thread's CPU time, so other processes on a shared machine do not count),
 one thread, A/B rounds interleaved in one process, medians; results are ratios and differences. Measures the
-installed lmbp_convert, whatever its launch path. Usage::
+installed lmbp_convert, whatever its launch path (the C++ host path of ops/cuda_host.py where it builds;
+``LMBP_CUDA_HOST=0`` for the Python one); the report says which ran. Usage::
 
     python -m benchmarks.host                # both parts, about a minute
     python -m benchmarks.host --quick        # smoke run
@@ -331,7 +332,8 @@ def host_tables(data: dict) -> str:
         return f"Not measured: {data['skipped']}."
     parts = [f"Host time of the CUDA path with kernel launches stubbed ({data.get('stub_mode')}, sm_"
              f"{data.get('arch')}; `python -m benchmarks.host`): {data.get('machine')}, 1 thread, "
-             f"`time.thread_time`, median of {data.get('rounds')} interleaved rounds. Native GELU and RMSNorm "
+             f"`time.thread_time`, median of {data.get('rounds')} interleaved rounds; launch path: "
+             f"{_path_line(data)}. Native GELU and RMSNorm "
              "read high on a CPU (ATen's CPU GELU kernel has a fixed cost of tens of µs; F.rms_norm is composite "
              "there, fused on CUDA): F.silu and F.layer_norm are the cleaner references."]
     if data.get("ops"):
@@ -363,6 +365,15 @@ def host_tables(data: dict) -> str:
             [(r.get("phase") or f"forward of {r['module']}", f"{r['original_us']:.0f}", f"{r['converted_us']:.0f}",
               f"{r['converted_us'] - r['original_us']:+.0f}") for r in bd["phases"] + bd["forward_by_module"]]))
     return "\n\n".join(parts)
+
+
+def _path_line(data: dict) -> str:
+    """Which host path the ops took: the C++ one (with how many launches it made itself) or Python's."""
+    path = str(data.get("launch_path", "unknown"))
+    if path.startswith("C++"):
+        return f"C++ host path ({data.get('cpp_launches', 0)} launches made from C++; `LMBP_CUDA_HOST=0` for " \
+               "the Python one)"
+    return path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -402,6 +413,10 @@ def run(args, log=print) -> dict:
     data.update({"stub_mode": st.mode, "arch": st.arch, "stub_note": st.note})
     if st.note:
         log(f"note: {st.note}")
+    from lmbp_convert.ops import cuda_host
+
+    data["launch_path"] = cuda_host.status()  # builds the C++ host path now (outside any timing) where it is on
+    log(f"launch path: {data['launch_path']}")
     t0 = time.perf_counter()
     if "ops" in args.part_list:
         log(f"# per op, fwd + bwd, µs per call ({args.dtype}, {st.mode})")
@@ -420,6 +435,8 @@ def run(args, log=print) -> dict:
     if "breakdown" in args.part_list:
         log("# ViT-B/16 LoRA r4 step proxy: where the extra time goes (µs per step)")
         data["vit_breakdown"] = bench_vit_breakdown(args.rounds, log)
+    ext = cuda_host.ext()
+    data["cpp_launches"] = ext.stats()["direct"] if ext is not None else 0  # launches the C++ path made itself
     return C.finish(data, t0, args.json)
 
 

@@ -85,7 +85,48 @@ int cuPointerGetAttributes(unsigned n, int *a, void **data, u64 p) {
   for (unsigned i = 0; i < n; i++) if (data[i]) memset(data[i], 0, sizeof(int));
   return 0;
 }
-int cuLaunchKernelEx(const void *cfg, void *f, void **params, void **extra) { launches++; return 0; }
+/* The last launches, for tests comparing launch paths: config, attributes and parameter words. A kernel handle
+   tagged RECORD_TAG | (id << 8) | nparams (tests' fake kernels) says how many parameters to read. */
+typedef struct {
+  unsigned gx, gy, gz, bx, by, bz, shared;
+  void *stream;
+  void *attrs;
+  unsigned nattrs;
+} cfg_t;
+typedef struct { int id; char pad[4]; char value[64]; } attr_t;
+typedef struct {
+  unsigned grid[3], block[3], shared, nattrs;
+  u64 stream, function;
+  int attr_id[4], attr_value[4];
+  int nparams;
+  u64 params[32];
+} record_t;
+#define RECORD_TAG 0x7a3b000000ull
+static record_t records[64];
+long long lmbp_stub_records(record_t *out, long long i) {
+  if (out && i >= 0 && i < launches && i >= launches - 64) memcpy(out, &records[i % 64], sizeof(record_t));
+  return launches;
+}
+int cuLaunchKernelEx(const void *cfg_, void *f, void **params, void **extra) {
+  const cfg_t *cfg = (const cfg_t *)cfg_;
+  record_t *r = &records[launches % 64];
+  memset(r, 0, sizeof(*r));
+  r->grid[0] = cfg->gx; r->grid[1] = cfg->gy; r->grid[2] = cfg->gz;
+  r->block[0] = cfg->bx; r->block[1] = cfg->by; r->block[2] = cfg->bz;
+  r->shared = cfg->shared; r->stream = (u64)cfg->stream; r->function = (u64)f;
+  r->nattrs = cfg->nattrs;
+  for (unsigned i = 0; i < cfg->nattrs && i < 4; i++) {
+    const attr_t *a = (const attr_t *)cfg->attrs + i;
+    r->attr_id[i] = a->id;
+    memcpy(&r->attr_value[i], a->value, sizeof(int));
+  }
+  if (((u64)f & ~0xffffffull) == RECORD_TAG) {
+    r->nparams = (int)((u64)f & 0xff);
+    for (int i = 0; i < r->nparams && i < 32; i++) memcpy(&r->params[i], params[i], sizeof(u64));
+  }
+  launches++;
+  return 0;
+}
 int cuLaunchKernel(void *f, unsigned a, unsigned b, unsigned c, unsigned d, unsigned e, unsigned g, unsigned s,
                    void *st, void **params, void **extra) { launches++; return 0; }
 int cuOccupancyMaxActiveClusters(int *n, void *f, const void *cfg) { *n = 1; return 0; }
@@ -103,6 +144,7 @@ class StubState:
     arch: int
     patched: list = field(default_factory=list)
     launch_count: Callable[[], int] = lambda: 0
+    lib: object = None  # the stub libcuda (ctypes), in "native-launch" mode
     note: str = ""
     routing: object = None
 
@@ -219,6 +261,38 @@ def triton_path(on: bool = True):
         _STATE.routing.set(False)
 
 
+#: Marks a kernel handle whose launches the stub records with their parameters: RECORD_TAG | (id << 8) | nparams.
+RECORD_TAG = 0x7a3b000000
+
+
+class _Record(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("nattrs", ctypes.c_uint), ("stream", ctypes.c_uint64), ("function", ctypes.c_uint64),
+                ("attr_id", ctypes.c_int * 4), ("attr_value", ctypes.c_int * 4), ("nparams", ctypes.c_int),
+                ("params", ctypes.c_uint64 * 32)]
+
+
+def launch_records(since: int) -> list[dict]:
+    """The driver launches made since launch number ``since`` (at most the last 64), as the stub libcuda saw
+    them: grid, block, shared bytes, stream, function handle, launch attributes (id, first int of the value)
+    and, for tagged handles (`RECORD_TAG`), the raw 8-byte word at each parameter address. Native mode only."""
+    st = state()
+    if st.lib is None:
+        raise RuntimeError("launch records need the stub libcuda (native-launch mode)")
+    fn = st.lib.lmbp_stub_records
+    fn.restype = ctypes.c_longlong
+    total = fn(None, ctypes.c_longlong(0))
+    out = []
+    for i in range(max(since, total - 64), total):
+        r = _Record()
+        fn(ctypes.byref(r), ctypes.c_longlong(i))
+        out.append({"grid": tuple(r.grid), "block": tuple(r.block), "shared": r.shared, "stream": r.stream,
+                    "function": r.function,
+                    "attrs": [(r.attr_id[j], r.attr_value[j]) for j in range(min(r.nattrs, 4))],
+                    "params": [r.params[j] for j in range(min(r.nparams, 32))]})
+    return out
+
+
 def state() -> StubState:
     """What :func:`activate` installed (RuntimeError before it)."""
     if _STATE is None:
@@ -271,5 +345,5 @@ def activate(arch: int = 90, native: Optional[bool] = None) -> StubState:
         count = lambda: drv.utils.launches  # noqa: E731
     routing = _Routing()
     _STATE = StubState(mode=state_mode, arch=arch, patched=[m.__name__ for m, _ in routing.mods],
-                       launch_count=count, note=note, routing=routing)
+                       launch_count=count, note=note, routing=routing, lib=lib)
     return _STATE

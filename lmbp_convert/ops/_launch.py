@@ -286,5 +286,7 @@ def stub_triton_driver() -> Iterator[type]:
         for lk in list(_ALL_KERNELS):
             for k in [k for k, e in lk.cache.items() if isinstance(e.compiled, _StubCompiled)]:
                 del lk.cache[k]
+        from . import cuda_host
+        cuda_host.clear()  # its entries may name the stub's kernels
 
 

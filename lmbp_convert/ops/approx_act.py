@@ -24,12 +24,14 @@ code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway
 
 Dispatch: Triton kernels for CUDA tensors, the PyTorch path everywhere else (same codes, same layout, so
 either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
-tuples (no device tables). Eager calls launch through `LeanKernel` (cached compiled kernels); under
+tuples (no device tables). Eager calls run in C++ where the host path builds (`cuda_host`: forward, autograd node
+and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
 inductor emits the launches itself; the PyTorch path is traced normally.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -40,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native
+from . import cpu_native, cuda_host
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op
 from .activations import ACT_NAMES, ACTIVATIONS
@@ -619,6 +621,27 @@ class _TritonApproxAct(torch.autograd.Function):
         return _backward(grad, packed, kind, bits, True), None, None
 
 
+#: (kind, bits) -> the C++ host path's entry point bound to its plan (``f(x) -> y``), or False (Python path).
+_HOST = cuda_host.state_cache()
+
+
+def _host_entry(kind: str, bits: int):
+    """Register (kind, bits) with the C++ host path: the kernel slots of both directions, their launch constants
+    and the backward the PyTorch path takes when C++ must not (double backward, non-Triton grad dtypes)."""
+    ext = cuda_host.ext() if HAS_TRITON else None
+    fn = False
+    if ext is not None:
+        pf, pb = _plan(kind, bits, FWD_VARIANT, True), _plan(kind, bits, BWD_VARIANT, False)
+        plan = ext.register_act_plan(
+            cuda_host.slot(_FWD, pf.consts[False], pf.warps), cuda_host.slot(_FWD, pf.consts[True], pf.warps),
+            cuda_host.slot(_BWD, pb.consts[False], pb.warps), cuda_host.slot(_BWD, pb.consts[True], pb.warps),
+            pf.per_byte, pf.block, pb.block,
+            lambda grad, packed: _backward(grad, packed, kind, bits, True))
+        fn = functools.partial(ext.approx_act, plan)
+    _HOST[(kind, bits)] = fn
+    return fn
+
+
 def _backward(grad: torch.Tensor, packed: torch.Tensor, kind: str, bits: int, triton_path: bool) -> torch.Tensor:
     # The Triton result is not differentiable: double backward (create_graph) takes the PyTorch path.
     if triton_path and grad.dtype in _TRITON_DTYPE_SET and not (grad.requires_grad and torch.is_grad_enabled()):
@@ -642,6 +665,13 @@ def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optiona
     if backend is None and use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype, eager, training
         if torch.compiler.is_compiling():
             return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
+        host = _HOST.get((kind, bits))
+        if host is None:
+            host = _host_entry(kind, bits)
+        if host:  # forward, graph node and backward in C++
+            y = host(x)
+            if y is not NotImplemented:
+                return y
         if x.requires_grad and torch.is_grad_enabled():
             return _TritonApproxAct.apply(x, kind, bits)
         return _fwd_triton(x, kind, bits)[0]  # nothing to save: no codes kept, no autograd

@@ -26,7 +26,8 @@ Triton kernels on CUDA tensors (`use_triton`; fp32 math in registers, one roundi
 path (ATen's act and act-backward kernels in the inputs' dtype: bitwise the roundings of eager autograd, and
 no fp32 copies of T×f tensors, which on CPU would cost more than the maths) (`_fwd_torch` / `_bwd_torch`, the reference
 in tests) everywhere else. Activation codes and maths come from the shared table (`ops.activations`). Eager
-launches go through `LeanKernel`; under torch.compile the Triton path is the triton_ops
+calls of `gated_mlp` run in C++ where the host path builds (`cuda_host`: a step-for-step port of `GatedMLPFunction`),
+other launches go through `LeanKernel`; under torch.compile the Triton path is the triton_ops
 ``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` (inductor emits the launches) and the PyTorch path the opaque
 custom ops ``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. The matmuls are ordinary PyTorch calls.
 """
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kinds import GATED_ACT_KINDS
+from . import cuda_host
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 from .activations import ACTIVATIONS, act_code
@@ -572,4 +574,49 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
             raise TypeError(f"gated_mlp: LoRA scale must be a Python number, got {type(ad.scale).__name__}")
         meta.append((float(ad.scale), bool(ad.cast_input)))
         flat += [a_w, b_w, b_b]
+    if use_triton(g) and use_triton(u) and not torch.compiler.is_compiling() and g.get_device() == u.get_device():
+        host = _HOST.get(0)
+        if host is None:
+            host = _host_entry()
+        if host:  # forward, graph node and backward in C++ (the same ATen calls as GatedMLPFunction)
+            out = host(g, u, weight, bias, _act_code(act), tuple(flat), tuple(m[0] for m in meta),
+                       sum(1 << i for i, m in enumerate(meta) if m[1]))
+            if out is not NotImplemented:
+                return out
     return GatedMLPFunction.apply(g, u, weight, bias, act, tuple(meta), *flat)
+
+
+#: The C++ host path's ``gated_mlp`` under key 0, or False (Python path).
+_HOST = cuda_host.state_cache()
+_ACT_BY_CODE = {ACTIVATIONS[k].code: k for k in ACT_KINDS}
+
+
+def _host_entry():
+    ext = cuda_host.ext() if HAS_TRITON else None
+    fn = False
+    if ext is not None and hasattr(ext, "gated_mlp"):
+        ext.set_gated_callbacks(_host_plan, _host_backward_graph, torch.nn.Parameter)
+        fn = ext.gated_mlp
+    _HOST[0] = fn
+    return fn
+
+
+def _host_plan(code: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK, forward slot, backward slot, backward slot that also stores h) for rows of ``n``."""
+    block = _BLOCKS.get(n) or _block(n)
+    return (block, cuda_host.slot(_FWD, (code, block), 4), cuda_host.slot(_BWD, (code, False, block), 4),
+            cuda_host.slot(_BWD, (code, True, block), 4))
+
+
+class _SavedCtx:
+    __slots__ = ("saved_tensors", "needs_input_grad", "spec")
+
+
+def _host_backward_graph(dy, saved, needs, ac, h_dtype, code, scales, casts, weight_dtype, bias_dtype):
+    """The C++ node's backward under create_graph: `GatedMLPFunction`'s, whose result refuses a second one."""
+    ctx = _SavedCtx()
+    ctx.saved_tensors = saved
+    ctx.needs_input_grad = tuple(needs[:4]) + (False, False) + tuple(needs[4:])
+    meta = tuple((s, bool(casts >> i & 1)) for i, s in enumerate(scales))
+    ctx.spec = (ac, h_dtype, _ACT_BY_CODE[code], meta, True, weight_dtype, bias_dtype)
+    return _gated_mlp_backward_once(ctx, dy)

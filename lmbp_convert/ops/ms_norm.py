@@ -16,7 +16,8 @@ computed in fp32 from the saved output; note that for a low-precision output ŷ 
 the approximation the method accepts.
 
 Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
-everywhere else; both share one signature so tests compare them directly. Eager launches go through
+everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
+path builds (`cuda_host`), else their launches go through
 `LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
 ``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
 Rows up to ``MAX_FUSED_BLOCK`` (16384) elements are held in registers by one program; longer rows use a
@@ -28,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from . import cpu_native
+from . import cpu_native, cuda_host
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 
@@ -420,19 +421,59 @@ def _ms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float,
     return ms_norm_unchecked(x, n, float(eps), is_rms)
 
 
+#: The C++ host path's ``ms_norm(x, n, eps, is_rms)`` under key 0, or False (Python path).
+_HOST = cuda_host.state_cache()
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the codes C++ passes to `_host_backward_graph`
+
+
+def _host_entry():
+    ext = cuda_host.ext() if HAS_TRITON else None
+    fn = False
+    if ext is not None:
+        ext.set_norm_callbacks(_host_plan, _host_backward_graph)
+        fn = ext.ms_norm
+    _HOST[0] = fn
+    return fn
+
+
+def _host_plan(n: int) -> tuple[int, int, int, int]:
+    """Kernel slots for rows of ``n``: (fwd LayerNorm, fwd RMSNorm, bwd LayerNorm, bwd RMSNorm)."""
+    looped, block, warps = _PLANS.get(n) or _plan_for(n)
+    fwd, bwd = (_FWD_LOOP, _BWD_LOOP) if looped else (_FWD, _BWD)
+    return tuple(cuda_host.slot(k, (rms, block), warps) for k in (fwd, bwd) for rms in (False, True))
+
+
+class _SavedCtx:
+    __slots__ = ("saved_tensors", "spec")
+
+
+def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_code: int):
+    """The C++ node's backward under create_graph: the Python Function's, whose result refuses a second one."""
+    ctx = _SavedCtx()
+    ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, _X_DTYPES[x_code], True)
+    return _backward_once(ctx, g)[0]
+
+
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
     """The norm over rows of ``n`` trailing elements, for callers that validated the shape once (modules);
     only the dtype is checked here."""
-    out_dtype = autocast_dtype_for(x)
     if use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype
         if torch.compiler.is_compiling():
-            return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, out_dtype)[0]
+            return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, autocast_dtype_for(x))[0]
+        host = _HOST.get(0)
+        if host is None:
+            host = _host_entry()
+        if host:  # forward, graph node and backward in C++ (output dtype: autocast's, as below)
+            y = host(x, n, eps, is_rms)
+            if y is not NotImplemented:
+                return y
+        out_dtype = autocast_dtype_for(x)
         if x.requires_grad and torch.is_grad_enabled():
             return _TritonMSNorm.apply(x, n, eps, is_rms, out_dtype)
         return _fwd_triton(x, n, eps, is_rms, out_dtype)[0]  # nothing to save: no autograd
     if x.dtype not in _DTYPE_SET:
         check_dtype(x, "ms_norm")
-    return MSNormFunction.apply(x, n, eps, is_rms, out_dtype)
+    return MSNormFunction.apply(x, n, eps, is_rms, autocast_dtype_for(x))
 
 
 def ms_layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float = 1e-5) -> torch.Tensor:

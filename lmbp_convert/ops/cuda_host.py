@@ -1,0 +1,262 @@
+"""The ops' CUDA host path in C++ (``csrc/cuda_host.cpp``): loader, kernel slots and the launch-miss callback.
+
+Why: a Python ``autograd.Function`` around two direct launches already costs ~13 µs of host time per op call
+over the native op it replaces; the C++ path does the forward, the graph node and the backward with one
+Python -> C++ call, and launches the Triton-compiled kernels through ``cuLaunchKernelEx`` itself.
+
+Division of work: Python owns the kernels. A *slot* is one Triton kernel with its constexprs and num_warps
+(`slot`); the ops register the slots their calls may use. C++ computes what Triton specialises the runtime
+arguments on and keeps one launch entry per (slot, specialisation class, device). On a miss it calls
+`_miss`, which launches through `LeanKernel` (Triton compiles on first use, so that call is exactly today's)
+and describes the compiled kernel for C++, or returns None where the kernel needs Triton's own launcher
+(scratch buffers, clusters, another backend); such calls keep going through Python.
+
+Self-check: the first C++ launch of every new variant on a GPU writes into fresh outputs, compared bit for bit
+with what Triton's launcher wrote for the same call (one sync per variant); a mismatch warns once and turns the
+C++ launches off for the process (``LMBP_CUDA_HOST_CHECK=0`` skips the check).
+
+Build: at first use with the host's C++ compiler against torch's headers and libraries (no CUDA toolkit:
+the driver is reached with dlopen), cached on disk next to the native CPU kernels
+(``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``) per (source, compiler, flags, torch,
+Python), one build under a file lock for concurrent first uses. ``LMBP_CUDA_HOST=0`` turns it off; when the
+build or load fails, one warning says why and the Python path runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import sysconfig
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from . import cpu_native
+from ._common import triton_interpreting
+
+__all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
+           "under_interpreter"]
+
+ENV_SWITCH = "LMBP_CUDA_HOST"
+ENV_CHECK = "LMBP_CUDA_HOST_CHECK"
+_SOURCE = Path(__file__).with_name("csrc") / "cuda_host.cpp"
+_MODULE = "lmbp_cuda_host"
+_BUILD_TIMEOUT_S = 600
+
+_lock = threading.Lock()
+_ext: Any = None
+_state = "unloaded"  # "unloaded" | "ready" | "off" | "failed"
+_reason = ""
+_info: dict = {}
+_suspended = 0
+_interpreter_ok = 0  # > 0 inside `under_interpreter()`
+_STATE_CACHES: list = []
+
+
+# --------------------------------------------------------------------------------------------- build
+def _flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = str(Path(torch.__file__).parent / "lib")
+    inc = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    return ["-O2", "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *inc,
+            f"-L{torch_lib}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}",
+            "-ldl"]
+
+
+def _build_and_load() -> Any:
+    cxx = cpu_native._compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    if sys.platform != "linux":
+        raise RuntimeError("the C++ host path is built for Linux only")
+    source = _SOURCE.read_bytes()
+    flags = _flags()
+    h = hashlib.sha256()
+    for part in (source, cxx.encode(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()):
+        h.update(part)
+        h.update(b"\0")
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    target = cpu_native._build_root() / f"cuda_host-{h.hexdigest()[:16]}" / f"{_MODULE}{suffix}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    built = False
+    with cpu_native._file_lock(target.parent / "lock"):
+        if not target.exists():
+            _compile(cxx, flags, target)
+            built = True
+    spec = importlib.util.spec_from_file_location(_MODULE, target)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    _info.update(path=str(target), compiler=cxx, built=built, seconds=time.perf_counter() - t0)
+    return mod
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> None:
+    import subprocess
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cxx, str(_SOURCE), "-o", tmp, *flags], capture_output=True, text=True,
+                              timeout=_BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            errs = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines()
+            raise RuntimeError(f"{Path(cxx).name} failed: {(errs or ['no output'])[0][:300]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> Any:
+    global _ext, _state, _reason
+    with _lock:
+        if _state == "unloaded":
+            if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+                _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+            else:
+                try:
+                    mod = _build_and_load()
+                    from triton import knobs
+
+                    mod.set_launcher(_miss, knobs.runtime, getattr(knobs, "HookChain", None))
+                    mod.set_self_check(os.environ.get(ENV_CHECK, "1").strip().lower() not in ("0", "false", "off"))
+                    _ext, _state = mod, "ready"
+                except Exception as e:  # any failure: the Python launch path runs instead
+                    _state, _reason = "failed", str(e) or type(e).__name__
+                    warnings.warn(f"lmbp_convert: C++ host path unavailable ({_reason}); using the Python launch "
+                                  f"path (set {ENV_SWITCH}=0 to skip the build)", RuntimeWarning, stacklevel=4)
+            _reset()
+    return _ext
+
+
+def ext() -> Any:
+    """The loaded extension (building it on first call), or None: switched off, failed, inside `disabled`, or
+    under Triton's interpreter (which compiles nothing, so every launch would go back through Python) unless
+    `under_interpreter` asks for it."""
+    if _suspended or (not _interpreter_ok and triton_interpreting()):
+        return None
+    return _ext if _state == "ready" else _load()
+
+
+def available() -> bool:
+    return ext() is not None
+
+
+def status() -> str:
+    """One line: which launch path the ops' CUDA path takes, and why."""
+    if _suspended:
+        return "Python launch path (disabled())"
+    if not _interpreter_ok and triton_interpreting():
+        return "Python launch path (Triton interpreter)"
+    if ext() is not None:
+        return f"C++ host path ({_info.get('path', '')})"
+    return f"Python launch path ({_reason})"
+
+
+def build_info() -> dict:
+    _load()
+    return dict(_info)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """The Python launch path inside the block (tests and benchmarks compare the two)."""
+    global _suspended
+    _suspended += 1
+    _reset()
+    try:
+        yield
+    finally:
+        _suspended -= 1
+        _reset()
+
+
+@contextlib.contextmanager
+def under_interpreter() -> Iterator[None]:
+    """Use the C++ path under TRITON_INTERPRET=1 too: its autograd, allocations and saved tensors then run on
+    CPU tensors, every launch through Python's interpreted kernels (tests check its semantics this way)."""
+    global _interpreter_ok
+    _interpreter_ok += 1
+    _reset()
+    try:
+        yield
+    finally:
+        _interpreter_ok -= 1
+        _reset()
+
+
+def state_cache() -> dict:
+    """A dict the ops keep their bound C++ entry points in; emptied whenever the path switches (load,
+    `disabled`), so a hot path can look its entry up with one ``dict.get``."""
+    d: dict = {}
+    _STATE_CACHES.append(d)
+    return d
+
+
+def _reset() -> None:
+    for d in _STATE_CACHES:
+        d.clear()
+
+
+def clear() -> None:
+    """Drop every launch entry C++ holds (they name compiled kernels: when those go, e.g. a stub driver's)."""
+    if _ext is not None:
+        _ext.clear()
+    _reset()
+
+
+# ------------------------------------------------------------------------------------------- slots
+_SLOTS: list = []  # slot id -> (LeanKernel, constexprs, num_warps)
+_SLOT_IDS: dict = {}
+
+
+def slot(kernel: Any, consts: tuple, num_warps: int) -> int:
+    """The id C++ launches ``kernel`` with these constexprs and num_warps under."""
+    key = (id(kernel), consts, num_warps)
+    sid = _SLOT_IDS.get(key)
+    if sid is None:
+        _SLOTS.append((kernel, consts, num_warps))
+        sid = _SLOT_IDS[key] = len(_SLOTS) - 1
+    return sid
+
+
+def _miss(sid: int, gx: int, gy: int, gz: int, args: tuple, device: int) -> Optional[tuple]:
+    """Launch through `LeanKernel` (Triton's path the first time) and describe the compiled kernel for C++."""
+    from ._launch import spec_key
+
+    kernel, consts, warps = _SLOTS[sid]
+    key = ("cuda_host", spec_key(args, device, consts, warps))
+    kernel.launch(key, (gx, gy, gz), args, device, consts, warps)
+    return describe(kernel.cache.get(key), len(args))
+
+
+def describe(entry: Any, nargs: int) -> Optional[tuple]:
+    """(function, num_warps, num_ctas, shared, cooperative, pdl, kept, types) of a cached direct-launch entry:
+    ``kept`` one byte per runtime argument (0: Triton made it a constexpr), ``types`` Triton's extractor index
+    of every kernel parameter (its C launcher's ``kernel_signature``). None: not launchable from C++."""
+    if entry is None or entry.annotations is None or entry.metadata is None:
+        return None
+    src = getattr(entry.compiled, "src", None)
+    sig = getattr(src, "signature", None)
+    if not isinstance(sig, dict):
+        return None
+    kinds = list(sig.values())
+    if len(kinds) < nargs or any(k != "constexpr" for k in kinds[nargs:]) or any(
+            isinstance(k, tuple) for k in kinds):
+        return None
+    kept = bytes(int(k != "constexpr") for k in kinds[:nargs])
+    types = bytes(entry.signature)
+    warps, ctas, shared = entry.metadata
+    return (int(entry.function), int(warps), int(ctas), int(shared), bool(entry.coop), bool(entry.pdl), kept,
+            types)
