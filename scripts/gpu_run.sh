@@ -7,7 +7,9 @@
 #
 # Parts, each under its own `timeout`, none stopping the others when it fails or runs out of time:
 #   1. cuda_tests   pytest tests/ops/test_cuda.py with compiled kernels: every Triton kernel vs the PyTorch path,
-#      the public ops on CUDA (bytes, autocast sharing), CUDA graphs, torch.compile (cap 170 s)
+#      the public ops on CUDA (bytes, autocast sharing), CUDA graphs, torch.compile; test_cuda_host.py: the C++ host
+#      path bitwise against the Python launch (its first use builds the extension, ~20 s); the kept-affine norm's
+#      CUDA tests (no host sync under set_sync_debug_mode) (cap 170 s)
 #   2. kernels      python -m benchmarks.kernels: per-kernel GB/s next to torch's kernels, approx_act kernel
 #      variants (cap 50 s)
 #   3. bench_speed  python -m benchmarks.speed --gpu: ViT-B/16 LoRA r4 bs64 (eager, compile, reduce-overhead) and
@@ -93,7 +95,8 @@ for p in $PARTS; do
     case $p in
         cuda_tests)  # conftest.py turns Triton's interpreter on unless told otherwise
             part cuda_tests 170 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
-                tests/ops/test_cuda.py ;;
+                tests/ops/test_cuda.py tests/ops/test_cuda_host.py tests/nn/test_affine_norms.py \
+                tests/ops/test_ms_norm_affine.py ;;
         kernels)
             part kernels 50 "$PY" -m benchmarks.kernels --dtypes bf16 --sizes 16M,64M --runs 10 --budget-s 40 ;;
         bench_speed)
