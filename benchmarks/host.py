@@ -28,10 +28,12 @@ installed lmbp_convert, whatever its launch path (the C++ host path of ops/cuda_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -143,6 +145,23 @@ def bench_ops(dtype: torch.dtype, rounds: int, inner: int, log=print) -> list[di
 
 
 # -------------------------------------------------------------------------------------------- proxy
+@dataclass(frozen=True)
+class Proxy:
+    """One training-step proxy: a real model's modules at tiny width, original or converted, one LoRA step.
+
+    ``build(convert)`` returns the model in train mode (converted on the PyTorch path before LoRA, as a user
+    does); ``inputs()`` one batch; ``loss(model, batch)`` the step's loss; ``autocast``: forward under bf16
+    autocast (fp32 weights) rather than in the weights' dtype.
+    """
+    key: str
+    title: str
+    shape: str
+    build: Callable[[bool], nn.Module]
+    inputs: Callable[[], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+    autocast: bool
+
+
 def _vit_lora(convert_: bool) -> nn.Module:
     import peft
     import timm
@@ -156,45 +175,147 @@ def _vit_lora(convert_: bool) -> nn.Module:
     return peft.get_peft_model(m, cfg).train()
 
 
-def _train_step(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+def _vit_inputs() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(PROXY_BATCH, 3, PROXY_VIT["img_size"], PROXY_VIT["img_size"], generator=g),
+            torch.randint(0, PROXY_VIT["num_classes"], (PROXY_BATCH,), generator=g))
+
+
+def _vit_loss(m: nn.Module, batch: tuple) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(m(x).float(), y)
+
+
+#: LLaMA-7B's block structure (RMSNorm, SwiGLU MLP at 11008/4096 ≈ 2.7×, rotary attention) at width 64, 4 heads
+#: of 16, 8 blocks; bf16 weights as benchmarks.speed's LLaMA slice; PEFT LoRA r8 on every projection (q, k, v,
+#: o, gate, up, down): the common LLaMA LoRA/QLoRA recipe, and the one that sends down through the fused
+#: LoRA path of MSGatedMLP.
+PROXY_LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False,
+                   use_cache=False)
+#: BERT-base's post-LN encoder (12 layers, 12 heads, 4× MLP, GELU, pooler, classifier) at width 96; dropout 0
+#: as benchmarks.speed's BERT rows; PEFT LoRA r4 on query and value, classifier trained; bf16 autocast.
+PROXY_BERT = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=12, num_attention_heads=12,
+                  vocab_size=256, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, num_labels=4)
+PROXY_SEQ = 8
+
+
+def _hf_lora(model_type: str, auto: str, cfg_kw: dict, dtype: torch.dtype, lora: dict) -> Callable[[bool], nn.Module]:
+    def build(convert_: bool) -> nn.Module:
+        import peft
+        import transformers
+        from lmbp_convert import convert
+
+        C.quiet()
+        cfg = transformers.AutoConfig.for_model(model_type, **cfg_kw)
+        m = C.cheap_init(getattr(transformers, auto)(cfg)).to(dtype)
+        if convert_:
+            convert(m)
+        return peft.get_peft_model(m, peft.LoraConfig(lora_dropout=0.0, **lora)).train()
+
+    return build
+
+
+def _token_inputs(vocab: int, labels: int | None) -> Callable[[], tuple]:
+    def inputs() -> tuple:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, vocab, (PROXY_BATCH, PROXY_SEQ), generator=g)
+        return ids, (ids if labels is None else torch.randint(0, labels, (PROXY_BATCH,), generator=g))
+
+    return inputs
+
+
+def _hf_loss(m: nn.Module, batch: tuple) -> torch.Tensor:
+    ids, labels = batch
+    return m(input_ids=ids, labels=labels).loss
+
+
+PROXIES: dict[str, Proxy] = {p.key: p for p in (
+    Proxy("vit", "ViT-B/16 LoRA r4 step proxy",
+          f"timm vit_base_patch16_224 modules: {PROXY_VIT['depth']} blocks, width {PROXY_VIT['embed_dim']}, "
+          f"{PROXY_VIT['num_heads']} heads, {PROXY_VIT['img_size']} px, batch {PROXY_BATCH}; PEFT LoRA r4 on qkv, "
+          "head trained, AdamW, bf16 autocast", _vit_lora, _vit_inputs, _vit_loss, True),
+    Proxy("llama", "LLaMA decoder LoRA r8 step proxy",
+          f"transformers LlamaForCausalLM: {PROXY_LLAMA['num_hidden_layers']} blocks, width "
+          f"{PROXY_LLAMA['hidden_size']}, MLP {PROXY_LLAMA['intermediate_size']}, {PROXY_LLAMA['num_attention_heads']}"
+          f" heads, batch {PROXY_BATCH} × {PROXY_SEQ} tokens, bf16 weights; PEFT LoRA r8 on q, k, v, o, gate, up, "
+          "down; AdamW",
+          _hf_lora("llama", "LlamaForCausalLM", PROXY_LLAMA, torch.bfloat16,
+                   dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"])),
+          _token_inputs(PROXY_LLAMA["vocab_size"], None), _hf_loss, False),
+    Proxy("bert", "BERT-base (post-LN) LoRA r4 step proxy",
+          f"transformers BertForSequenceClassification: {PROXY_BERT['num_hidden_layers']} layers, width "
+          f"{PROXY_BERT['hidden_size']}, {PROXY_BERT['num_attention_heads']} heads, batch {PROXY_BATCH} × "
+          f"{PROXY_SEQ} tokens, dropout 0; PEFT LoRA r4 on query, value, classifier trained; AdamW, bf16 autocast",
+          _hf_lora("bert", "BertForSequenceClassification", PROXY_BERT, torch.float32,
+                   dict(r=4, lora_alpha=4, target_modules=["query", "value"], modules_to_save=["classifier"])),
+          _token_inputs(PROXY_BERT["vocab_size"], PROXY_BERT["num_labels"]), _hf_loss, True),
+)}
+
+
+def _pair(proxy: Proxy) -> tuple[dict[str, nn.Module], tuple]:
+    """Original and converted model with the same LoRA init (values do not matter: the kernels never run)."""
+    orig, conv = proxy.build(False), proxy.build(True)
+    conv.load_state_dict(copy.deepcopy(orig.state_dict()), strict=False)
+    return {"original": orig, "converted": conv}, proxy.inputs()
+
+
+def _autocast(proxy: Proxy):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if proxy.autocast else contextlib.nullcontext()
+
+
+def _train_step(proxy: Proxy, m: nn.Module, batch: tuple) -> Callable[[], None]:
     opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
 
     def step() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = m(x)
-        F.cross_entropy(logits.float(), y).backward()
+        with _autocast(proxy):
+            loss = proxy.loss(m, batch)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
 
 
-def bench_vit_proxy(rounds: int, inner: int, log=print) -> dict:
-    """ViT-B/16 LoRA r4 training step, host time: original vs converted on its stubbed Triton path."""
-    from lmbp_convert.nn import activations, norms
+def _lmbp_modules(m: nn.Module) -> int:
+    from lmbp_convert.kinds import ConvertedModule
 
-    orig = _vit_lora(False)
-    conv = _vit_lora(True)
-    conv.load_state_dict(copy.deepcopy(orig.state_dict()), strict=False)  # same LoRA init; values do not matter
-    x = torch.randn(PROXY_BATCH, 3, PROXY_VIT["img_size"], PROXY_VIT["img_size"])
-    y = torch.randint(0, PROXY_VIT["num_classes"], (PROXY_BATCH,))
-    steps = {"original": (_train_step(orig, x, y), False), "converted": (_train_step(conv, x, y), True)}
+    return sum(isinstance(mod, ConvertedModule) for mod in m.modules())
+
+
+def _lmbp_hooks(m: nn.Module) -> int:
+    from lmbp_convert.kinds import ConvertedHook
+
+    return sum(isinstance(h, ConvertedHook) or isinstance(getattr(h, "__self__", None), ConvertedHook)
+               for mod in m.modules() for d in (mod._forward_hooks, mod._forward_pre_hooks) for h in d.values())
+
+
+def bench_proxy(proxy: Proxy, rounds: int, inner: int, log=print) -> dict:
+    """A LoRA training step, host time: original vs converted on its stubbed Triton path."""
+    models, batch = _pair(proxy)
+    steps = {k: (_train_step(proxy, m, batch), k == "converted") for k, m in models.items()}
     for fn, triton in steps.values():
         with stub.triton_path(triton):
             fn()
     ts = rounds_us(steps, rounds, inner)
     mo, mc = C.median(ts["original"]) / 1e3, C.median(ts["converted"]) / 1e3
-    ours = sum(isinstance(mod, (activations.ApproxActivation, norms._MSNorm)) for mod in conv.modules())
-    out = {"shape": (f"timm vit_base_patch16_224 modules: {PROXY_VIT['depth']} blocks, width "
-                     f"{PROXY_VIT['embed_dim']}, {PROXY_VIT['num_heads']} heads, {PROXY_VIT['img_size']} px, batch "
-                     f"{PROXY_BATCH}; PEFT LoRA r4 on qkv, head trained, AdamW, bf16 autocast"),
-           "original_ms": mo, "converted_ms": mc, "ratio": mc / mo, "extra_ms": mc - mo,
-           "lmbp_modules": ours, "launches_per_step": launches_per_call(steps["converted"][0], 2),
+    conv = models["converted"]
+    ours, hooks = _lmbp_modules(conv), _lmbp_hooks(conv)
+    out = {"title": proxy.title, "shape": proxy.shape, "original_ms": mo, "converted_ms": mc, "ratio": mc / mo,
+           "extra_ms": mc - mo, "lmbp_modules": ours, "lmbp_hooks": hooks,
+           "launches_per_step": launches_per_call(steps["converted"][0], 2),
            "original_runs_ms": [round(v / 1e3, 3) for v in ts["original"]],
            "converted_runs_ms": [round(v / 1e3, 3) for v in ts["converted"]], "target": PROXY_TARGET}
-    log(f"  ViT-B/16 LoRA step proxy: original {mo:.2f} ms, converted {mc:.2f} ms  ×{mc / mo:.3f}  "
-        f"(+{mc - mo:.2f} ms; {ours} lmbp modules, {out['launches_per_step']:.0f} launches per step)")
+    log(f"  {proxy.title}: original {mo:.2f} ms, converted {mc:.2f} ms  ×{mc / mo:.3f}  (+{mc - mo:.2f} ms; "
+        f"{ours} lmbp modules, {hooks} hooks, {out['launches_per_step']:.0f} launches per step)")
     return out
+
+
+def bench_vit_proxy(rounds: int, inner: int, log=print) -> dict:
+    """ViT-B/16 LoRA r4 training step, host time: original vs converted on its stubbed Triton path."""
+    return bench_proxy(PROXIES["vit"], rounds, inner, log)
 
 
 # -------------------------------------------------------------------------------------- attribution
@@ -258,14 +379,10 @@ def _block_key(name: str) -> str:
     return ".".join(parts) or "(model)"
 
 
-def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
-    """Where the proxy's extra time goes: forward / backward / optimizer, and each module role's forward time
+def bench_breakdown(proxy: Proxy, rounds: int, log=print, top: int = 12) -> dict:
+    """Where a proxy's extra time goes: forward / backward / optimizer, and each module role's forward time
     in the step (hooks on both models alike), original vs converted, interleaved; µs per step."""
-    orig, conv = _vit_lora(False), _vit_lora(True)
-    conv.load_state_dict(copy.deepcopy(orig.state_dict()), strict=False)
-    x = torch.randn(PROXY_BATCH, 3, PROXY_VIT["img_size"], PROXY_VIT["img_size"])
-    y = torch.randint(0, PROXY_VIT["num_classes"], (PROXY_BATCH,))
-    models = {"original": orig, "converted": conv}
+    models, batch = _pair(proxy)
     opts = {k: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()}
     clock = time.thread_time
     phases: dict = {k: {"forward": [], "backward": [], "optimizer": []} for k in models}
@@ -273,10 +390,10 @@ def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
         for k, m in models.items():
             with stub.triton_path(k == "converted"):
                 t0 = clock()
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logits = m(x)
+                with _autocast(proxy):
+                    loss = proxy.loss(m, batch)
                 t1 = clock()
-                F.cross_entropy(logits.float(), y).backward()
+                loss.backward()
                 t2 = clock()
                 opts[k].step()
                 opts[k].zero_grad(set_to_none=True)
@@ -290,8 +407,16 @@ def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
     spent: dict = {k: {} for k in models}
     start: dict = {}
     handles = []
+    # modules inside a converted module are not hooked (in either model): a hook on a converted MLP's down
+    # projection would change the path it takes; the converted module is then the finest role reported
+    from lmbp_convert.kinds import ConvertedModule
+
+    inside = {n for n, mod in models["converted"].named_modules() if isinstance(mod, ConvertedModule)}
+    hooked = lambda name: not any(name.startswith(c + ".") for c in inside)  # noqa: E731
     for k, m in models.items():
         for name, mod in m.named_modules():
+            if not hooked(name):
+                continue
             key = _block_key(name)
 
             def pre(_m, _a, ident=(k, name)) -> None:
@@ -301,7 +426,7 @@ def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
                 spent[k][key] = spent[k].get(key, 0.0) + clock() - start[ident]
 
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-    steps = {k: _train_step(m, x, y) for k, m in models.items()}
+    steps = {k: _train_step(proxy, m, batch) for k, m in models.items()}
     for i in range(2 + rounds):
         if i == 2:
             spent = {k: {} for k in models}
@@ -312,8 +437,8 @@ def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
         h.remove()
     roles = [{"module": key, "original_us": spent["original"].get(key, 0.0) / rounds * 1e6,
               "converted_us": spent["converted"].get(key, 0.0) / rounds * 1e6} for key in spent["original"]]
-    leaves = {n for n, mod in orig.named_modules() if not any(True for _ in mod.children())}
-    leaf_keys = {_block_key(n) for n in leaves}
+    leaf_keys = {_block_key(n) for n, mod in models["converted"].named_modules()
+                 if hooked(n) and not any(hooked(f"{n}.{c}" if n else c) for c, _ in mod.named_children())}
     roles = sorted((r for r in roles if r["module"] in leaf_keys),
                    key=lambda r: -abs(r["converted_us"] - r["original_us"]))[:top]
     for r in phase_rows:
@@ -323,7 +448,11 @@ def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
     for r in roles:
         log(f"    {r['module']:<40} {r['original_us']:8.0f} → {r['converted_us']:8.0f} µs  "
             f"{r['converted_us'] - r['original_us']:+7.0f}")
-    return {"phases": phase_rows, "forward_by_module": roles}
+    return {"proxy": proxy.key, "phases": phase_rows, "forward_by_module": roles}
+
+
+def bench_vit_breakdown(rounds: int, log=print, top: int = 12) -> dict:
+    return bench_breakdown(PROXIES["vit"], rounds, log, top)
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -343,27 +472,31 @@ def host_tables(data: dict) -> str:
         parts.append(C.markdown_table(("op (fwd + bwd)", "native op", "dtype", "ours µs", "native µs",
                                        "extra µs", "ours / native", "launches",
                                        f"≤ native + {OP_BUDGET_US:.0f} µs"), rows))
-    p = data.get("vit_proxy")
-    if p and "ratio" in p:
-        parts.append(C.markdown_table(
-            ("ViT-B/16 LoRA r4 step proxy", "original ms", "converted ms", "converted / original", "extra ms",
-             "lmbp modules", "launches / step", f"≤ {PROXY_TARGET}×"),
-            [(p["shape"], f"{p['original_ms']:.2f}", f"{p['converted_ms']:.2f}", f"**{p['ratio']:.3f}×**",
-              f"{p['extra_ms']:+.2f}", p["lmbp_modules"], f"{p['launches_per_step']:.0f}",
-              "yes" if p["ratio"] <= PROXY_TARGET else "no")]))
-    elif p:
-        parts.append(f"ViT proxy: not measured ({p.get('error')}).")
+    for key, proxy in PROXIES.items():
+        p = data.get(f"{key}_proxy")
+        if p and "ratio" in p:
+            hooks = p.get("lmbp_hooks")
+            parts.append(C.markdown_table(
+                (p.get("title", proxy.title), "original ms", "converted ms", "converted / original", "extra ms",
+                 "lmbp modules" + (" (+ hooks)" if hooks else ""), "launches / step", f"≤ {PROXY_TARGET}×"),
+                [(p["shape"], f"{p['original_ms']:.2f}", f"{p['converted_ms']:.2f}", f"**{p['ratio']:.3f}×**",
+                  f"{p['extra_ms']:+.2f}", f"{p['lmbp_modules']}" + (f" (+ {hooks})" if hooks else ""),
+                  f"{p['launches_per_step']:.0f}", "yes" if p["ratio"] <= PROXY_TARGET else "no")]))
+        elif p:
+            parts.append(f"{proxy.title}: not measured ({p.get('error')}).")
     if data.get("context"):
         parts.append(C.markdown_table(
             ("in context (fwd + bwd, bf16 autocast)", "native", "ours µs", "native µs", "extra µs"),
             [(r["op"], r["native"], f"{r['ours_us']:.1f}", f"{r['native_us']:.1f}", f"**{r['extra_us']:+.1f}**")
              for r in data["context"]]))
-    bd = data.get("vit_breakdown")
-    if bd:
-        parts.append(C.markdown_table(
-            ("proxy step, µs", "original", "converted", "extra"),
-            [(r.get("phase") or f"forward of {r['module']}", f"{r['original_us']:.0f}", f"{r['converted_us']:.0f}",
-              f"{r['converted_us'] - r['original_us']:+.0f}") for r in bd["phases"] + bd["forward_by_module"]]))
+    for key, proxy in PROXIES.items():
+        bd = data.get(f"{key}_breakdown")
+        if bd:
+            parts.append(C.markdown_table(
+                (f"{key} proxy step, µs", "original", "converted", "extra"),
+                [(r.get("phase") or f"forward of {r['module']}", f"{r['original_us']:.0f}",
+                  f"{r['converted_us']:.0f}", f"{r['converted_us'] - r['original_us']:+.0f}")
+                 for r in bd["phases"] + bd["forward_by_module"]]))
     return "\n\n".join(parts)
 
 
@@ -380,9 +513,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="few rounds (smoke run)")
-    ap.add_argument("--parts", default="ops,vit",
-                    help="comma list of ops, vit, context (our op → Linear pairs), breakdown (where the proxy's "
-                         "extra time goes)")
+    ap.add_argument("--parts", default="ops," + ",".join(PROXIES),
+                    help="comma list of ops, the step proxies (" + ", ".join(PROXIES) + "), context (our op → "
+                         "Linear pairs), breakdown (where a proxy's extra time goes; --breakdown picks the proxies)")
+    ap.add_argument("--breakdown", default="vit", help=f"proxies the breakdown part splits: {', '.join(PROXIES)}")
     ap.add_argument("--dtype", default="bf16", choices=tuple(C.DTYPES))
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 25, quick 2)")
     ap.add_argument("--arch", type=int, default=90, help="compile target, e.g. 90 (H100/H200)")
@@ -391,8 +525,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.part_list = [s.strip() for s in a.parts.split(",") if s.strip()]
-    if not a.part_list or not set(a.part_list) <= {"ops", "vit", "context", "breakdown"}:
-        ap.error("--parts: ops, vit, context, breakdown")
+    known = {"ops", *PROXIES, "context", "breakdown"}
+    if not a.part_list or not set(a.part_list) <= known:
+        ap.error(f"--parts: {', '.join(sorted(known))}")
+    a.breakdown_list = [s.strip() for s in a.breakdown.split(",") if s.strip()]
+    if not set(a.breakdown_list) <= set(PROXIES):
+        ap.error(f"--breakdown: {', '.join(PROXIES)}")
     a.rounds = a.rounds or (2 if a.quick else 25)
     return a
 
@@ -422,19 +560,23 @@ def run(args, log=print) -> dict:
         log(f"# per op, fwd + bwd, µs per call ({args.dtype}, {st.mode})")
         data["ops"] = bench_ops(C.DTYPES[args.dtype], args.rounds, 10 if args.quick else 200, log)
         C.save_json(args.json, data)
-    if "vit" in args.part_list:
-        log("# ViT-B/16 LoRA r4 step, host-time proxy")
+    for key, proxy in PROXIES.items():
+        if key not in args.part_list:
+            continue
+        log(f"# {proxy.title}, host time")
         try:
-            data["vit_proxy"] = bench_vit_proxy(args.rounds, 1 if args.quick else 5, log)
-        except Exception as e:  # keep the op figures
-            data["vit_proxy"] = {"error": f"{type(e).__name__}: {e}"}
-            log(f"  ViT proxy FAILED: {data['vit_proxy']['error']}")
+            data[f"{key}_proxy"] = bench_proxy(proxy, args.rounds, 1 if args.quick else 5, log)
+        except Exception as e:  # keep the other figures
+            data[f"{key}_proxy"] = {"error": f"{type(e).__name__}: {e}"}
+            log(f"  {key} proxy FAILED: {data[f'{key}_proxy']['error']}")
+        C.save_json(args.json, data)
     if "context" in args.part_list:
         log("# our op → Linear vs native op → Linear, fwd + bwd, bf16 autocast, µs per call")
         data["context"] = bench_context(args.rounds, 10 if args.quick else 100, log)
     if "breakdown" in args.part_list:
-        log("# ViT-B/16 LoRA r4 step proxy: where the extra time goes (µs per step)")
-        data["vit_breakdown"] = bench_vit_breakdown(args.rounds, log)
+        for key in args.breakdown_list:
+            log(f"# {PROXIES[key].title}: where the extra time goes (µs per step)")
+            data[f"{key}_breakdown"] = bench_breakdown(PROXIES[key], args.rounds, log)
     ext = cuda_host.ext()
     data["cpp_launches"] = ext.stats()["direct"] if ext is not None else 0  # launches the C++ path made itself
     return C.finish(data, t0, args.json)
