@@ -19,7 +19,12 @@ from ..trace.tracer import wants_tuple
 
 
 def _affine_of(norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return norm_scale(norm.weight, norm.param), getattr(norm, "bias", None)
+    params = norm._parameters  # the kept γ, β are the norm's own Parameters (`_MSNorm.reapplying`)
+    weight = params.get("weight")
+    if weight is None:
+        weight = norm.weight
+    bias = params["bias"] if "bias" in params else getattr(norm, "bias", None)
+    return norm_scale(weight, norm.param), bias
 
 
 class ReapplyInput(ConvertedHook):
@@ -31,18 +36,18 @@ class ReapplyInput(ConvertedHook):
         self.keyword = keyword
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        gamma, beta = _affine_of(self.norm)
+        # runs on every call of the module (a GPU step's host time): the tensor is checked before the affine is read
         if self.keyword is not None:
-            if self.keyword in kwargs and isinstance(kwargs[self.keyword], torch.Tensor):
-                kwargs = dict(kwargs)
-                kwargs[self.keyword] = apply_affine(kwargs[self.keyword], gamma, beta)
-                return args, kwargs
+            x = kwargs.get(self.keyword)
+            if not isinstance(x, torch.Tensor):
+                return None
+            kwargs = dict(kwargs)
+            kwargs[self.keyword] = apply_affine(x, *_affine_of(self.norm))
+            return args, kwargs
+        i = self.position
+        if i is None or i >= len(args) or not isinstance(args[i], torch.Tensor):
             return None
-        if self.position is not None and self.position < len(args) and isinstance(args[self.position], torch.Tensor):
-            args = list(args)
-            args[self.position] = apply_affine(args[self.position], gamma, beta)
-            return tuple(args), kwargs
-        return None
+        return (*args[:i], apply_affine(args[i], *_affine_of(self.norm)), *args[i + 1:]), kwargs
 
 
 def _replace(obj: Any, path: list, fn) -> Any:

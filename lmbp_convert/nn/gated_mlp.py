@@ -119,20 +119,22 @@ def down_support(down: nn.Module) -> str:
     """How `MSGatedMLP` runs this down projection: ``"linear"``, ``"lora"`` (both fused) or ``"eager"`` (called
     unchanged, h recomputed for its backward), the latter also for the PEFT LoRA features the fused op does not
     reproduce: lora_dropout > 0, LoRA variants such as DoRA."""
+    return _down_plan(down)[0]
+
+
+def _down_plan(down: nn.Module) -> tuple[str, list[LoraAdapter]]:
+    """`down_support`'s answer with the adapters it read (the forward uses both: the adapters are read once)."""
     if _is_plain_linear(down):
-        return "linear"
+        return "linear", []
     if _is_peft_lora_linear(down):
         base = down.get_base_layer()
-        if not _is_plain_linear(base):
-            return "eager"
-        if getattr(down, "fan_in_fan_out", False):
-            return "eager"
+        if not _is_plain_linear(base) or getattr(down, "fan_in_fan_out", False):
+            return "eager", []
         try:
-            _lora_adapters(down)  # raises for what the fused op cannot reproduce
+            return "lora", _lora_adapters(down)  # raises for what the fused op cannot reproduce
         except NotImplementedError:
-            return "eager"
-        return "lora"
-    return "eager"
+            return "eager", []
+    return "eager", []
 
 
 class MSGatedMLP(ConvertedModule, nn.Module):
@@ -216,14 +218,15 @@ class MSGatedMLP(ConvertedModule, nn.Module):
             return gated_act_recomputed(g, u, self.act_kind, consumer)
         if self.down_mode == "recompute":
             return gated_act_recomputed(g, u, self.act_kind, down)
-        kind = down_support(down)
+        kind, adapters = _down_plan(down)
         if kind == "linear":
             return gated_mlp(g, u, down.weight, down.bias, self.act_kind)
         if kind == "lora":
             if down.disable_adapters and down.merged:
                 down.unmerge()  # as lora.Linear.forward does before running the base layer alone
+                # (adapters stays []: read while merged, and disabled adapters are none either way)
             base = down.get_base_layer()
-            return gated_mlp(g, u, base.weight, base.bias, self.act_kind, _lora_adapters(down))
+            return gated_mlp(g, u, base.weight, base.bias, self.act_kind, adapters)
         return gated_act_recomputed(g, u, self.act_kind, down)
 
     def extra_repr(self) -> str:
