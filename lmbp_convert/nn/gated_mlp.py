@@ -187,20 +187,25 @@ class MSGatedMLP(ConvertedModule, nn.Module):
         self.cast_to_down = bool(cast_to_down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # children are read from ``_modules`` directly: nn.Module.__getattr__ is a slow fallback, and this runs
+        # on every call of every MLP (a GPU step's host time)
+        mods = self._modules
         if self.gate_up_name is not None:
-            first, second = getattr(self, self.gate_up_name)(x).chunk(2, dim=-1)
+            first, second = mods[self.gate_up_name](x).chunk(2, dim=-1)
             g, u = (first, second) if self.gate_first else (second, first)
         else:
-            g = getattr(self, self.gate_name)(x)
-            u = getattr(self, self.up_name)(x)
+            g = mods[self.gate_name](x)
+            u = mods[self.up_name](x)
         out = self._down_of_product(g, u)
         for name in self.post_down:
-            out = getattr(self, name)(out)
+            out = mods[name](out)
         return out
 
     def _down_of_product(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        down = getattr(self, self.down_name)
-        pre = [getattr(self, name) for name in self.pre_down]
+        down = self._modules[self.down_name]
+        if not self.pre_down and not self.cast_to_down and self.down_mode == "fused":
+            return self._fused_down(g, u, down)  # the common layout: no chain, nothing else to decide
+        pre = [self._modules[name] for name in self.pre_down]
         while pre and _is_plain_dropout(pre[0]):
             # dropout(act(g)·u) = act(g)·dropout(u): the same mask (same draw) moves onto u, so the down
             # projection's input stays the recomputable product instead of a new tensor that must be kept
@@ -218,6 +223,10 @@ class MSGatedMLP(ConvertedModule, nn.Module):
             return gated_act_recomputed(g, u, self.act_kind, consumer)
         if self.down_mode == "recompute":
             return gated_act_recomputed(g, u, self.act_kind, down)
+        return self._fused_down(g, u, down)
+
+    def _fused_down(self, g: torch.Tensor, u: torch.Tensor, down: nn.Module) -> torch.Tensor:
+        """``down(act(g)·u)`` through the fused op where `down_support` allows, else recomputed."""
         kind, adapters = _down_plan(down)
         if kind == "linear":
             return gated_mlp(g, u, down.weight, down.bias, self.act_kind)
