@@ -269,8 +269,17 @@ def test_host_bench_runs_the_triton_path(tmp_path):
     # 12 blocks x (2 norms + GELU) + the final norm; each launches in forward, and in backward where needed
     assert v["lmbp_modules"] >= 36 and v["launches_per_step"] >= v["lmbp_modules"], v
     assert v["original_ms"] > 0 and v["converted_ms"] > 0
+    # the decoder: 8 blocks x (2 RMSNorms + the gated MLP) + the final norm, all on their Triton path
+    la = data["llama_proxy"]
+    assert "error" not in la, la
+    assert la["lmbp_modules"] == 25 and la["launches_per_step"] >= 2 * 24 and la["lmbp_hooks"] == 0, la
+    # post-LN BERT: its converted layers re-apply the affine on the residual branch with hooks
+    be = data["bert_proxy"]
+    assert "error" not in be, be
+    assert be["lmbp_modules"] >= 36 and be["lmbp_hooks"] >= 12 and be["launches_per_step"] >= be["lmbp_modules"], be
     md = H.host_tables(data)
     assert "ViT-B/16 LoRA r4 step proxy" in md and "F.layer_norm" in md
+    assert "LLaMA decoder LoRA r8 step proxy" in md and "BERT-base (post-LN) LoRA r4 step proxy" in md
     assert H.host_tables({"skipped": "RuntimeError: no Triton"}) == "Not measured: RuntimeError: no Triton."
 
 
@@ -343,15 +352,19 @@ def test_host_bench_attribution_parts(tmp_path):
 
     out = tmp_path / "host.json"
     p = subprocess.run([sys.executable, "-m", "benchmarks.host", "--quick", "--parts", "context,breakdown",
-                        "--json", str(out)], cwd=ROOT, env=_env_without_interpreter(), capture_output=True,
-                       text=True, timeout=600)
+                        "--breakdown", "vit,llama", "--json", str(out)], cwd=ROOT, env=_env_without_interpreter(),
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert [r["op"] for r in data["context"]] == ["MSLayerNorm → Linear", "ApproxActivation(gelu) → Linear"]
+    assert [r["op"] for r in data["context"]] == ["MSLayerNorm → Linear", "ApproxActivation(gelu) → Linear",
+                                                  "MSRMSNorm → Linear", "MSGatedMLP (SiLU)"]
     assert all(r["ours_us"] > 0 and r["native_us"] > 0 for r in data["context"])
     bd = data["vit_breakdown"]
     assert [r["phase"] for r in bd["phases"]] == ["forward", "backward", "optimizer"]
     roles = {r["module"] for r in bd["forward_by_module"]}
     assert "blocks.*.norm1" in roles and all(r["original_us"] > 0 for r in bd["forward_by_module"])
+    # the decoder's breakdown: a converted MLP is one role (nothing inside it hooked, so it keeps its fused path)
+    roles = {r["module"] for r in data["llama_breakdown"]["forward_by_module"]}
+    assert "model.layers.*.mlp" in roles and not any(r.startswith("model.layers.*.mlp.") for r in roles), roles
     md = H.host_tables(data)
     assert "MSLayerNorm → Linear" in md and "forward of blocks.*.norm1" in md
