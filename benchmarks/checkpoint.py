@@ -216,42 +216,45 @@ def main() -> int:
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         copies, synced, clis, rsss, plans, writes, bases, phases = [], [], [], [], [], [], [], []
-        torches = []
-        for _ in range(a.repeat):
+        torches, base_fixed, err_max = [], [], 0.0
+        for i in range(a.repeat):
             os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
             evict(src) if a.cold else warm(src)
             c, cs = time_copy(src, copy_dst)
             copies.append(c)
             synced.append(cs)
             shutil.rmtree(copy_dst)
-            os.sync()
-            evict(src) if a.cold else warm(src)
-            dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"])
-            if rc != 0:
-                print(f"lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
-                return 1
-            clis.append(dt)
-            rsss.append(rss)
-            m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
-            plans.append(float(m.group(1)))
-            writes.append(float(m.group(2)))
-            m = re.search(r"torch import ([\d.]+) s", out)  # (a CLI from before it reported it: counted below)
-            torches.append(float(m.group(1)) if m else 0.0)
-            m = re.search(r"^plan: (.*)$", out, re.M)
-            if m:
-                phases.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
-            if a.baseline is not None:
-                shutil.rmtree(cli_dst)
+            # this checkout and the baseline take turns going first: each run leaves 3 GB of freed blocks and
+            # writeback behind, which the next one may pay for
+            order = ["cli", "base"] if a.baseline is None or i % 2 == 0 else ["base", "cli"]
+            for who in order:
+                if who == "base" and a.baseline is None:
+                    continue
+                if cli_dst.exists():
+                    shutil.rmtree(cli_dst)
                 os.sync()
                 evict(src) if a.cold else warm(src)
-                dt, rc, _, _, err = run_cli([str(src), str(cli_dst), "--no-progress"], a.baseline)
+                dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"],
+                                                a.baseline if who == "base" else None)
                 if rc != 0:
-                    print(f"baseline lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
+                    print(f"{'baseline ' if who == 'base' else ''}lmbp-convert failed ({rc}): {err.strip()}",
+                          file=sys.stderr)
                     return 1
-                bases.append(dt)
-            if len(clis) < a.repeat:
-                shutil.rmtree(cli_dst)
-        err_max = spot_check(src, cli_dst)
+                m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
+                if who == "base":
+                    bases.append(dt)
+                    base_fixed.append(dt - float(m.group(2)))
+                    continue
+                clis.append(dt)
+                rsss.append(rss)
+                err_max = max(err_max, spot_check(src, cli_dst))
+                plans.append(float(m.group(1)))
+                writes.append(float(m.group(2)))
+                m = re.search(r"torch import ([\d.]+) s", out)
+                torches.append(float(m.group(1)) if m else 0.0)
+                m = re.search(r"^plan: (.*)$", out, re.M)
+                if m:
+                    phases.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
         shutil.rmtree(cli_dst)
         med = C.median
         copy_s, sync_s, cli_s, write_s, plan_s = med(copies), med(synced), med(clis), med(writes), med(plans)
@@ -269,6 +272,7 @@ def main() -> int:
                                              f"{', '.join(f'{c:.2f}' for c in synced)})"),
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
+            ("  fixed cost (all but the write)", f"{med([c - w for c, w in zip(clis, writes)]):.2f} s"),
             ("  Python start, path checks, exit", f"{med([c - t - p - w for c, t, p, w in zip(clis, torches, plans, writes)]):.2f} s"),
             ("  torch import", f"{med(torches):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in torches)})"),
             ("  plan (transformers import, meta model, trace)", f"{plan_s:.2f} s  (runs: "
@@ -282,7 +286,8 @@ def main() -> int:
             *([("baseline end to end", f"{med(bases):.2f} s  ({a.baseline}; runs: "
                                         f"{', '.join(f'{c:.2f}' for c in bases)}); this checkout / baseline: "
                                         f"{cli_s / med(bases):.2f}x the time; copy / baseline end to end "
-                                        f"{copy_s / med(bases):.2f}x")] if bases else []),
+                                        f"{copy_s / med(bases):.2f}x; baseline fixed cost (all but the write) "
+                                        f"{med(base_fixed):.2f} s")] if bases else []),
             ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
                                       f"{'+' if max(rsss) >= largest else '-'} "
                                       f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),
