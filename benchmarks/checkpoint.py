@@ -136,13 +136,15 @@ _LAUNCHER = """
 import os, subprocess, sys
 p = subprocess.Popen(sys.argv[1:])
 _, status, usage = os.wait4(p.pid, 0)
-print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024),
+      usage.ru_utime + usage.ru_stime)
 """
 
 
-def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, str, str]:
-    """(seconds, exit code, peak RSS in bytes, stdout, stderr) of ``python -m lmbp_convert ARGS`` in a child
-    process, from this checkout or ``repo``."""
+def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, float, str, str]:
+    """(seconds, exit code, peak RSS in bytes, CPU seconds of all its threads, stdout, stderr) of ``python -m
+    lmbp_convert ARGS`` in a child process, from this checkout or ``repo``. The CPU seconds hardly depend on what
+    else the machine runs: on a shared machine they compare two checkouts where wall time cannot."""
     repo = repo or Path(C.ROOT)
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
@@ -150,8 +152,8 @@ def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int,
                           capture_output=True, text=True, env=env, cwd=repo)  # (-m imports from the cwd first)
     dt = time.perf_counter() - t0
     out, _, last = proc.stdout.rstrip().rpartition("\n")
-    _, rc, rss = last.split()
-    return dt, int(rc), int(rss), out, proc.stderr
+    _, rc, rss, cpu = last.split()
+    return dt, int(rc), int(rss), float(cpu), out, proc.stderr
 
 
 def spot_check(src: Path, dst: Path) -> float:
@@ -216,7 +218,7 @@ def main() -> int:
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         copies, synced, clis, rsss, plans, writes, bases, phases = [], [], [], [], [], [], [], []
-        torches, base_fixed, err_max = [], [], 0.0
+        torches, base_fixed, err_max, cpus, base_cpus = [], [], 0.0, [], []
         for i in range(a.repeat):
             os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
             evict(src) if a.cold else warm(src)
@@ -234,7 +236,7 @@ def main() -> int:
                     shutil.rmtree(cli_dst)
                 os.sync()
                 evict(src) if a.cold else warm(src)
-                dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"],
+                dt, rc, rss, cpu, out, err = run_cli([str(src), str(cli_dst), "--no-progress"],
                                                 a.baseline if who == "base" else None)
                 if rc != 0:
                     print(f"{'baseline ' if who == 'base' else ''}lmbp-convert failed ({rc}): {err.strip()}",
@@ -243,10 +245,12 @@ def main() -> int:
                 m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
                 if who == "base":
                     bases.append(dt)
+                    base_cpus.append(cpu)
                     base_fixed.append(dt - float(m.group(2)))
                     continue
                 clis.append(dt)
                 rsss.append(rss)
+                cpus.append(cpu)
                 err_max = max(err_max, spot_check(src, cli_dst))
                 plans.append(float(m.group(1)))
                 writes.append(float(m.group(2)))
@@ -273,6 +277,11 @@ def main() -> int:
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
             ("  fixed cost (all but the write)", f"{med([c - w for c, w in zip(clis, writes)]):.2f} s"),
+            ("  CPU time (user + sys, all threads)", f"{med(cpus):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in cpus)})"
+                                                     + (f"; baseline {med(base_cpus):.2f} s (runs: "
+                                                        f"{', '.join(f'{c:.2f}' for c in base_cpus)}), this checkout / "
+                                                        f"baseline {med(cpus) / med(base_cpus):.2f}x"
+                                                        if base_cpus else "")),
             ("  Python start, path checks, exit", f"{med([c - t - p - w for c, t, p, w in zip(clis, torches, plans, writes)]):.2f} s"),
             ("  torch import", f"{med(torches):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in torches)})"),
             ("  plan (transformers import, meta model, trace)", f"{plan_s:.2f} s  (runs: "
