@@ -136,13 +136,15 @@ _LAUNCHER = """
 import os, subprocess, sys
 p = subprocess.Popen(sys.argv[1:])
 _, status, usage = os.wait4(p.pid, 0)
-print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+print("LAUNCHER", os.waitstatus_to_exitcode(status), usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024),
+      usage.ru_utime + usage.ru_stime)
 """
 
 
-def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, str, str]:
-    """(seconds, exit code, peak RSS in bytes, stdout, stderr) of ``python -m lmbp_convert ARGS`` in a child
-    process, from this checkout or ``repo``."""
+def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int, float, str, str]:
+    """(seconds, exit code, peak RSS in bytes, CPU seconds of all its threads, stdout, stderr) of ``python -m
+    lmbp_convert ARGS`` in a child process, from this checkout or ``repo``. The CPU seconds hardly depend on what
+    else the machine runs: on a shared machine they compare two checkouts where wall time cannot."""
     repo = repo or Path(C.ROOT)
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
@@ -150,8 +152,8 @@ def run_cli(args: list[str], repo: Path | None = None) -> tuple[float, int, int,
                           capture_output=True, text=True, env=env, cwd=repo)  # (-m imports from the cwd first)
     dt = time.perf_counter() - t0
     out, _, last = proc.stdout.rstrip().rpartition("\n")
-    _, rc, rss = last.split()
-    return dt, int(rc), int(rss), out, proc.stderr
+    _, rc, rss, cpu = last.split()
+    return dt, int(rc), int(rss), float(cpu), out, proc.stderr
 
 
 def spot_check(src: Path, dst: Path) -> float:
@@ -216,40 +218,49 @@ def main() -> int:
         total = file_bytes(src)
         largest = max(p.stat().st_size for p in src.glob("*.safetensors"))
         copies, synced, clis, rsss, plans, writes, bases, phases = [], [], [], [], [], [], [], []
-        for _ in range(a.repeat):
+        torches, base_fixed, err_max, cpus, base_cpus = [], [], 0.0, [], []
+        for i in range(a.repeat):
             os.sync()  # both contenders start with no dirty pages to flush and SRC in the page cache (or evicted)
             evict(src) if a.cold else warm(src)
             c, cs = time_copy(src, copy_dst)
             copies.append(c)
             synced.append(cs)
             shutil.rmtree(copy_dst)
-            os.sync()
-            evict(src) if a.cold else warm(src)
-            dt, rc, rss, out, err = run_cli([str(src), str(cli_dst), "--no-progress"])
-            if rc != 0:
-                print(f"lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
-                return 1
-            clis.append(dt)
-            rsss.append(rss)
-            m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
-            plans.append(float(m.group(1)))
-            writes.append(float(m.group(2)))
-            m = re.search(r"^plan: (.*)$", out, re.M)
-            if m:
-                phases.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
-            if a.baseline is not None:
-                shutil.rmtree(cli_dst)
+            # this checkout and the baseline take turns going first: each run leaves 3 GB of freed blocks and
+            # writeback behind, which the next one may pay for
+            order = ["cli", "base"] if a.baseline is None or i % 2 == 0 else ["base", "cli"]
+            for who in order:
+                if who == "base" and a.baseline is None:
+                    continue
+                if cli_dst.exists():  # the first contender's
+                    shutil.rmtree(cli_dst)
                 os.sync()
                 evict(src) if a.cold else warm(src)
-                dt, rc, _, _, err = run_cli([str(src), str(cli_dst), "--no-progress"], a.baseline)
+                dt, rc, rss, cpu, out, err = run_cli([str(src), str(cli_dst), "--no-progress"],
+                                                a.baseline if who == "base" else None)
                 if rc != 0:
-                    print(f"baseline lmbp-convert failed ({rc}): {err.strip()}", file=sys.stderr)
+                    print(f"{'baseline ' if who == 'base' else ''}lmbp-convert failed ({rc}): {err.strip()}",
+                          file=sys.stderr)
                     return 1
-                bases.append(dt)
-            if len(clis) < a.repeat:
-                shutil.rmtree(cli_dst)
-        err_max = spot_check(src, cli_dst)
-        shutil.rmtree(cli_dst)
+                m = re.search(r"plan ([\d.]+) s, write ([\d.]+) s", out)
+                if who == "base":
+                    bases.append(dt)
+                    base_cpus.append(cpu)
+                    base_fixed.append(dt - float(m.group(2)))
+                    continue
+                clis.append(dt)
+                rsss.append(rss)
+                cpus.append(cpu)
+                err_max = max(err_max, spot_check(src, cli_dst))
+                plans.append(float(m.group(1)))
+                writes.append(float(m.group(2)))
+                m = re.search(r"torch import ([\d.]+) s", out)
+                torches.append(float(m.group(1)) if m else 0.0)
+                m = re.search(r"^plan: (.*)$", out, re.M)
+                if m:
+                    phases.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", m.group(1))})
+            # every round starts as the first did: a 3 GB DST left over slowed the next copy 10x on a 2-core VM
+            shutil.rmtree(cli_dst)
         med = C.median
         copy_s, sync_s, cli_s, write_s, plan_s = med(copies), med(synced), med(clis), med(writes), med(plans)
         phase_s = {k: med([p[k] for p in phases if k in p]) for k in (phases[0] if phases else {})}
@@ -266,17 +277,27 @@ def main() -> int:
                                              f"{', '.join(f'{c:.2f}' for c in synced)})"),
             ("lmbp-convert end to end", f"{cli_s:.2f} s  {total / cli_s / gib:.2f} GiB/s  (runs: "
                                         f"{', '.join(f'{c:.2f}' for c in clis)})"),
-            ("  start-up (Python, torch, path checks)", f"{med([c - p - w for c, p, w in zip(clis, plans, writes)]):.2f} s"),
+            ("  fixed cost (all but the write)", f"{med([c - w for c, w in zip(clis, writes)]):.2f} s"),
+            ("  CPU time (user + sys, all threads)", f"{med(cpus):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in cpus)})"
+                                                     + (f"; baseline {med(base_cpus):.2f} s (runs: "
+                                                        f"{', '.join(f'{c:.2f}' for c in base_cpus)}), this checkout / "
+                                                        f"baseline {med(cpus) / med(base_cpus):.2f}x"
+                                                        if base_cpus else "")),
+            ("  Python start, path checks, exit", f"{med([c - t - p - w for c, t, p, w in zip(clis, torches, plans, writes)]):.2f} s"),
+            ("  torch import", f"{med(torches):.2f} s  (runs: {', '.join(f'{c:.2f}' for c in torches)})"),
             ("  plan (transformers import, meta model, trace)", f"{plan_s:.2f} s  (runs: "
                                                                f"{', '.join(f'{c:.2f}' for c in plans)})"),
             *([("    of which", ", ".join(f"{k} {v:.2f} s" for k, v in phase_s.items()))] if phase_s else []),
             ("  streaming write (+ fsync)", f"{write_s:.2f} s  {total / write_s / gib:.2f} GiB/s  (runs: "
                                   f"{', '.join(f'{c:.2f}' for c in writes)})"),
             ("throughput vs copy", f"{copy_s / write_s:.2f}x streaming, {copy_s / cli_s:.2f}x end to end "
-                                   f"(aim >= 0.5x); {sync_s / cli_s:.2f}x end to end vs the durable copy"),
+                                   f"(aim >= 0.5x; per round: {', '.join(f'{c / t:.2f}' for c, t in zip(copies, clis))}); "
+                                   f"{sync_s / cli_s:.2f}x end to end vs the durable copy"),
             *([("baseline end to end", f"{med(bases):.2f} s  ({a.baseline}; runs: "
                                         f"{', '.join(f'{c:.2f}' for c in bases)}); this checkout / baseline: "
-                                        f"{cli_s / med(bases):.2f}x the time")] if bases else []),
+                                        f"{cli_s / med(bases):.2f}x the time; copy / baseline end to end "
+                                        f"{copy_s / med(bases):.2f}x; baseline fixed cost (all but the write) "
+                                        f"{med(base_fixed):.2f} s")] if bases else []),
             ("lmbp-convert peak RSS", f"{max(rsss) / 2**20:.0f} MiB = largest shard "
                                       f"{'+' if max(rsss) >= largest else '-'} "
                                       f"{abs(max(rsss) - largest) / 2**20:.0f} MiB (aim <= largest shard + 512 MiB)"),

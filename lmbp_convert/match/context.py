@@ -51,6 +51,8 @@ class MatchContext:
     claimed: set[str] = field(default_factory=set, init=False)
     #: module → whether it passed the projection behaviour check (`projection.is_projection_node`), run once each
     projection_checked: dict[str, bool] = field(default_factory=dict, init=False)
+    #: module calls whose module carries a user's hook (`norm._hooked_calls`), found once per graph
+    hooked_calls: list | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

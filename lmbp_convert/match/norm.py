@@ -530,19 +530,34 @@ def _watched_by_user_hooks(ctx: MatchContext, norm: str, affine_less: set[int],
     is re-applied at that very input (that re-apply runs first), or a forward/backward hook on a module that
     returns it. Verification cannot see an observing hook, so such a fold is refused."""
     reapplied = {(s.module, s.position, s.keyword) for s in sites if s.kind is ReapplyKind.MODULE_INPUT}
-    calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind is NodeKind.MODULE]
-    calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
-              for sc in ctx.g.scopes if sc.module]
-    for mname, slots, outputs in calls:
-        mod = ctx.modules.get(mname)
-        if mod is None or mname == norm:
+    for mname, slots, outputs, pre, post in _hooked_calls(ctx):
+        if mname == norm:
             continue
-        pre = [h for h in mod._forward_pre_hooks.values() if _foreign(h)]
         if pre and any((mname, pos, kw) not in reapplied for t in affine_less for pos, kw in slots.get(t, [])):
             return f"{mname} has forward pre-hooks registered"
-        post = [k for k, hooks in (("forward hooks", mod._forward_hooks), ("backward hooks", mod._backward_hooks),
-                                   ("backward pre-hooks", mod._backward_pre_hooks))
-                if any(_foreign(h) for h in hooks.values())]
         if post and affine_less.intersection(outputs):
             return f"{mname} returns the norm's output and has {' and '.join(post)} registered"
     return None
+
+
+def _hooked_calls(ctx: MatchContext) -> list[tuple[str, dict, list[int], bool, list[str]]]:
+    """(module, its input slots, its outputs, has foreign pre-hooks, kinds of foreign forward/backward hooks) of
+    every module call whose module has a user's hook, found once per graph: each norm checks only these (most
+    models have none), not every call of the model again."""
+    if ctx.hooked_calls is None:
+        calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind is NodeKind.MODULE]
+        calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
+                  for sc in ctx.g.scopes if sc.module]
+        found = []
+        for mname, slots, outputs in calls:
+            mod = ctx.modules.get(mname)
+            if mod is None:
+                continue
+            pre = any(_foreign(h) for h in mod._forward_pre_hooks.values())
+            post = [k for k, hooks in (("forward hooks", mod._forward_hooks), ("backward hooks", mod._backward_hooks),
+                                       ("backward pre-hooks", mod._backward_pre_hooks))
+                    if any(_foreign(h) for h in hooks.values())]
+            if pre or post:
+                found.append((mname, slots, outputs, pre, post))
+        ctx.hooked_calls = found
+    return ctx.hooked_calls
