@@ -162,6 +162,8 @@ def _named(ctx: "MatchContext", name: str) -> torch.Tensor | None:
 _CASTS = {"to", "contiguous", "clone", "float", "half", "bfloat16", "type", "detach"}
 _TRANSPOSES = {"transpose", "swapaxes", "swapdims"}
 _HANDS_ON = _CASTS | _TRANSPOSES | {"t", "__getitem__", "index_select"}
+#: the ops `weight_operand` knows: a weight applied to a data operand
+WEIGHT_OPERAND_OPS = frozenset({"linear", "grouped_mm", "_grouped_mm", "mm", "bmm", "matmul", "__matmul__"})
 
 
 def weight_operand(g: Graph, node: Node, tid: int, axis: int) -> tuple[int, int] | None:
@@ -450,9 +452,7 @@ def _pieces(ctx: "MatchContext", node: Node, tid: int) -> list[tuple[str, int]] 
 
 
 # -- the table ---------------------------------------------------------------------------------------------------
-register_kind(Kind("whole parameter (MoE routers and experts)",
-                   frozenset({"linear", "grouped_mm", "_grouped_mm", "mm", "bmm", "matmul", "__matmul__"}),
-                   _whole_parameter, rows=False))
+register_kind(Kind("whole parameter (MoE routers and experts)", WEIGHT_OPERAND_OPS, _whole_parameter, rows=False))
 register_kind(Kind("F.linear rows and bias pieces", frozenset({"linear"}), _linear_rows, rows=True))
 register_kind(Kind("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
 register_kind(Kind("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,

@@ -19,13 +19,12 @@ from ..catalogue import class_key
 from ..trace.graph import Node, NodeKind
 from .commute import Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
-from .functional import weight_operand
+from .functional import WEIGHT_OPERAND_OPS, weight_operand
 from .plan import PlanItem, Skip, register_item
 from .readers import At, end_readers
 from .roles import RoleKind
 
 _MULS = ("mul", "__mul__", "__rmul__")
-_WEIGHT_OPS = ("linear", "grouped_mm", "_grouped_mm", "mm", "bmm", "matmul", "__matmul__")
 
 
 @register_item
@@ -60,7 +59,7 @@ def _feeds_weight_op(ctx: MatchContext, tid: int) -> bool:
     g, d = ctx.g, ctx.g.tensors[tid].shape[-1]
 
     def through(c: Node, at: At) -> list[At] | None:
-        if c.kind is NodeKind.MODULE or op_short(c) in _WEIGHT_OPS:
+        if c.kind is NodeKind.MODULE or op_short(c) in WEIGHT_OPERAND_OPS:
             return None
         res = step(c, g.tensors, at[0], at[1], d)
         if not isinstance(res, Pass) or op_short(c) == "dropout":
@@ -81,7 +80,7 @@ def _applies_weight(ctx: MatchContext, c: Node, t: int, axis: int) -> bool:
     if c.kind is NodeKind.MODULE:
         role = ctx.roles.get(c.target)
         return role is not None and role.kind is RoleKind.LINEAR and axis == len(ctx.g.tensors[t].shape) - 1
-    return op_short(c) in _WEIGHT_OPS and weight_operand(ctx.g, c, t, axis) is not None
+    return weight_operand(ctx.g, c, t, axis) is not None
 
 
 def _gated_product(ctx: MatchContext, act: Node) -> bool:
