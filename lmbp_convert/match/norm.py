@@ -124,9 +124,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: 
     match/functional.py) taken as targets; the caller (match/consumers.py) reads them there, even on a refusal.
     Without it they are readers like any other op."""
     node = _single_call(ctx, name, mod)
-    rows = walk is not None
     walk = walk_readers(ctx, node.outputs[0], nr, mod.bias if nr.has_bias else None, walk)
-    taken = len(walk.params) if rows else 0
     unseen = unseen_siblings(ctx, name, walk, nr.has_bias)  # consumers only other data would reach
     if isinstance(unseen, str):
         raise Refused(unseen)
@@ -140,7 +138,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: 
     if walk.inplace:
         raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
     demoted = _reapply_small_readers(ctx, node.outputs[0], walk) if walk.others else []
-    if not walk.targets and not demoted and not taken:
+    if not walk.targets and not demoted and not walk.params:  # parameter rows count as targets
         why = no_target_reason(ctx, walk)
         if walk.opaque:  # the real cause first: consumers the fold cannot go into
             why = "; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})"
