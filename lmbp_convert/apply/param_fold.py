@@ -8,7 +8,7 @@ import torch
 
 from ..fold import (add_shift, conv_shift, fold_conv_input, fold_weight_rows, rows_shift, unfold_conv_input,
                     unfold_weight_rows)
-from ..match.consumers import ParamTarget
+from ..match.plan import ParamTarget
 
 
 def param_folds(targets: list[ParamTarget], get: Callable[[str], torch.Tensor], gamma: torch.Tensor,

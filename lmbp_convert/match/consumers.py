@@ -18,10 +18,10 @@ from typing import Iterator
 from ..catalogue import class_key
 from .context import MatchContext
 from .norm import Refused, Walk, _adopt_prefolded, plan_norm
-from .plan import BiasPart, NormFold, ParamTarget, Skip, register_item
+from .plan import NormFold, ParamTarget, Skip, register_item
 from .roles import RoleKind
 
-__all__ = ["BiasPart", "ConsumerFold", "ParamTarget", "match_consumer_folds"]
+__all__ = ["ConsumerFold", "match_consumer_folds"]
 
 
 @register_item
