@@ -53,7 +53,8 @@ def is_metadata(node: Node) -> bool:
     return node.kind == "op" and (op_short(node) in METADATA_OPS or node.target.endswith(".__get__"))
 
 
-def _arg(node: Node, pos: int, name: str, default=None):
+def node_arg(node: Node, pos: int, name: str, default=None):
+    """Argument ``pos`` of a traced call, or its keyword ``name`` (as the trace summarises it)."""
     args = node.info.get("args", ())
     if len(args) > pos:
         return args[pos]
@@ -110,7 +111,7 @@ class OpCall:
         return len(self.shape)
 
     def arg(self, pos: int, name: str, default=None):
-        return _arg(self.node, pos, name, default)
+        return node_arg(self.node, pos, name, default)
 
 
 Step = Union[Pass, Block, None]

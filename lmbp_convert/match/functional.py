@@ -33,7 +33,7 @@ from torch import nn
 
 from ..kinds import Layout
 from ..trace.graph import Graph, Node, NodeKind
-from .commute import is_metadata, op_short
+from .commute import is_metadata, node_arg, op_short
 from .plan import BiasPart, LinearTarget, ParamTarget
 from .readers import At, end_readers
 from .roles import Role, RoleKind
@@ -138,13 +138,6 @@ def _tid(a) -> int | None:
     return a[1] if isinstance(a, tuple) and len(a) == 2 and a[0] == "T" else None
 
 
-def _arg(node: Node, pos: int, name: str):
-    args = node.info.get("args", ())
-    if len(args) > pos:
-        return args[pos]
-    return node.info.get("kwargs", {}).get(name)
-
-
 def _bind(node: Node, names: tuple[str, ...]) -> dict:
     args = dict(zip(names, node.info.get("args", ())))
     args.update(node.info.get("kwargs", {}))
@@ -171,11 +164,11 @@ def weight_operand(g: Graph, node: Node, tid: int, axis: int) -> tuple[int, int]
     channels at ``axis`` is the data operand of the weight op ``node``; None otherwise."""
     op, ndim = op_short(node), len(g.tensors[tid].shape)
     last = axis == ndim - 1
-    first, second = _tid(_arg(node, 0, "input")), _tid(_arg(node, 1, "weight"))
+    first, second = _tid(node_arg(node, 0, "input")), _tid(node_arg(node, 1, "weight"))
     if op == "linear":
         return (second, -1) if first == tid and last and second is not None and second != tid else None
     if op in ("grouped_mm", "_grouped_mm"):
-        first, second = _tid(_arg(node, 0, "mat_a")), _tid(_arg(node, 1, "mat_b"))
+        first, second = _tid(node_arg(node, 0, "mat_a")), _tid(node_arg(node, 1, "mat_b"))
         return (second, -2) if first == tid and last and second is not None and second != tid else None
     if op in ("mm", "bmm", "matmul", "__matmul__"):
         if first == tid and last and second is not None and second != tid:
@@ -277,7 +270,7 @@ def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> str | None:
         def through(c: Node, at: At, known: set[int] = known) -> list[At] | None:
             if c.idx in known:
                 return []
-            if c.kind is NodeKind.OP and _tid(_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
+            if c.kind is NodeKind.OP and _tid(node_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
                 return [(o, None) for o in c.outputs]
             return None
 
