@@ -287,7 +287,7 @@ def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
     return roles
 
 
-def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role] | None = None) -> Role:
+def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role]) -> Role:
     if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
         return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
@@ -322,10 +322,10 @@ def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role] | None =
     return Role(RoleKind.OTHER)
 
 
-def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role] | None = None
-               ) -> Role:
+def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role]) -> Role:
+    """``checked``: the roles behaviour checks found, by `behaviour_key` (shared by the modules of one model)."""
     eps = cat.eps_of(mod)
-    key = behaviour_key(mod, entry, eps) if checked is not None else None
+    key = behaviour_key(mod, entry, eps)
     if key is not None and key in checked:
         return checked[key]
     found = identify_norm(mod, entry, eps)
