@@ -338,13 +338,13 @@ def _mha(r: Reading) -> list[ParamTarget] | Problem | None:
         return Problem(f"{where} uses a static key/value instead of projecting its input")
     if a.get("use_separate_proj_weight"):
         return Problem(f"{where} uses separate q/k/v projection weights (kdim or vdim ≠ embed_dim): not folded")
+    weight = _weight(r, a.get("in_proj_weight"), where, dims=2)  # one in_proj_weight for q, k and v
+    if isinstance(weight, Problem):
+        return weight
     e = a.get("embed_dim_to_check")
     found = []
     for i in slots:
         rows = [i * e, (i + 1) * e]
-        weight = _weight(r, a.get("in_proj_weight"), where, dims=2)
-        if isinstance(weight, Problem):
-            return weight
         parts = _bias_parts(r, a.get("in_proj_bias"), 3 * e, where, rows=rows)
         if isinstance(parts, Problem):
             return parts
