@@ -419,15 +419,22 @@ void launch(Launch& l, bool in_backward) {
   }
 }
 
-// Python's `x.view(-1, x.size(-1))` strides when that view exists (a strided row view read in place).
-bool row_view_strides(const at::Tensor& t, int64_t* rs, int64_t* cs, int64_t* cols) {
-  *cols = t.size(-1);
-  int64_t rows = *cols ? t.numel() / *cols : 0;
-  auto st = at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef({rows, *cols}));
-  if (!st) return false;
-  *rs = (*st)[0];
-  *cs = (*st)[1];
-  return true;
+// What an act kernel reads: t itself when contiguous, or in place through Python's `t.view(-1, t.size(-1))`
+// strides when that view exists (cols, rs, cs: the row view's arguments), else a contiguous copy.
+// `contiguous` picks the kernel slot.
+struct ActSource {
+  at::Tensor t;
+  bool contiguous;
+  int64_t cols = 1, rs = 0, cs = 1;
+};
+
+ActSource act_source(const at::Tensor& t) {
+  if (t.is_contiguous()) return {t, true};
+  int64_t cols = t.size(-1);
+  int64_t rows = cols ? t.numel() / cols : 0;
+  auto st = at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef({rows, cols}));
+  if (!st) return {t.contiguous(), true};
+  return {t, false, cols, (*st)[0], (*st)[1]};
 }
 
 // ------------------------------------------------------------------------------------------- approx_act
@@ -449,16 +456,9 @@ std::pair<at::Tensor, at::Tensor> act_fwd(const at::Tensor& x, const ActPlan& p,
   Launch l;
   l.device = device_index_of(x);
   l.gx = (nbytes + p.fwd_block - 1) / p.fwd_block;
-  int64_t rs = 0, cs = 1, cols = 1;
-  at::Tensor src = x;
-  bool contiguous = x.is_contiguous();
-  if (!contiguous && !row_view_strides(x, &rs, &cs, &cols)) {
-    src = x.contiguous();
-    contiguous = true;
-    rs = 0, cs = 1, cols = 1;
-  }
-  l.slot = p.fwd_slot[contiguous];
-  l.ptr(src); l.out(y); l.out(packed); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  ActSource src = act_source(x);
+  l.slot = p.fwd_slot[src.contiguous];
+  l.ptr(src.t); l.out(y); l.out(packed); l.i(n); l.i(nbytes); l.i(src.cols); l.i(src.rs); l.i(src.cs);
   launch(l, in_backward);
   return {y, packed};
 }
@@ -472,16 +472,9 @@ at::Tensor act_bwd(const at::Tensor& g, const at::Tensor& packed, const ActPlan&
   Launch l;
   l.device = device_index_of(g);
   l.gx = (nbytes + p.bwd_block - 1) / p.bwd_block;
-  int64_t rs = 0, cs = 1, cols = 1;
-  at::Tensor src = g;
-  bool contiguous = g.is_contiguous();
-  if (!contiguous && !row_view_strides(g, &rs, &cs, &cols)) {
-    src = g.contiguous();
-    contiguous = true;
-    rs = 0, cs = 1, cols = 1;
-  }
-  l.slot = p.bwd_slot[contiguous];
-  l.ptr(src); l.ptr(packed); l.out(dx); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  ActSource src = act_source(g);
+  l.slot = p.bwd_slot[src.contiguous];
+  l.ptr(src.t); l.ptr(packed); l.out(dx); l.i(n); l.i(nbytes); l.i(src.cols); l.i(src.rs); l.i(src.cs);
   launch(l, true);
   return dx;
 }
