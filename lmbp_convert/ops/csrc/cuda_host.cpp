@@ -527,7 +527,7 @@ struct NormPlan {
 };
 std::unordered_map<int64_t, NormPlan> g_norm_plans;  // row length -> slots
 PyObject* g_norm_plan_cb = nullptr;  // Python: n -> (fwd_ln, fwd_rms, bwd_ln, bwd_rms) slots
-PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype code) -> dx, once differentiable
+PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype) -> dx, once differentiable
 
 const NormPlan& norm_plan(int64_t n) {  // called with the GIL (forward)
   auto it = g_norm_plans.find(n);
@@ -582,9 +582,9 @@ struct MSNormFn : public torch::autograd::Function<MSNormFn> {
     at::Tensor dx;
     if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, whose result refuses a second one
       Gil gil;
-      int code = x_dtype == at::kFloat ? 0 : x_dtype == at::kBFloat16 ? 1 : 2;  // the Triton dtypes
-      PyObject* args = Py_BuildValue("(NNNOi)", THPVariable_Wrap(g), THPVariable_Wrap(y), THPVariable_Wrap(rstd),
-                                     is_rms ? Py_True : Py_False, code);
+      PyObject* args = Py_BuildValue("(NNNOO)", THPVariable_Wrap(g), THPVariable_Wrap(y), THPVariable_Wrap(rstd),
+                                     is_rms ? Py_True : Py_False,
+                                     reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype)));
       PyObject* r = args ? PyObject_CallObject(g_norm_fallback, args) : nullptr;
       Py_XDECREF(args);
       if (!r) throw std::runtime_error(take_python_error());
