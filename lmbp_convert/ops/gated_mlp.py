@@ -588,7 +588,7 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
 
 #: The C++ host path's ``gated_mlp`` under key 0, or False (Python path).
 _HOST = cuda_host.state_cache()
-_ACT_BY_CODE = {ACTIVATIONS[k].code: k for k in ACT_KINDS}
+_ACT_BY_CODE = {code: k for k, code in _CODES.items()}
 
 
 def _host_entry():

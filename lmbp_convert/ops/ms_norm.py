@@ -423,7 +423,6 @@ def _ms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int], eps: float,
 
 #: The C++ host path's ``ms_norm(x, n, eps, is_rms)`` under key 0, or False (Python path).
 _HOST = cuda_host.state_cache()
-_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the codes C++ passes to `_host_backward_graph`
 
 
 def _host_entry():
@@ -447,10 +446,10 @@ class _SavedCtx:
     __slots__ = ("saved_tensors", "spec")
 
 
-def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_code: int):
+def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype):
     """The C++ node's backward under create_graph: the Python Function's, whose result refuses a second one."""
     ctx = _SavedCtx()
-    ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, _X_DTYPES[x_code], True)
+    ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, x_dtype, True)
     return _backward_once(ctx, g)[0]
 
 

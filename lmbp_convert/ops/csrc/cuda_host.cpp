@@ -419,15 +419,22 @@ void launch(Launch& l, bool in_backward) {
   }
 }
 
-// Python's `x.view(-1, x.size(-1))` strides when that view exists (a strided row view read in place).
-bool row_view_strides(const at::Tensor& t, int64_t* rs, int64_t* cs, int64_t* cols) {
-  *cols = t.size(-1);
-  int64_t rows = *cols ? t.numel() / *cols : 0;
-  auto st = at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef({rows, *cols}));
-  if (!st) return false;
-  *rs = (*st)[0];
-  *cs = (*st)[1];
-  return true;
+// What an act kernel reads: t itself when contiguous, or in place through Python's `t.view(-1, t.size(-1))`
+// strides when that view exists (cols, rs, cs: the row view's arguments), else a contiguous copy.
+// `contiguous` picks the kernel slot.
+struct ActSource {
+  at::Tensor t;
+  bool contiguous;
+  int64_t cols = 1, rs = 0, cs = 1;
+};
+
+ActSource act_source(const at::Tensor& t) {
+  if (t.is_contiguous()) return {t, true};
+  int64_t cols = t.size(-1);
+  int64_t rows = cols ? t.numel() / cols : 0;
+  auto st = at::detail::computeStride(t.sizes(), t.strides(), at::IntArrayRef({rows, cols}));
+  if (!st) return {t.contiguous(), true};
+  return {t, false, cols, (*st)[0], (*st)[1]};
 }
 
 // ------------------------------------------------------------------------------------------- approx_act
@@ -449,16 +456,9 @@ std::pair<at::Tensor, at::Tensor> act_fwd(const at::Tensor& x, const ActPlan& p,
   Launch l;
   l.device = device_index_of(x);
   l.gx = (nbytes + p.fwd_block - 1) / p.fwd_block;
-  int64_t rs = 0, cs = 1, cols = 1;
-  at::Tensor src = x;
-  bool contiguous = x.is_contiguous();
-  if (!contiguous && !row_view_strides(x, &rs, &cs, &cols)) {
-    src = x.contiguous();
-    contiguous = true;
-    rs = 0, cs = 1, cols = 1;
-  }
-  l.slot = p.fwd_slot[contiguous];
-  l.ptr(src); l.out(y); l.out(packed); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  ActSource src = act_source(x);
+  l.slot = p.fwd_slot[src.contiguous];
+  l.ptr(src.t); l.out(y); l.out(packed); l.i(n); l.i(nbytes); l.i(src.cols); l.i(src.rs); l.i(src.cs);
   launch(l, in_backward);
   return {y, packed};
 }
@@ -472,16 +472,9 @@ at::Tensor act_bwd(const at::Tensor& g, const at::Tensor& packed, const ActPlan&
   Launch l;
   l.device = device_index_of(g);
   l.gx = (nbytes + p.bwd_block - 1) / p.bwd_block;
-  int64_t rs = 0, cs = 1, cols = 1;
-  at::Tensor src = g;
-  bool contiguous = g.is_contiguous();
-  if (!contiguous && !row_view_strides(g, &rs, &cs, &cols)) {
-    src = g.contiguous();
-    contiguous = true;
-    rs = 0, cs = 1, cols = 1;
-  }
-  l.slot = p.bwd_slot[contiguous];
-  l.ptr(src); l.ptr(packed); l.out(dx); l.i(n); l.i(nbytes); l.i(cols); l.i(rs); l.i(cs);
+  ActSource src = act_source(g);
+  l.slot = p.bwd_slot[src.contiguous];
+  l.ptr(src.t); l.ptr(packed); l.out(dx); l.i(n); l.i(nbytes); l.i(src.cols); l.i(src.rs); l.i(src.cs);
   launch(l, true);
   return dx;
 }
@@ -534,7 +527,7 @@ struct NormPlan {
 };
 std::unordered_map<int64_t, NormPlan> g_norm_plans;  // row length -> slots
 PyObject* g_norm_plan_cb = nullptr;  // Python: n -> (fwd_ln, fwd_rms, bwd_ln, bwd_rms) slots
-PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype code) -> dx, once differentiable
+PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype) -> dx, once differentiable
 
 const NormPlan& norm_plan(int64_t n) {  // called with the GIL (forward)
   auto it = g_norm_plans.find(n);
@@ -589,9 +582,9 @@ struct MSNormFn : public torch::autograd::Function<MSNormFn> {
     at::Tensor dx;
     if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, whose result refuses a second one
       Gil gil;
-      int code = x_dtype == at::kFloat ? 0 : x_dtype == at::kBFloat16 ? 1 : 2;  // the Triton dtypes
-      PyObject* args = Py_BuildValue("(NNNOi)", THPVariable_Wrap(g), THPVariable_Wrap(y), THPVariable_Wrap(rstd),
-                                     is_rms ? Py_True : Py_False, code);
+      PyObject* args = Py_BuildValue("(NNNOO)", THPVariable_Wrap(g), THPVariable_Wrap(y), THPVariable_Wrap(rstd),
+                                     is_rms ? Py_True : Py_False,
+                                     reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype)));
       PyObject* r = args ? PyObject_CallObject(g_norm_fallback, args) : nullptr;
       Py_XDECREF(args);
       if (!r) throw std::runtime_error(take_python_error());
