@@ -23,6 +23,11 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def env_off(name: str) -> bool:
+    """Whether the environment switch ``name`` is set to off (0, false, off or no; unset means on)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def triton_interpreting() -> bool:
     """True when Triton runs kernels with its CPU interpreter (set before kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -37,6 +37,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from ._common import env_off
 from .activations import ACTIVATIONS
 
 __all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd", "norm_bwd"]
@@ -206,7 +207,7 @@ def _load() -> Optional[ctypes.CDLL]:
     global _lib, _state, _reason
     with _lock:
         if _state == "unloaded":
-            if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+            if env_off(ENV_SWITCH):
                 _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             else:
                 try:

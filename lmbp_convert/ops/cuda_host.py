@@ -39,7 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import cpu_native
-from ._common import triton_interpreting
+from ._common import env_off, triton_interpreting
 
 __all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
            "under_interpreter"]
@@ -122,7 +122,7 @@ def _load() -> Any:
     global _ext, _state, _reason
     with _lock:
         if _state == "unloaded":
-            if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+            if env_off(ENV_SWITCH):
                 _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             else:
                 try:
@@ -130,7 +130,7 @@ def _load() -> Any:
                     from triton import knobs
 
                     mod.set_launcher(_miss, knobs.runtime, getattr(knobs, "HookChain", None))
-                    mod.set_self_check(os.environ.get(ENV_CHECK, "1").strip().lower() not in ("0", "false", "off"))
+                    mod.set_self_check(not env_off(ENV_CHECK))
                     _ext, _state = mod, "ready"
                 except Exception as e:  # any failure: the Python launch path runs instead
                     _state, _reason = "failed", str(e) or type(e).__name__

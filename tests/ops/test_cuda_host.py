@@ -491,3 +491,18 @@ def test_cpp_gated_mlp_double_backward_is_refused_and_no_grad_saves_nothing(cxx_
         y0 = G.gated_mlp(g, u, w, b, "silu", lora)
     assert ledger.count == 0 and y0.grad_fn is None
     torch.testing.assert_close(y0, out.detach())
+
+
+@pytest.mark.parametrize("value,off", [("0", True), ("no", True), (" OFF ", True), ("false", True), ("1", False),
+                                       ("yes", False), (None, False)])
+def test_every_ops_switch_reads_the_same_off_values(monkeypatch, value, off):
+    """LMBP_CUDA_HOST, LMBP_CUDA_HOST_CHECK and LMBP_CPU_NATIVE share one reading (``=no`` once left the
+    self-check on while it turned the other two off)."""
+    from lmbp_convert.ops._common import env_off
+
+    for name in (cuda_host.ENV_SWITCH, cuda_host.ENV_CHECK, "LMBP_CPU_NATIVE"):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert env_off(name) is off
