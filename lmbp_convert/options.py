@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
-_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine")
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs")
 
 
 @dataclass
@@ -34,6 +34,12 @@ class ConvertOptions:
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
         residual add that reads it sees the rounded value.
+    fold_norms: fold a norm's affine into the next Linears (the optimiser then trains W·diag(γ), not W and γ).
+        False: exact norms instead (`MSExactNorm`: γ, β, W, b stay the original parameters with the original
+        gradients and state dict; the consumers' copies of the norm's output are rebuilt from x̂ for backward,
+        the same bytes as the fold). Channel-first norms and norms with functional consumers are folded either way.
+    lora_inputs: let PEFT LoRA adapters rebuild their cast (and dropped) inputs from the layer's input instead of
+        keeping private fp32 copies (`lmbp_convert.match.lora_inputs`); their dropout keeps a 1-bit mask.
     """
 
     activations: bool = True
@@ -47,6 +53,8 @@ class ConvertOptions:
     rtol: float | None = None
     untie: bool = False
     keep_affine: bool = True
+    fold_norms: bool = True
+    lora_inputs: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -83,8 +91,8 @@ class ConvertOptions:
                 except re.error as exc:
                     raise ValueError(f"{attr} pattern {pat!r} is not a valid regular expression: {exc}") from exc
             setattr(self, f"_{attr}_rx", compiled)
-        if not (self.activations or self.norms or self.gated_mlp):
-            raise ValueError("all of activations, norms and gated_mlp are off: nothing to convert")
+        if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs):
+            raise ValueError("all of activations, norms, gated_mlp and lora_inputs are off: nothing to convert")
         if self.probe is not None:
             warnings.warn("ConvertOptions(probe=...) is deprecated: the probe is input data, not an option; "
                           "pass convert(model, probe=...) instead", DeprecationWarning, stacklevel=4)
@@ -131,7 +139,7 @@ class ConvertOptions:
             "activations": self.activations, "norms": self.norms, "gated_mlp": self.gated_mlp,
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
-            "keep_affine": self.keep_affine,
+            "keep_affine": self.keep_affine, "fold_norms": self.fold_norms, "lora_inputs": self.lora_inputs,
         }
 
 

@@ -23,6 +23,7 @@ from ..trace.device import keeps_model_device
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
+from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
                      float_tensors, run_probe)

@@ -18,9 +18,11 @@ from .activation import match_activations
 from .consumers import match_consumer_folds
 from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
+from .lora_inputs import match_lora_inputs
 from .moe import match_recompute_regions
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
+from .norm_exact import exact_items
 from .norm_kept import match_kept_affine_norms
 from .plan import Plan, PlanItem, Skip
 from .roles import Role
@@ -31,7 +33,7 @@ Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
 MATCHERS: list[Matcher] = [match_gated_mlps, match_recompute_regions, match_consumer_folds, match_norms,
-                           match_affine_free_norms, match_kept_affine_norms, match_activations]
+                           match_affine_free_norms, match_kept_affine_norms, match_activations, match_lora_inputs]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:
@@ -55,4 +57,6 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
                 plan.skips = [s for s in plan.skips if s.name != found.name]
                 plan.items.append(found)
                 ctx.claimed |= found.claims()
+    if not options.fold_norms:
+        plan.items = exact_items(plan.items)
     return plan

@@ -1,0 +1,136 @@
+"""The model-wide shared-saves region (`lmbp_convert.ops.shared_saves`) as hooks on the converted model, and the
+builders of the rewrites that rely on it (`NormExact`, `LoraInputShare`).
+
+The root module's forward pre-hook opens the region for the outermost call of this thread and its forward hook
+(``always_call``) closes it, so a call of the whole model shares every noted tensor with the consumers that save
+copies of it; a submodule called on its own runs without it (correct, eager autograd's bytes). Every unit that
+needs the region registers its own pre/post pair over the one `RegionHooks` object of the model (found among the
+root's hooks): the object counts nesting, so any number of pairs opens the region once, and rolling one unit back
+leaves the others working. Callable objects, so deepcopy and pickling carry them (a copy starts closed).
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kinds import ConvertedHook, NormKind, WeightParam
+from ..match.lora_inputs import LoraInputShare
+from ..match.norm_exact import NormExact
+from ..ops.shared_saves import SharedSaves, note_identity
+from .rewrite import Unit, UnitBuilder, builds
+
+__all__ = ["RegionHooks", "NoteInput", "add_region"]
+
+
+class RegionHooks(ConvertedHook):
+    """Forward pre-hook of the root: opens the region for the outermost call (per thread)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():
+            return None
+        loc = self._local
+        depth = getattr(loc, "depth", 0)
+        if depth == 0:
+            region = SharedSaves()
+            loc.region = region if region.enter() else None
+        loc.depth = depth + 1
+        return None
+
+    def close(self) -> None:
+        if torch.compiler.is_compiling():
+            return
+        loc = self._local
+        depth = getattr(loc, "depth", 0)
+        if depth <= 0:
+            return
+        loc.depth = depth - 1
+        if depth == 1 and getattr(loc, "region", None) is not None:
+            loc.region.exit()
+            loc.region = None
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self._local = threading.local()
+
+
+class _Close(ConvertedHook):
+    def __init__(self, hooks: RegionHooks) -> None:
+        self.hooks = hooks
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.hooks.close()
+        return None
+
+
+class NoteInput(ConvertedHook):
+    """Forward pre-hook of a LoRA layer: its input may stand in for the adapters' cast copies of it."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("x", kwargs.get("input"))
+        if isinstance(x, torch.Tensor):
+            note_identity(x)
+        return None
+
+
+class _Handles:
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _region_hooks(model: nn.Module) -> RegionHooks:
+    for h in model._forward_pre_hooks.values():
+        if isinstance(h, RegionHooks):
+            return h
+    return RegionHooks()
+
+
+def add_region(builder: UnitBuilder, unit: Unit) -> None:
+    """Make the unit open the model's region around every call of the root (see the module doc)."""
+    model = builder.model
+
+    def register() -> _Handles:
+        hooks = _region_hooks(model)
+        return _Handles([model.register_forward_pre_hook(hooks, with_kwargs=True, prepend=True),
+                         model.register_forward_hook(_Close(hooks), with_kwargs=True, always_call=True)])
+
+    builder.add_hook(unit, register)
+
+
+@builds(LoraInputShare)
+def _lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
+    from ..nn.dropout import BitDropout
+
+    unit = Unit(f"LoRA inputs {item.name}")
+    layer = builder.modules[item.name]
+    for adapter in item.dropouts:
+        old = getattr(layer, item.dropout_attr)[adapter]
+        builder.swap_module(unit, f"{item.name}.{item.dropout_attr}.{adapter}", BitDropout(old.p))
+    builder.add_hook(unit, lambda: layer.register_forward_pre_hook(NoteInput(), with_kwargs=True))
+    add_region(builder, unit)
+    return unit
+
+
+@builds(NormExact)
+def _exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
+    from ..nn.exact_norms import MSExactNorm
+
+    unit = Unit(f"norm {item.name} (exact)")
+    old = builder.modules[item.name]
+    out = getattr(torch, item.out_dtype.rsplit(".", 1)[-1]) if item.out_dtype else None
+    new = MSExactNorm(NormKind(item.kind), tuple(item.shape), item.eps, old.weight,
+                      old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out)
+    builder.swap_module(unit, item.name, new)
+    add_region(builder, unit)
+    return unit

@@ -1,0 +1,67 @@
+"""`MSExactNorm`: a memory-sharing LayerNorm / RMSNorm that keeps its original γ, β Parameters and computes exactly
+what the original computes, for exact training.
+
+Forward: x̂ by the memory-sharing op (backward from its output and rstd, `lmbp_convert.ops.ms_norm`), then
+``y = x̂·γ + β`` (`lmbp_convert.ops.norm_affine`), noted in the model-wide shared-saves region as rebuildable from
+x̂. A consumer that saves y (a Linear, a LoRA adapter's cast copy, an attention projection, a tied head) gets a
+recipe instead: the pair keeps x̂ and rstd, the bytes of a fold, while every parameter (γ, β, W, b) stays the
+original one with the original gradient, and the state dict is the original's. Where no region is open (a
+submodule called on its own, torch.compile), y is saved as eager autograd saves it: correct, more bytes.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..ops.ms_norm import ms_norm_unchecked
+from ..ops.norm_affine import affine_forward, norm_affine
+from ..ops.shared_saves import note
+
+__all__ = ["MSExactNorm"]
+
+
+class MSExactNorm(ConvertedModule, nn.Module):
+    """LayerNorm / RMSNorm over the trailing ``normalized_shape`` with γ = w or 1 + w and optional β."""
+
+    def __init__(self, kind: NormKind | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
+                 bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
+                 out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        shape = tuple(int(s) for s in normalized_shape)
+        if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
+            raise ValueError(f"MSExactNorm: weight/bias must have shape {shape}")
+        self.norm_kind = NormKind(kind)
+        self.normalized_shape = shape
+        self.eps = float(eps)
+        self.param = WeightParam(param)
+        self.affine = AffineState.KEPT
+        self.out_dtype = out_dtype  # the dtype the replaced norm cast its output to (None: the input's)
+        self._n = 1
+        for s in shape:
+            self._n *= s
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
+
+    @property
+    def kind(self) -> str:
+        return f"{self.norm_kind}_norm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = self.normalized_shape
+        if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
+            raise ValueError(f"MSExactNorm: normalized_shape {shape} does not match the trailing dims of the input "
+                             f"of shape {tuple(x.shape)}")
+        xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_kind is NormKind.RMS)
+        w, b = self.weight, self.bias
+        if len(shape) > 1:  # the affine op works on the last dim: view the trailing dims as one
+            xhat = xhat.reshape(*xhat.shape[:-len(shape)], self._n)
+            w, b = w.reshape(-1), None if b is None else b.reshape(-1)
+        one_plus, out = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype
+        y = norm_affine(xhat, w, b, one_plus, out)
+        note(y, affine_forward, xhat, w, b, one_plus, out)
+        return y if len(shape) == 1 else y.view(x.shape[:-len(shape)] + shape)
+
+    def extra_repr(self) -> str:
+        return (f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
+                "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""))

@@ -1,0 +1,224 @@
+"""One saved-tensor hooks region over a whole model call: a tensor that autograd saves but that can be rebuilt
+bitwise from tensors kept anyway is replaced by a recipe.
+
+Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
+
+* PEFT's LoRA casts an adapter's input to the adapter dtype (fp32 by default) and ``lora_A`` saves that copy; the
+  bf16 input is kept anyway (a memory-sharing norm's output) or is half the size. A saved tensor that is a chain
+  of dtype up-casts (and views) of a *noted* tensor becomes a recipe: the noted tensor plus the casts.
+* A producer that can rebuild its output from kept tensors notes how (`note`): the exact norm's ``y = γ·x̂ + β``
+  from x̂, which its own backward keeps (`lmbp_convert.nn.exact_norms`); a dropout's output from its input and a
+  packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
+  so ``lora_A(dropout(y.float()))`` keeps x̂ and a bit mask.
+
+Rebuilding runs the producer's own ops on the same tensors, so the value is bitwise the forward's. One rebuild
+serves every recipe made of the same noted tensor and casts (q, k, v and their adapters all read one ``y``): the
+first unpack computes it, the others reuse it while any of them is alive. Each recipe records its sources'
+version counters and raises, as autograd does, if one was modified in place before backward.
+
+The region is opened by hooks on the converted model (`lmbp_convert.apply.shared_hooks`) for the outermost call
+and closed when it returns. It chains to the enclosing hooks (a `SavedTensorLedger`, ``save_on_cpu``): a tensor
+it does not replace, and every source of a recipe, goes to them. Inside activation checkpointing, whose hooks
+are innermost, nothing is replaced (checkpointing discards those tensors anyway). Under torch.compile (Dynamo
+does not trace saved-tensor hooks) or where saved-tensor hooks are disabled, nothing opens: correct, with eager
+autograd's bytes.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from .gated_recompute import _Hooks as _GatedHooks
+from .gated_recompute import _top_hooks, cast_chain
+
+__all__ = ["SharedSaves", "active", "note", "note_identity"]
+
+_FRIENDLY = (_GatedHooks,)  # recompute hooks whose recipes stay valid after their call returns
+_STATE = threading.local()  # the open regions of this thread (saved-tensor hooks are thread-local too)
+
+
+def active() -> Optional["SharedSaves"]:
+    """The innermost open region of this thread, or None."""
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+def note(out: torch.Tensor, rebuild: Callable[..., torch.Tensor], *sources: Any) -> None:
+    """``out == rebuild(*sources)`` bitwise (tensors among ``sources`` are packed through the region when a recipe
+    needs them; other values are passed as they are). No-op outside a region or for an output without a graph."""
+    if torch.compiler.is_compiling():
+        return
+    region = active()
+    if region is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        inner = region.inner_hooks()
+        if inner is not False:
+            region.notes.setdefault(out.grad_fn, _Note(rebuild, sources, identity=False, hooks=inner))
+
+
+def note_identity(t: torch.Tensor) -> None:
+    """``t`` itself may stand in for its up-cast copies (a LoRA layer's input: the adapters save ``t.float()``)."""
+    if torch.compiler.is_compiling():
+        return
+    region = active()
+    if region is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point():
+        region.notes.setdefault(t.grad_fn, _Note(None, (t,), identity=True))
+
+
+class _Note:
+    __slots__ = ("rebuild", "sources", "identity", "hooks")
+
+    def __init__(self, rebuild: Optional[Callable], sources: tuple, identity: bool, hooks=None) -> None:
+        self.rebuild, self.sources, self.identity = rebuild, sources, identity
+        #: the (pack, unpack) pair that was innermost when the producer ran, where it is not this region's (a
+        #: gated MLP's recompute hooks): the sources are packed through it, so its recipes apply to them too
+        self.hooks = hooks
+
+
+class _Rebuild:
+    """A noted tensor and casts, rebuilt once (on the first unpack) for every recipe that shares it."""
+
+    __slots__ = ("rebuild", "parts", "versions", "casts", "value", "region")
+
+    def __init__(self, region: "SharedSaves", rebuild: Optional[Callable], parts: list, versions: list,
+                 casts: tuple[torch.dtype, ...]) -> None:
+        self.region, self.rebuild, self.parts, self.versions, self.casts = region, rebuild, parts, versions, casts
+        self.value: Optional[torch.Tensor] = None
+
+    def get(self) -> torch.Tensor:
+        if self.value is None:
+            args = [p[1](p[0]) if isinstance(p, tuple) else self.region._unpack_part(p) for p in self.parts]
+            for a, v in zip(args, self.versions):
+                if v is not None and a._version != v:
+                    raise RuntimeError("one of the variables needed for gradient computation has been modified by "
+                                       "an inplace operation (a tensor lmbp-convert rebuilds a saved tensor from "
+                                       f"is at version {a._version}, it was saved at version {v})")
+            with torch.no_grad():
+                out = args[0] if self.rebuild is None else self.rebuild(*args)
+                for dtype in self.casts:
+                    out = out.to(dtype)
+            self.value = out
+        return self.value
+
+
+class _Recipe:
+    __slots__ = ("shared", "size", "stride", "offset")
+
+    def __init__(self, shared: _Rebuild, t: torch.Tensor) -> None:
+        self.shared = shared
+        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+
+
+class _Plain:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class SharedSaves:
+    """The region's state for one call: the notes made during it and the recipes built from them."""
+
+    def __init__(self) -> None:
+        self.notes: dict[Any, _Note] = {}  # noted output's autograd node → how to rebuild it
+        self._made: dict[tuple, _Rebuild] = {}
+        self.outer = None
+        self._ctx = None
+        self.recipes = 0  # recipes made (tests, benchmarks)
+
+    def enter(self) -> bool:
+        if torch.compiler.is_compiling() or _top_hooks is None or not torch.is_grad_enabled():
+            return False
+        self.outer = _top_hooks(False)
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        try:
+            ctx.__enter__()
+        except RuntimeError:  # saved-tensor hooks disabled by the caller: nothing is replaced
+            self.outer = None
+            return False
+        self._ctx = ctx
+        stack = getattr(_STATE, "stack", None)
+        if stack is None:
+            stack = _STATE.stack = []
+        stack.append(self)
+        return True
+
+    def exit(self) -> None:
+        if self._ctx is not None:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+            stack = getattr(_STATE, "stack", [])
+            if stack and stack[-1] is self:
+                stack.pop()
+        self.notes.clear()
+        self._made.clear()
+
+    def inner_hooks(self):
+        """The innermost saved-tensor hooks, as a note records them: None where they are this region's; the pair
+        where they are a recompute region of this package's inside it (a gated MLP's down projection); False
+        where they are anyone else's (activation checkpointing, ``save_on_cpu`` inside the call): no note then,
+        since a recipe made later must not pack through hooks that have closed."""
+        top = _top_hooks(False)
+        if top is None or top[0] == self._pack:
+            return None
+        return top if isinstance(getattr(top[0], "__self__", None), _FRIENDLY) else False
+
+    # -- packing ---------------------------------------------------------------------------------------------
+    def _opack(self, t: torch.Tensor):
+        return self.outer[0](t) if self.outer is not None else t
+
+    def _ounpack(self, packed) -> torch.Tensor:
+        return self.outer[1](packed) if self.outer is not None else packed
+
+    def _pack(self, t: torch.Tensor):
+        recipe = self._recipe(t)
+        return recipe if recipe is not None else _Plain(self._opack(t))
+
+    def _pack_part(self, t: Any):
+        if not isinstance(t, torch.Tensor):
+            return t
+        recipe = self._recipe(t)
+        return recipe if recipe is not None else _Plain(self._opack(t))
+
+    def _unpack_part(self, packed) -> Any:
+        if isinstance(packed, _Recipe):
+            return self._unpack(packed)
+        return self._ounpack(packed.value) if isinstance(packed, _Plain) else packed
+
+    def _unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, _Plain):
+            return self._ounpack(packed.value)
+        return packed.shared.get().as_strided(packed.size, packed.stride, packed.offset)
+
+    def _recipe(self, t: torch.Tensor) -> Optional[_Recipe]:
+        if not self.notes:
+            return None
+        src = t if t._base is None else t._base
+        if src.grad_fn is None or not src.is_contiguous():
+            return None
+        walked = cast_chain(src.grad_fn, src.device)
+        if walked is None:
+            return None
+        node, casts = walked
+        found = self.notes.get(node)
+        if found is None:
+            return None
+        if found.identity:
+            base = found.sources[0]
+            # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
+            if not casts or any(torch.empty((), dtype=d).element_size() < base.element_size() for d in casts):
+                return None
+        key = (node, casts)
+        shared = self._made.get(key)
+        if shared is None:
+            if found.hooks is None:
+                parts = [self._pack_part(s) for s in found.sources]
+            else:
+                pack, unpack = found.hooks
+                parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in found.sources]
+            versions = [s._version if isinstance(s, torch.Tensor) else None for s in found.sources]
+            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, casts)
+        self.recipes += 1
+        return _Recipe(shared, t)
+
