@@ -20,11 +20,17 @@ def affine_forward(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
     as the fp32 route would); everything else runs in fp32 and rounds once."""
     if b is None and not one_plus and xhat.dtype == w.dtype == out_dtype:
         return xhat * w
-    gamma = w.float() + 1.0 if one_plus else w.float()
-    y = xhat.float() * gamma
+    acc = _acc(xhat)
+    gamma = w.to(acc) + 1.0 if one_plus else w.to(acc)
+    y = xhat.to(acc) * gamma
     if b is not None:
-        y = y + b.float()
+        y = y + b.to(acc)
     return y.to(out_dtype)
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """fp32 math, fp64 for fp64 inputs (gradcheck)."""
+    return torch.promote_types(t.dtype, torch.float32)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -46,13 +52,14 @@ class _NormAffine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         xhat, w = ctx.saved_tensors
-        g32 = g.float()
+        acc = torch.promote_types(_acc(xhat), g.dtype)
+        g32 = g.to(acc)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            gamma = w.float() + 1.0 if ctx.one_plus else w.float()
+            gamma = w.to(acc) + 1.0 if ctx.one_plus else w.to(acc)
             dx = (g32 * gamma).to(xhat.dtype)
         if ctx.needs_input_grad[1]:
-            dw = (_rows(g32) * _rows(xhat).float()).sum(0).to(w.dtype)
+            dw = (_rows(g32) * _rows(xhat).to(acc)).sum(0).to(w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = _rows(g32).sum(0).to(ctx.b_dtype)
         return dx, dw, db, None, None

@@ -1,0 +1,82 @@
+"""MSExactNorm: the original norm's output and gradients with its own γ, β, and the bytes of a fold when a Linear
+keeps its output inside a shared-saves region."""
+import pytest
+import torch
+from torch import nn
+
+from lmbp_convert import SavedTensorLedger
+from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.nn.exact_norms import MSExactNorm
+from lmbp_convert.ops.shared_saves import SharedSaves
+
+
+def _pair(kind, dtype, bias):
+    torch.manual_seed(0)
+    d = 48
+    ref = nn.LayerNorm(d, eps=1e-5, bias=bias) if kind is NormKind.LAYER else nn.RMSNorm(d, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        if getattr(ref, "bias", None) is not None:
+            ref.bias.normal_()
+    ref = ref.to(dtype)
+    new = MSExactNorm(kind, (d,), ref.eps, nn.Parameter(ref.weight.detach().clone()),
+                      nn.Parameter(ref.bias.detach().clone()) if getattr(ref, "bias", None) is not None else None)
+    return ref, new
+
+
+@pytest.mark.parametrize("kind,bias", [(NormKind.LAYER, True), (NormKind.LAYER, False), (NormKind.RMS, False)])
+def test_output_and_every_gradient_match_the_original_fp32(kind, bias):
+    ref, new = _pair(kind, torch.float32, bias)
+    lin = nn.Linear(48, 32)
+    x = torch.randn(3, 11, 48, requires_grad=True)
+    outs = []
+    for norm in (ref, new):
+        x.grad = None
+        norm.zero_grad()
+        lin.zero_grad()
+        y = norm(x)
+        lin(y).pow(2).sum().backward()
+        outs.append((y.detach(), x.grad.clone(), norm.weight.grad.clone(), lin.weight.grad.clone(),
+                     None if getattr(norm, "bias", None) is None else norm.bias.grad.clone()))
+    for a, b in zip(*outs):
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert set(dict(ref.named_parameters())) == set(dict(new.named_parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keeps_the_bytes_of_a_fold_inside_a_region(dtype):
+    ref, new = _pair(NormKind.LAYER, dtype, True)
+    lins = [nn.Linear(48, 48).to(dtype) for _ in range(3)]
+    x = torch.randn(4, 16, 48, dtype=dtype, requires_grad=True)
+
+    def saved(norm, region):
+        with SavedTensorLedger([p for m in [norm, *lins] for p in m.parameters()]) as led:
+            r = SharedSaves()
+            if region:
+                assert r.enter()
+            try:
+                y = norm(x * 1)
+                out = sum(lin(y).sum() for lin in lins)
+            finally:
+                r.exit()
+        out.backward()
+        return led.bytes
+
+    rows, size = 4 * 16, torch.empty((), dtype=dtype).element_size()
+    x_bytes = rows * 48 * size
+    # exact: x̂ and rstd only (the Linears' copies of y are rebuilt)
+    assert saved(new, True) == x_bytes + rows * 4
+    # nn.LayerNorm keeps its input (and mean, rstd); the Linears keep its output
+    assert saved(ref, False) - saved(new, True) >= x_bytes
+    # without a region y is kept as well: correct, more bytes
+    assert saved(new, False) == 2 * x_bytes + rows * 4
+
+
+def test_one_plus_w_parameterisation():
+    torch.manual_seed(2)
+    w = nn.Parameter(torch.randn(16) * 0.1)
+    norm = MSExactNorm(NormKind.RMS, (16,), 1e-6, w, None, WeightParam.ONE_PLUS_W)
+    x = torch.randn(5, 16)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert torch.allclose(norm(x), ref, atol=1e-6)

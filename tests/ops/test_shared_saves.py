@@ -1,0 +1,116 @@
+"""The shared-saves region: noted tensors stand in for their saved copies, rebuilt bitwise in backward."""
+import pytest
+import torch
+
+from lmbp_convert import SavedTensorLedger
+from lmbp_convert.ops.dropout_bits import dropout_bits
+from lmbp_convert.ops.shared_saves import SharedSaves, active, note, note_identity
+
+
+class _Open:
+    def __enter__(self):
+        self.region = SharedSaves()
+        assert self.region.enter()
+        return self.region
+
+    def __exit__(self, *exc):
+        self.region.exit()
+
+
+def _lora_like(x, a, drop=None):
+    """PEFT's adapter path: cast to the adapter dtype, (dropout), A."""
+    x32 = x.float()
+    if drop is not None:
+        x32 = drop(x32)
+    return x32 @ a.t()
+
+
+def test_cast_copy_of_a_noted_input_is_not_kept():
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(4, 32, requires_grad=True)
+    with SavedTensorLedger([a]) as plain:
+        _lora_like(x * 1, a).sum().backward()
+    ref = a.grad.clone()
+    a.grad = None
+    with SavedTensorLedger([a]) as led:
+        with _Open() as region:
+            h = x * 1  # a tensor with a graph, as a layer's input is
+            note_identity(h)
+            _lora_like(h, a).sum().backward()
+            assert region.recipes == 1
+    assert torch.equal(a.grad, ref)
+    assert plain.bytes == 16 * 32 * 4 and led.bytes == 16 * 32 * 2  # the bf16 input instead of its fp32 copy
+
+
+def test_narrowing_casts_and_plain_views_are_left_alone():
+    h = torch.randn(8, 8, requires_grad=True) * 1
+    w = torch.randn(8, 8, requires_grad=True)
+    with _Open() as region:
+        note_identity(h)
+        (h.to(torch.bfloat16) @ w.to(torch.bfloat16)).sum()  # narrower copy: kept as is
+        (h @ w).sum()  # h itself: nothing to rebuild
+        assert region.recipes == 0
+
+
+def test_one_rebuild_serves_every_recipe_of_the_same_tensor():
+    calls = []
+    x = torch.randn(8, 16, requires_grad=True)
+    ws = [torch.randn(16, 16, requires_grad=True) for _ in range(3)]
+
+    def rebuild(t):
+        calls.append(1)
+        return t * 2.0
+
+    with _Open() as region:
+        y = x * 2.0
+        note(y, rebuild, x)
+        loss = sum((y @ w).sum() for w in ws)
+        assert region.recipes == 3
+    loss.backward()
+    assert len(calls) == 1
+    for w in ws:
+        assert torch.equal(w.grad, (x * 2.0).t() @ torch.ones(8, 16))
+
+
+def test_in_place_change_of_a_source_is_caught():
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+    src = x * 1
+    with _Open():
+        y = src * 3.0
+        note(y, lambda t: t * 3.0, src)
+        loss = (y @ w).sum()
+    with torch.no_grad():
+        src.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_nested_dropout_of_a_cast_keeps_the_input_and_bits():
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    a = torch.randn(8, 64, requires_grad=True)
+    torch.manual_seed(0)
+    _lora_like(x * 1, a, lambda t: torch.nn.functional.dropout(t, 0.1, True)).sum().backward()
+    ref = a.grad.clone()
+    a.grad = None
+    torch.manual_seed(0)
+    with SavedTensorLedger([a]) as led:
+        with _Open():
+            h = x * 1
+            note_identity(h)
+            out = _lora_like(h, a, lambda t: dropout_bits(t, 0.1))
+    out.sum().backward()
+    assert torch.equal(a.grad, ref)
+    assert led.bytes == 32 * 64 * 2 + 32 * 64 // 8
+
+
+def test_regions_are_per_thread_and_closed_after_exit():
+    assert active() is None
+    with _Open() as region:
+        assert active() is region
+    assert active() is None
+
+
+def test_nothing_opens_without_grad():
+    with torch.no_grad():
+        assert not SharedSaves().enter()
