@@ -71,7 +71,10 @@ class _Close(ConvertedHook):
 
 
 class NoteInput(ConvertedHook):
-    """Forward pre-hook of a LoRA layer: its input may stand in for the adapters' cast copies of it."""
+    """Forward pre-hook of a LoRA layer: its input may stand in for the adapters' cast copies of it. It only notes
+    (``only_notes``): a fused op that computes the layer's output itself (the gated MLP's down) may skip it."""
+
+    only_notes = True
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("x", kwargs.get("input"))

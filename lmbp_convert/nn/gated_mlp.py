@@ -62,12 +62,19 @@ def _is_plain_linear(m: nn.Module) -> bool:
             and not m._forward_hooks and not m._forward_pre_hooks)
 
 
+def _observed(m: nn.Module) -> bool:
+    """A hook sees the call, other than this package's notes for memory sharing (`NoteInput`: ``only_notes``),
+    which a caller computing the module's output itself may skip."""
+    hooks = (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+    return any(not getattr(h, "only_notes", False) for h in hooks)
+
+
 def _is_peft_lora_linear(m: nn.Module) -> bool:
     if not type(m).__module__.startswith("peft."):
         return False
     cls = _peft_lora_linear_cls()
     return (cls is not None and isinstance(m, cls) and type(m).forward is cls.forward
-            and "forward" not in m.__dict__ and not m._forward_hooks and not m._forward_pre_hooks)
+            and "forward" not in m.__dict__ and not _observed(m))
 
 
 def _lora_adapters(down: nn.Module) -> list[LoraAdapter]:
