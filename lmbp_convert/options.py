@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
-_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs")
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs", "measure")
 
 
 @dataclass
@@ -38,6 +38,9 @@ class ConvertOptions:
         False: exact norms instead (`MSExactNorm`: γ, β, W, b stay the original parameters with the original
         gradients and state dict; the consumers' copies of the norm's output are rebuilt from x̂ for backward,
         the same bytes as the fold). Channel-first norms and norms with functional consumers are folded either way.
+    measure: measure what the conversion saves (one training forward on the probe before and one after, by the
+        exact ledger; `ConversionReport.measured_saved_bytes`), in the dtype, autocast and trainable parameters
+        of the convert() call. Off: only the analytic per-rewrite prediction.
     lora_inputs: let PEFT LoRA adapters rebuild their cast (and dropped) inputs from the layer's input instead of
         keeping private fp32 copies (`lmbp_convert.match.lora_inputs`); their dropout keeps a 1-bit mask.
     """
@@ -55,6 +58,7 @@ class ConvertOptions:
     keep_affine: bool = True
     fold_norms: bool = True
     lora_inputs: bool = True
+    measure: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change

@@ -29,6 +29,9 @@ class ConversionReport:
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: saved-for-backward bytes of one training forward on the probe, (original, converted), by the exact ledger
+    measured_bytes: tuple[int, int] | None = None
+    measured_mode: str = ""  # what that forward ran in (dtype, autocast, train mode, trainable parameters)
     previous: "ConversionReport | None" = field(default=None, repr=False)  # an earlier convert() of this model
 
     @property
@@ -38,6 +41,18 @@ class ConversionReport:
     @property
     def predicted_saved_bytes_per_unit(self) -> float:
         return self.plan.predicted_saved_bytes / max(1, self.plan.probe_tokens)
+
+    @property
+    def measured_saved_bytes(self) -> int | None:
+        """What the conversion saves on the probe's training forward, measured (None: not measured)."""
+        return None if self.measured_bytes is None else self.measured_bytes[0] - self.measured_bytes[1]
+
+    def _measured_line(self) -> str:
+        before, after = self.measured_bytes
+        share = f" ({(before - after) / before:.1%})" if before else ""
+        per = (before - after) / max(1, self.plan.probe_tokens)
+        return (f"activation memory saved, measured on the probe: {fmt_bytes(before)} → {fmt_bytes(after)}"
+                f"{share}, {fmt_bytes(per)} per {self.plan.probe_unit}; mode: {self.measured_mode}")
 
     def _verification_line(self) -> str:
         if self.verification is Verification.NOT_RUN:
@@ -63,6 +78,7 @@ class ConversionReport:
             if f.name not in ("plan", "previous"):
                 value = getattr(self, f.name)
                 d[f.name] = list(value) if isinstance(value, list) else value
+        d["measured_saved_bytes"] = self.measured_saved_bytes
         d["predicted_saved_bytes"] = self.plan.predicted_saved_bytes
         d["predicted_saved_bytes_per_" + self.plan.probe_unit] = self.predicted_saved_bytes_per_unit
         return d
@@ -85,7 +101,9 @@ class ConversionReport:
         for label, err in self.rolled_back:
             lines.append(f"rolled back: {label} (changed outputs, relative error {err:.2e})")
         lines.append(self._verification_line())
+        if self.measured_bytes is not None:
+            lines.append(self._measured_line())
         lines.append(f"predicted activation memory saved: {fmt_bytes(self.plan.predicted_saved_bytes)} on the "
                      f"probe, {fmt_bytes(self.predicted_saved_bytes_per_unit)} per {p.probe_unit} "
-                     "(analytic; exact counts: lmbp_convert.memory.SavedTensorLedger)")
+                     "(analytic, per rewrite; the measured line above is what one training forward keeps)")
         return "\n".join(lines)

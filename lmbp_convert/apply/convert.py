@@ -23,6 +23,7 @@ from ..trace.device import keeps_model_device
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
+from .measure import measure_saved
 from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
@@ -153,10 +154,15 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
+    before = measure_saved(model, probe) if opt.measure and not _is_meta(model) else None
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
         _verify(model, checks, units, opt, report)
+        if before is not None:
+            after = measure_saved(model, probe)
+            report.measured_bytes = (before.bytes, after.bytes)
+            report.measured_mode = before.mode
         _warn_orphans(model, params_before)
         report.seconds = time.perf_counter() - t0
         _attach(model, report)

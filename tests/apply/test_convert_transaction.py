@@ -92,10 +92,11 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     report = counter.run()
     assert report.verified and len(report.rolled_back) == 1, str(report)
     n_units = len(report.swapped) + 1
-    # trace, the original on the second verification input; then on both inputs: verify, one per unit, final
-    assert counter.forwards == 2 + 2 * (1 + n_units + 1), counter.forwards
+    # trace, the original on the second verification input, the original's measured training forward; then on
+    # both inputs: verify, one per unit, final; then the converted model's measured training forward
+    assert counter.forwards == 3 + 2 * (1 + n_units + 1) + 1, counter.forwards
     inside = sorted(counter.converted_calls)
-    assert inside == list(range(3, counter.forwards + 1)), counter.converted_calls
+    assert inside == list(range(4, counter.forwards + 1)), counter.converted_calls
     inj = Injector(model, probe)
     # forward 2 runs the original on an input derived from the probe: an error there means the model rejects that
     # input, and the next derivation rule is tried (see lmbp_convert.trace.second_probe); interrupts still stop it
@@ -122,8 +123,9 @@ def test_exception_in_verification_restores_new_and_replaced_parameters(build, k
     before = snapshot(model)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     inj = Injector(model, {"input_ids": torch.tensor([[3, 17, 42, 9]])})
-    # forward 2 is the original on the second verification input; 3 the first verification forward
-    for target, exc in [(("model", 3), KeyboardInterrupt()), (("inside", 3), RuntimeError("CUDA out of memory"))]:
+    # forward 2 is the original on the second verification input; 3 its measured training forward; 4 the first
+    # verification forward
+    for target, exc in [(("model", 4), KeyboardInterrupt()), (("inside", 4), RuntimeError("CUDA out of memory"))]:
         inj.run_kwargs = kwargs
         with pytest.raises(type(exc)):
             inj.run(target, exc)
