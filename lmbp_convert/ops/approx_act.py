@@ -24,7 +24,7 @@ code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway
 
 Dispatch: Triton kernels for CUDA tensors, the PyTorch path everywhere else (same codes, same layout, so
 either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
-tuples (no device tables). Eager calls run in C++ where the host path builds (`cuda_host`: forward, autograd node
+tuples (no device tables). Eager calls run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: forward, autograd node
 and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
 inductor emits the launches itself; the PyTorch path is traced normally.

@@ -26,7 +26,7 @@ Triton kernels on CUDA tensors (`use_triton`; fp32 math in registers, one roundi
 path (ATen's act and act-backward kernels in the inputs' dtype: bitwise the roundings of eager autograd, and
 no fp32 copies of T×f tensors, which on CPU would cost more than the maths) (`_fwd_torch` / `_bwd_torch`, the reference
 in tests) everywhere else. Activation codes and maths come from the shared table (`ops.activations`). Eager
-calls of `gated_mlp` run in C++ where the host path builds (`cuda_host`: a step-for-step port of `GatedMLPFunction`),
+calls of `gated_mlp` run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: a step-for-step port of `GatedMLPFunction`),
 other launches go through `LeanKernel`; under torch.compile the Triton path is the triton_ops
 ``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` (inductor emits the launches) and the PyTorch path the opaque
 custom ops ``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. The matmuls are ordinary PyTorch calls.

@@ -17,7 +17,7 @@ the approximation the method accepts.
 
 Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
 everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
-path builds (`cuda_host`), else their launches go through
+path is on (`cuda_host`, LMBP_CUDA_HOST=1), else their launches go through
 `LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
 ``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
 Rows up to ``MAX_FUSED_BLOCK`` (16384) elements are held in registers by one program; longer rows use a
