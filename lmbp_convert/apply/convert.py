@@ -2,7 +2,6 @@
 whole call is a transaction (any exception restores the model)."""
 from __future__ import annotations
 
-import difflib
 import time
 import warnings
 from dataclasses import dataclass
@@ -67,26 +66,10 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
 
 
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
-    """include/exclude patterns that name no module are a typo or a different model: say which (an error when
-    no include pattern matches, since then nothing can be converted; a warning otherwise)."""
+    """include/exclude patterns that name no module: an error when no include pattern matches, else a warning
+    (`ConvertOptions.check_patterns`, which the checkpoint CLI shares)."""
     names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
-    inc, exc = opt.unmatched(names)
-    what = type(model).__name__
-
-    def hint(pats: list[str]) -> str:
-        close = [m for p in pats for m in difflib.get_close_matches(p, names, n=2, cutoff=0.6)]
-        if close:
-            return f"closest names: {', '.join(dict.fromkeys(close))}"
-        return f"names are full dotted paths, e.g. {', '.join(names[-3:])}; a regular expression must match a whole name"
-
-    if inc and len(inc) == len(opt.include or []):
-        raise NothingToConvertError(f"nothing to convert in {what}: include={inc!r} matches no module ({hint(inc)})")
-    if inc:
-        warnings.warn(f"include pattern(s) {inc!r} match no module of {what} ({hint(inc)})", UserWarning,
-                      stacklevel=3)
-    if exc:
-        warnings.warn(f"exclude pattern(s) {exc!r} match no module of {what}, so they exclude nothing ({hint(exc)})",
-                      UserWarning, stacklevel=3)
+    opt.check_patterns(names, type(model).__name__, lambda msg: warnings.warn(msg, UserWarning, stacklevel=5))
 
 
 def _batch_of(probe: Any) -> int:

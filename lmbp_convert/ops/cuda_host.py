@@ -96,6 +96,7 @@ def _build_and_load() -> Any:
     built = False
     with cpu_native._file_lock(target.parent / "lock"):
         if not target.exists():
+            cpu_native.announce_build("the C++ CUDA host path", _SOURCE, cxx, cpu_native._build_root(), "cuda_host")
             _compile(cxx, flags, target)
             built = True
     spec = importlib.util.spec_from_file_location(_MODULE, target)

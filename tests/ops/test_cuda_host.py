@@ -538,3 +538,22 @@ def test_every_ops_switch_reads_the_same_off_values(monkeypatch, value, off):
         else:
             monkeypatch.setenv(name, value)
         assert env_off(name) is off
+
+
+def test_first_build_says_in_one_line_what_it_compiles(tmp_path, monkeypatch, capsys):
+    """Building the host path takes ~25 s at the first CUDA op: one stderr line says so before it starts."""
+    from lmbp_convert.ops import cpu_native
+
+    def not_built(cxx, flags, out):
+        raise RuntimeError("not built in this test")
+
+    if cpu_native._compiler() is None or sys.platform != "linux":
+        pytest.skip("no C++ compiler: nothing is built")
+    monkeypatch.setenv(cpu_native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_announced", set())
+    monkeypatch.setattr(cuda_host, "_compile", not_built)
+    with pytest.raises(RuntimeError, match="not built in this test"):
+        cuda_host._build_and_load()
+    ours = [ln for ln in capsys.readouterr().err.splitlines() if "lmbp_convert" in ln]  # (torch logs its own)
+    assert len(ours) == 1 and ours[0].startswith("lmbp_convert: compiling the C++ CUDA host path (cuda_host.cpp, ")
+    assert ours[0].endswith(f"about {cpu_native.BUILD_SECONDS['cuda_host']} s; cached in {tmp_path}"), ours
