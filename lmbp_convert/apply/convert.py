@@ -21,7 +21,7 @@ from ..report import ConversionReport
 from ..trace.device import keeps_model_device
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
-from ..trace.tracer import trace
+from ..trace.tracer import OUT_OF_MEMORY, trace
 from .rewrite import Unit, UnitBuilder
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
                      float_tensors, run_probe)
@@ -180,7 +180,7 @@ def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionR
         for second, how in derived_inputs(traced):
             try:
                 return [Check(second, run_probe(model, second), f"a second input, {how}")]
-            except torch.OutOfMemoryError:
+            except OUT_OF_MEMORY:
                 raise
             except Exception as exc:  # noqa: BLE001 - the model rejects this variant: try the next rule
                 refusals.append(f"{type(exc).__name__}: {exc}")
@@ -196,6 +196,8 @@ def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionR
 def _reference(model: nn.Module, probe: Any, number: int) -> Any:
     try:
         return run_probe(model, probe)
+    except OUT_OF_MEMORY:
+        raise
     except Exception as exc:
         raise TraceError(f"the model refused probe {number} of the Probes given to convert() "
                          f"({type(exc).__name__}: {exc})") from exc

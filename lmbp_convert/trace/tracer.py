@@ -22,6 +22,10 @@ from ..errors import TraceError
 from .containers import children
 from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
 
+#: Out of memory (a device's or the host's): never "this input does not fit the model". The probe search, the
+#: trace and verification re-raise it, so that a smaller probe cannot hide it and the report cannot misread it.
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
 
@@ -324,6 +328,8 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
         with tracer:
             try:
                 out = call_model(model, probe)
+            except OUT_OF_MEMORY:  # the machine's limit, not the probe's: raised as it is
+                raise
             except Exception as exc:  # a probe the model cannot take
                 err = TraceError(
                     f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc}); "
