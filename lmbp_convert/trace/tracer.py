@@ -316,12 +316,25 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
     params: dict[int, str] = {}
     for pname, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         params.setdefault(id(t), pname)
+    scripted = {id(m) for m in model.modules() if isinstance(m, torch.jit.ScriptModule)}
+    if scripted:  # one opaque node each: TorchScript runs no Python ops the mode could see
+        base_leaf = is_leaf
+        is_leaf = lambda m: id(m) in scripted or base_leaf(m)  # noqa: E731
     tracer = _Tracer(names, is_leaf, meta_as_cpu, params)
     with ExitStack() as stack:
-        stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
+        if not isinstance(model, torch.jit.ScriptModule):
+            stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
         for mod in model.modules():
-            stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
-            stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
+            if id(mod) not in scripted:
+                stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
+                stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
+        if scripted:  # a ScriptModule refuses hooks of its own, but its Python call runs the global ones
+            from torch.nn.modules import module as nn_module
+
+            stack.callback(nn_module.register_module_forward_pre_hook(
+                lambda m, args: tracer.pre_hook(m, args, {}) if id(m) in scripted else None).remove)
+            stack.callback(nn_module.register_module_forward_hook(
+                lambda m, args, out: tracer.post_hook(m, args, {}, out) if id(m) in scripted else None).remove)
         stack.enter_context(torch.no_grad())
         if meta_as_cpu:
             probe = _MetaAsCpu.probe(probe)
