@@ -18,7 +18,7 @@ from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
-from ..trace.device import keeps_model_device
+from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import OUT_OF_MEMORY, trace
@@ -41,7 +41,8 @@ def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, 
     """Trace and plan without changing anything. The plan also carries (not serialised) the probe it was made
     on, ``plan.probe``, and the model's output on it, ``plan.reference_output``."""
     opt, probe = resolve_options(options, probe, overrides)
-    return _plan(model, opt, probe)
+    with outside_autocast():  # planned in the model's own dtypes, as convert() does
+        return _plan(model, opt, probe)
 
 
 def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
@@ -103,12 +104,13 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
         _deprecated("convert(..., return_report=True)", stacklevel=4)  # 4: past the device-keeping wrapper
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
-    with torch.inference_mode(False):
-        return _convert(model, options, probe, return_report, overrides)
+    # Under torch.autocast, verification would compare rounding, not the rewrite: see `outside_autocast`.
+    with torch.inference_mode(False), outside_autocast() as amp:
+        return _convert(model, options, probe, return_report, overrides, amp)
 
 
 def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
-             overrides: dict[str, Any]):
+             overrides: dict[str, Any], amp: list[tuple[str, torch.dtype]] = ()):
     t0 = time.perf_counter()
     opt, given = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
@@ -117,6 +119,12 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     probe, reference = plan.probe, plan.reference_output
     plan.probe = plan.reference_output = None  # the report keeps the plan: not the probe data and outputs
     report = ConversionReport(plan)
+    if amp:
+        where = ", ".join(f"{dev}: {str(dt).replace('torch.', '')}" for dev, dt in amp)
+        report.notes.append(f"convert() was called under torch.autocast ({where}): it traced and verified outside "
+                            "it, in the model's own dtypes; under autocast the converted model adapts itself, and "
+                            "its outputs differ from the original's by that dtype's rounding, as the original's own "
+                            "do")
     if plan.empty:
         if plan.already_converted:
             report.notes.append("nothing left to convert: the model is already converted")
