@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native, cuda_host
+from . import cpu_native, cuda_host, func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op
 from .activations import ACT_NAMES, ACTIVATIONS
@@ -662,6 +662,8 @@ def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
 
 def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optional[str] = None) -> torch.Tensor:
     """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
+    if func_transforms.active():  # torch.func: functorch tensors, a setup_context Function
+        return func_transforms.approx_act(x, kind, bits)
     if backend is None and use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype, eager, training
         if torch.compiler.is_compiling():
             return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]

@@ -12,9 +12,9 @@ first prints one line on stderr (what it compiles, about how long, where it is c
 
 Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
 one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
-it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a dispatch mode or torch.compile tracing,
-an input autograd is recording as in double backward, a dtype combination the kernels lack), and the caller
-then runs its PyTorch path: the kernels never see an input they are not correct for.
+it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a torch.func transform's tensor, a dispatch
+mode or torch.compile tracing, an input autograd is recording as in double backward, a dtype combination the
+kernels lack), and the caller then runs its PyTorch path: the kernels never see an input they are not correct for.
 
 Threads: ``torch.get_num_threads()``, through the OpenMP runtime torch already loaded (one thread pool, with
 at::parallel_for's chunking and grain size); where torch's runtime is not GNU's libgomp the library is built
@@ -271,9 +271,10 @@ def disabled() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------ dispatch
 def _plain_cpu(t: torch.Tensor) -> bool:
-    """A dense CPU tensor whose memory the kernels may read directly."""
+    """A dense CPU tensor whose memory the kernels may read directly (not a torch.func wrapper: a batched or
+    gradient-tracking tensor of a transform has no storage of its own)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
-            and not t.is_neg())
+            and not t.is_neg() and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
