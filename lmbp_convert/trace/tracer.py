@@ -328,7 +328,9 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
             if id(mod) not in scripted:
                 stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
                 stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
-        if scripted:  # a ScriptModule refuses hooks of its own, but its Python call runs the global ones
+        if scripted:  # a ScriptModule refuses hooks of its own, but its Python call runs the global ones (which
+            # see its positional arguments only: a tensor passed to it by keyword looks unread, so a fold that
+            # misses it fails verification and is rolled back)
             from torch.nn.modules import module as nn_module
 
             stack.callback(nn_module.register_module_forward_pre_hook(
