@@ -22,8 +22,9 @@ through benchmarks/triton_stub.py (Triton's real launcher on a stub libcuda; CPU
 
 Timing: ``time.thread_time`` (this thread's CPU time, so other processes on a shared machine do not count),
 one thread, A/B rounds interleaved in one process, medians; results are ratios and differences. Measures the
-installed lmbp_convert, whatever its launch path (the C++ host path of ops/cuda_host.py where it builds;
-``LMBP_CUDA_HOST=0`` for the Python one); the report says which ran. Usage::
+installed lmbp_convert on the launch path ``LMBP_CUDA_HOST`` selects (unset: the default Python one;
+``LMBP_CUDA_HOST=1``: the C++ host path of ops/cuda_host.py, which the stub driver runs safely); the report says
+which ran. Usage::
 
     python -m benchmarks.host                # ops and the three proxies, about a minute and a half
     python -m benchmarks.host --quick        # smoke run
@@ -560,8 +561,8 @@ def _path_line(data: dict) -> str:
     """Which host path the ops took: the C++ one (with how many launches it made itself) or Python's."""
     path = str(data.get("launch_path", "unknown"))
     if path.startswith("C++"):
-        return f"C++ host path ({data.get('cpp_launches', 0)} launches made from C++; `LMBP_CUDA_HOST=0` for " \
-               "the Python one)"
+        return f"C++ host path ({data.get('cpp_launches', 0)} launches made from C++; `LMBP_CUDA_HOST=1`, unset " \
+               "for the Python one)"
     return path
 
 

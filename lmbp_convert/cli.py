@@ -36,12 +36,33 @@ one new DST, one wins and the other exits 1). --force renames the old DST aside 
 in place, then deletes the old one. If a run was killed midway, the next run on the same DST says so in one line,
 restores the old DST if DST is missing, and removes stale temporary outputs (never those of a run still alive).
 
-Exit status: 0 done, 1 bad input or failed write (nothing written), 2 usage error, 130 interrupted.
+--include / --exclude are checked as convert() checks them: an --include that matches no module is an error that
+names it (exit 1), an --exclude (or one of several --include) that matches none is a warning; an invalid regular
+expression is a usage error.
+
+Exit status: 0 done, 1 bad input or failed write (nothing written), 2 usage error, 130 interrupted, 141 stdout
+closed (e.g. `--dry-run | head -1`: the run stops quietly, as `cp` and `head` do, and no DST is half-written).
 """
+
+#: 128 + SIGPIPE: what a shell reports for a command that wrote into a pipe whose reader had gone
+EXIT_STDOUT_CLOSED = 141
 
 
 class _Terminated(BaseException):
     """SIGTERM, turned into an exception so that the temporary DST is removed on the way out."""
+
+
+class _StdoutClosed(BaseException):
+    """stdout's reader has gone (a closed pipe). A BaseException, as SIGPIPE would be: nothing catches it on the way
+    out, so the temporary DST is removed and nothing more is written."""
+
+
+def _say(text: str) -> None:
+    """Print to stdout; a closed pipe ends the run (`_StdoutClosed`)."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +119,15 @@ def _start_prefetch(src: Path) -> None:
         threading.Thread(target=fsops.prefetch, args=(files, budget), name="lmbp-prefetch", daemon=True).start()
 
 
+def _stderr(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:  # a closed stderr: nothing can be said, and the outcome does not change for it
+        pass
+
+
 def _err(msg: str) -> None:
-    print(f"lmbp-convert: error: {msg}", file=sys.stderr, flush=True)
+    _stderr(f"lmbp-convert: error: {msg}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +139,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     if (args.timm_arg or args.use_ema) and not args.timm_model:
         parser.error("--timm-arg and --use-ema need --timm-model")
+    from .options import compile_patterns  # (torch-free)
+
+    for attr in ("include", "exclude"):
+        try:
+            compile_patterns(attr, getattr(args, attr) or [])
+        except ValueError as exc:
+            parser.error(str(exc))
+    try:
+        return _main(args, timm_kwargs)
+    except _StdoutClosed:
+        return EXIT_STDOUT_CLOSED
+
+
+def _main(args: argparse.Namespace, timm_kwargs: dict[str, Any]) -> int:
 
     def on_term(signum, frame):
         raise _Terminated()
@@ -129,12 +171,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         def show(plan) -> None:
             planned.append(plan)
             if args.json:
-                print(json.dumps(plan.to_dict(), indent=2), flush=True)
+                _say(json.dumps(plan.to_dict(), indent=2))
             elif not args.quiet:
-                print(plan.describe(), flush=True)
+                _say(plan.describe())
 
         def note(line: str) -> None:  # shown even with -q: it says what was done to files beside DST
-            print(f"lmbp-convert: note: {line}", file=sys.stderr, flush=True)
+            _stderr(f"lmbp-convert: note: {line}")
+
+        def warn(line: str) -> None:
+            if not args.quiet:
+                _stderr(f"lmbp-convert: warning: {line}")
 
         try:
             src, dst = Path(args.src), Path(args.dst)
@@ -152,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 untie=args.untie, include=args.include, exclude=args.exclude, force=args.force,
                 dry_run=args.dry_run, allow_empty=args.allow_empty,
                 progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(), on_plan=show,
-                on_note=None)  # (preflight above told it)
+                on_note=None, on_warning=warn)  # (preflight above told the notes)
         except CheckpointError as exc:
             _err(str(exc))
             return 1
@@ -184,18 +230,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         if args.dry_run:
             if not args.quiet and not args.json:
-                print("dry run: nothing written")
+                _say("dry run: nothing written")
             return 0
         if not args.quiet and not args.json:
             from .report import fmt_bytes
 
             rate = fmt_bytes(plan.total_bytes / max(plan.seconds_write, 1e-9))
-            print(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "
-                  f"{fmt_bytes(plan.total_bytes)} in {time.perf_counter() - t0:.1f} s (torch import {t_import:.2f} s, "
-                  f"plan {plan.seconds_plan:.2f} s, "
-                  f"write {plan.seconds_write:.2f} s, {rate}/s)")
+            _say(f"wrote {args.dst}: {len(plan.folds)} norm(s) folded, {len(plan.shards)} shard(s), "
+                 f"{fmt_bytes(plan.total_bytes)} in {time.perf_counter() - t0:.1f} s (torch import {t_import:.2f} s, "
+                 f"plan {plan.seconds_plan:.2f} s, "
+                 f"write {plan.seconds_write:.2f} s, {rate}/s)")
             if plan.plan_phases:
-                print("plan: " + ", ".join(f"{k} {v:.2f} s" for k, v in plan.plan_phases.items()))
+                _say("plan: " + ", ".join(f"{k} {v:.2f} s" for k, v in plan.plan_phases.items()))
         return 0
     finally:
         if old_term is not None:
@@ -208,7 +254,7 @@ def run() -> None:
     plan (1.3 s of a 5 s run measured on a 2-core VM); by then DST is complete and fsync'ed and every file is
     closed, so the process only flushes its output and runs the exit handlers (a coverage tool's, logging's)
     before it ends. An exception not handled by ``main()`` (``--debug``) takes the normal way out, traceback
-    included."""
+    included. A closed stdout ends the process by SIGPIPE, as it ends ``cp`` or ``head`` (a shell reports 141)."""
     try:
         code = main()
     except SystemExit as exc:  # argparse: --help, usage errors
@@ -224,6 +270,9 @@ def run() -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can be said
             pass
+    if code == EXIT_STDOUT_CLOSED and hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # (Python ignores it, to raise BrokenPipeError instead)
+        os.kill(os.getpid(), signal.SIGPIPE)
     os._exit(code)
 
 

@@ -5,13 +5,16 @@ merges keyword arguments into an options object, refusing to silently drop or ov
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 import numbers
 import re
 import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+
+from .errors import NothingToConvertError
 
 _FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs", "measure")
 
@@ -88,13 +91,7 @@ class ConvertOptions:
                 if attr == "include" and not val:
                     raise ValueError("include=[] selects no module: pass None to convert everything")
             setattr(self, attr, val)
-            compiled = []
-            for pat in val or []:
-                try:
-                    compiled.append(re.compile(pat))
-                except re.error as exc:
-                    raise ValueError(f"{attr} pattern {pat!r} is not a valid regular expression: {exc}") from exc
-            setattr(self, f"_{attr}_rx", compiled)
+            setattr(self, f"_{attr}_rx", compile_patterns(attr, val or []))
         if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs):
             raise ValueError("all of activations, norms, gated_mlp and lora_inputs are off: nothing to convert")
         if self.probe is not None:
@@ -123,6 +120,28 @@ class ConvertOptions:
                            if not any(n == p or rx.fullmatch(n) for n in names)])
         return result[0], result[1]
 
+    def check_patterns(self, names: Iterable[str], what: str, warn: Callable[[str], None]) -> None:
+        """include/exclude patterns that name none of ``names`` (the module names of ``what``) are a typo or a
+        different model: NothingToConvertError when no include pattern matches (nothing can be converted), else
+        ``warn`` one line per kind. ``convert()`` and the checkpoint CLI both check through here."""
+        names = list(names)
+        inc, exc = self.unmatched(names)
+
+        def hint(pats: list[str]) -> str:
+            close = [m for p in pats for m in difflib.get_close_matches(p, names, n=2, cutoff=0.6)]
+            if close:
+                return f"closest names: {', '.join(dict.fromkeys(close))}"
+            return (f"names are full dotted paths, e.g. {', '.join(names[-3:])}; a regular expression must match a "
+                    "whole name")
+
+        if inc and len(inc) == len(self.include or []):
+            raise NothingToConvertError(f"nothing to convert in {what}: include={inc!r} matches no module "
+                                        f"({hint(inc)})")
+        if inc:
+            warn(f"include pattern(s) {inc!r} match no module of {what} ({hint(inc)})")
+        if exc:
+            warn(f"exclude pattern(s) {exc!r} match no module of {what}, so they exclude nothing ({hint(exc)})")
+
     def with_overrides(self, **overrides: Any) -> "ConvertOptions":
         """A copy with ``overrides`` applied. TypeError for an unknown name, or for a value that contradicts one
         this object was built with explicitly (an override of a default is a merge, not a conflict)."""
@@ -145,6 +164,18 @@ class ConvertOptions:
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
             "keep_affine": self.keep_affine, "fold_norms": self.fold_norms, "lora_inputs": self.lora_inputs,
         }
+
+
+def compile_patterns(attr: str, patterns: Sequence[str]) -> list[re.Pattern]:
+    """``patterns`` of option ``attr`` (include / exclude) compiled; ValueError naming the first invalid one (a
+    usage error: the checkpoint CLI checks them through here before anything heavy is imported)."""
+    compiled = []
+    for pat in patterns:
+        try:
+            compiled.append(re.compile(pat))
+        except re.error as exc:
+            raise ValueError(f"{attr} pattern {pat!r} is not a valid regular expression: {exc}") from exc
+    return compiled
 
 
 OPTION_NAMES = tuple(f.name for f in fields(ConvertOptions) if f.init and f.name != "probe")

@@ -17,6 +17,7 @@ from benchmarks.families import FAMILIES
 #: exception classes that are control flow, not errors a user sees: (module, name) → why
 _NOT_ERRORS = {
     ("lmbp_convert.cli", "_Terminated"): "SIGTERM turned into a BaseException, caught inside main()",
+    ("lmbp_convert.cli", "_StdoutClosed"): "a closed stdout turned into a BaseException, caught inside main()",
     ("lmbp_convert.match.norm", "Refused"): "the norm matcher's early exit, caught there: its message becomes a skip reason",
 }
 

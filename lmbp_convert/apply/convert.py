@@ -2,7 +2,6 @@
 whole call is a transaction (any exception restores the model)."""
 from __future__ import annotations
 
-import difflib
 import time
 import warnings
 from dataclasses import dataclass
@@ -19,10 +18,10 @@ from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
-from ..trace.device import keeps_model_device
+from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
-from ..trace.tracer import trace
+from ..trace.tracer import OUT_OF_MEMORY, trace
 from .measure import measure_saved
 from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
@@ -44,7 +43,8 @@ def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, 
     """Trace and plan without changing anything. The plan also carries (not serialised) the probe it was made
     on, ``plan.probe``, and the model's output on it, ``plan.reference_output``."""
     opt, probe = resolve_options(options, probe, overrides)
-    return _plan(model, opt, probe)
+    with outside_autocast():  # planned in the model's own dtypes, as convert() does
+        return _plan(model, opt, probe)
 
 
 def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
@@ -69,26 +69,10 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
 
 
 def _check_patterns(model: nn.Module, opt: ConvertOptions) -> None:
-    """include/exclude patterns that name no module are a typo or a different model: say which (an error when
-    no include pattern matches, since then nothing can be converted; a warning otherwise)."""
+    """include/exclude patterns that name no module: an error when no include pattern matches, else a warning
+    (`ConvertOptions.check_patterns`, which the checkpoint CLI shares)."""
     names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
-    inc, exc = opt.unmatched(names)
-    what = type(model).__name__
-
-    def hint(pats: list[str]) -> str:
-        close = [m for p in pats for m in difflib.get_close_matches(p, names, n=2, cutoff=0.6)]
-        if close:
-            return f"closest names: {', '.join(dict.fromkeys(close))}"
-        return f"names are full dotted paths, e.g. {', '.join(names[-3:])}; a regular expression must match a whole name"
-
-    if inc and len(inc) == len(opt.include or []):
-        raise NothingToConvertError(f"nothing to convert in {what}: include={inc!r} matches no module ({hint(inc)})")
-    if inc:
-        warnings.warn(f"include pattern(s) {inc!r} match no module of {what} ({hint(inc)})", UserWarning,
-                      stacklevel=3)
-    if exc:
-        warnings.warn(f"exclude pattern(s) {exc!r} match no module of {what}, so they exclude nothing ({hint(exc)})",
-                      UserWarning, stacklevel=3)
+    opt.check_patterns(names, type(model).__name__, lambda msg: warnings.warn(msg, UserWarning, stacklevel=5))
 
 
 def _batch_of(probe: Any) -> int:
@@ -122,12 +106,13 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
         _deprecated("convert(..., return_report=True)", stacklevel=4)  # 4: past the device-keeping wrapper
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
-    with torch.inference_mode(False):
-        return _convert(model, options, probe, return_report, overrides)
+    # Under torch.autocast, verification would compare rounding, not the rewrite: see `outside_autocast`.
+    with torch.inference_mode(False), outside_autocast() as amp:
+        return _convert(model, options, probe, return_report, overrides, amp)
 
 
 def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
-             overrides: dict[str, Any]):
+             overrides: dict[str, Any], amp: list[tuple[str, torch.dtype]] = ()):
     t0 = time.perf_counter()
     opt, given = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
@@ -136,6 +121,12 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     probe, reference = plan.probe, plan.reference_output
     plan.probe = plan.reference_output = None  # the report keeps the plan: not the probe data and outputs
     report = ConversionReport(plan)
+    if amp:
+        where = ", ".join(f"{dev}: {str(dt).replace('torch.', '')}" for dev, dt in amp)
+        report.notes.append(f"convert() was called under torch.autocast ({where}): it traced and verified outside "
+                            "it, in the model's own dtypes; under autocast the converted model adapts itself, and "
+                            "its outputs differ from the original's by that dtype's rounding, as the original's own "
+                            "do")
     if plan.empty:
         if plan.already_converted:
             report.notes.append("nothing left to convert: the model is already converted")
@@ -154,13 +145,13 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
-    before = measure_saved(model, probe) if opt.measure and not _is_meta(model) else None
+    before = measure_saved(model, probe, amp) if opt.measure and not _is_meta(model) else None
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
         _verify(model, checks, units, opt, report)
         if before is not None:
-            after = measure_saved(model, probe)
+            after = measure_saved(model, probe, amp)
             report.measured_bytes = (before.bytes, after.bytes)
             report.measured_mode = before.mode
         _warn_orphans(model, params_before)
@@ -204,7 +195,7 @@ def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionR
         for second, how in derived_inputs(traced):
             try:
                 return [Check(second, run_probe(model, second), f"a second input, {how}")]
-            except torch.OutOfMemoryError:
+            except OUT_OF_MEMORY:
                 raise
             except Exception as exc:  # noqa: BLE001 - the model rejects this variant: try the next rule
                 refusals.append(f"{type(exc).__name__}: {exc}")
@@ -220,6 +211,8 @@ def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionR
 def _reference(model: nn.Module, probe: Any, number: int) -> Any:
     try:
         return run_probe(model, probe)
+    except OUT_OF_MEMORY:
+        raise
     except Exception as exc:
         raise TraceError(f"the model refused probe {number} of the Probes given to convert() "
                          f"({type(exc).__name__}: {exc})") from exc

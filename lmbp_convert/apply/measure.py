@@ -11,8 +11,9 @@ training flag is put back.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -48,17 +49,20 @@ def _mode(model: nn.Module) -> str:
     return ", ".join(parts)
 
 
-def measure_saved(model: nn.Module, probe: Any) -> Measured:
+def measure_saved(model: nn.Module, probe: Any, autocast: Sequence[tuple[str, torch.dtype]] = ()) -> Measured:
     """Exact saved-for-backward bytes of one training-mode forward of ``model`` on ``probe`` (parameters and
-    autocast's weight casts excluded), leaving the model as it was."""
+    autocast's weight casts excluded), leaving the model as it was; under ``autocast`` ((device type, dtype)
+    pairs: what was active around convert(), which analyses outside it)."""
     flags = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"} |
                      {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
         model.train()
-        mode = _mode(model)
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with ExitStack() as amp, torch.random.fork_rng(devices=devices), torch.enable_grad():
+            for dev, dtype in autocast:
+                amp.enter_context(torch.autocast(dev, dtype=dtype))
+            mode = _mode(model)
             with SavedTensorLedger(model) as led:
                 out = call_model(model, probe)
             del out

@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..apply.convert import CONFIG_KEY, plan_conversion
+from ..errors import NothingToConvertError
 from ..fold import Scratch, effective_scale, fold_affine, fold_rows, identity_weight_value
 from ..options import ConvertOptions
 from . import fsops
@@ -78,10 +80,17 @@ def _other_files(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
     return copies, skipped
 
 
+def _warn(msg: str) -> None:
+    warnings.warn(msg, UserWarning, stacklevel=4)
+
+
 def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwargs: dict[str, Any] | None = None,
             use_ema: bool = False, untie: bool = False, include: list[str] | None = None,
-            exclude: list[str] | None = None, dst_name: str | None = None) -> Prepared:
-    """Read SRC's config and headers (no tensor data), plan on the meta device, decide the on-disk folds."""
+            exclude: list[str] | None = None, dst_name: str | None = None,
+            on_warning: Callable[[str], None] | None = None) -> Prepared:
+    """Read SRC's config and headers (no tensor data), plan on the meta device, decide the on-disk folds.
+    include / exclude patterns that match no module are checked as ``convert()`` checks them (an error, or a line
+    to ``on_warning``; default: a UserWarning)."""
     t0 = time.perf_counter()
     src_path = Path(src)
     if not src_path.exists():
@@ -115,6 +124,11 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
         make_view = None if timm_model else (lambda r: build_hf(r, src_path, dtype))
         view = build_timm(timm_model, dict(timm_kwargs or {}), dtype) if timm_model else make_view(raw)
         phases["model"] = time.perf_counter() - t
+        names = [n for n, _ in view.model.named_modules(remove_duplicate=False) if n]
+        try:
+            opts.check_patterns(names, view.arch, on_warning or _warn)
+        except NothingToConvertError as exc:
+            raise CheckpointError(str(exc)) from exc
         t = time.perf_counter()
         try:
             with quiet_loggers():
@@ -386,14 +400,16 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_m
                        include: list[str] | None = None, exclude: list[str] | None = None, force: bool = False,
                        dry_run: bool = False, allow_empty: bool = False, progress: bool = False,
                        on_plan: Callable[[DiskPlan], None] | None = None,
-                       on_note: Callable[[str], None] | None = None) -> DiskPlan:
+                       on_note: Callable[[str], None] | None = None,
+                       on_warning: Callable[[str], None] | None = None) -> DiskPlan:
     """Fold norm affines into the following Linears of checkpoint SRC and write the result to DST.
 
     SRC: a Hugging Face model directory, or (with ``timm_model``) a timm checkpoint file; DST: a directory, or a
     ``.safetensors`` file for timm. Raises CheckpointError (one-line message) for bad inputs; SRC is never
     modified and DST only appears when complete; an existing DST is only replaced with ``force`` (also one that
     appears while converting). Leftovers of an interrupted earlier run on DST are mended first and told to
-    ``on_note`` in one line. With ``dry_run`` only the plan is made. Returns the plan.
+    ``on_note`` in one line; include / exclude patterns that match no module are an error or a line to
+    ``on_warning``, as in ``convert()``. With ``dry_run`` only the plan is made. Returns the plan.
     """
     src_p, dst_p = Path(src), Path(dst)
     kind = "timm" if timm_model else "hf"
@@ -401,7 +417,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, timm_m
         preflight(kind, src_p, dst_p, force, dry_run, on_note)
     t0 = time.perf_counter()
     prep = prepare(src_p, timm_model=timm_model, timm_kwargs=timm_kwargs, use_ema=use_ema, untie=untie,
-                   include=include, exclude=exclude, dst_name=dst_p.name)
+                   include=include, exclude=exclude, dst_name=dst_p.name, on_warning=on_warning)
     prep.plan.seconds_plan = time.perf_counter() - t0
     try:
         if on_plan is not None:

@@ -22,7 +22,7 @@ from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .plan import LinearTarget, NormFold, ParamTarget, ReapplySite, Skip
 from .reach import follow
-from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
+from .roles import NormRole, Role, RoleKind, is_scripted, quantized_linear, user_hooks
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk
 CONFIG_KEY = "lmbp_convert"
@@ -499,7 +499,7 @@ def site_for(ctx: MatchContext, reader: Reader, active: set[int]) -> ReapplySite
     if consumer is None:  # escapes as a model output
         return ReapplySite(ReapplyKind.ROOT_OUTPUT, "", paths=[list(p) for p in g.root_outputs[tid]],
                            consumer="model output")
-    if consumer.kind is NodeKind.MODULE:
+    if consumer.kind is NodeKind.MODULE and not is_scripted(ctx.modules.get(consumer.target)):  # (takes no hook)
         slots = consumer.info["slots"].get(tid, [])
         if len(slots) == 1 and g.module_calls.get(consumer.target) == 1:
             pos, kw = slots[0]

@@ -273,16 +273,31 @@ def user_hooks(module: nn.Module) -> list[str]:
     return [f"{len(d)} {kind}{'s' if len(d) > 1 else ''}" for kind, d in kinds if d]
 
 
+SCRIPTED_WHY = ("a torch.jit.script-ed module: TorchScript code can be neither traced nor hooked, so it is left as "
+                "it is (convert the Python module before scripting it to convert it too)")
+
+
+def is_scripted(mod: nn.Module) -> bool:
+    """A TorchScript module (``torch.jit.script``): opaque to the trace, and it refuses forward hooks."""
+    return isinstance(mod, torch.jit.ScriptModule)
+
+
 def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
     """Role of every named module (first name of shared modules)."""
     roles: dict[str, Role] = {}
     seen: dict[int, Role] = {}
     checked: dict[tuple, Role] = {}  # behaviour checks, by what decides them (one per kind of norm, not per layer)
+    scripted: list[str] = []
     for name, mod in model.named_modules():
         if id(mod) in seen:
             roles[name] = seen[id(mod)]
             continue
-        role = _role_of(mod, cat, checked)
+        if is_scripted(mod):  # said once, for the outermost one
+            inside = any(not p or name.startswith(p + ".") for p in scripted)
+            scripted.append(name)
+            role = Role(RoleKind.OTHER, problem=None if inside else SCRIPTED_WHY)
+        else:
+            role = _role_of(mod, cat, checked)
         seen[id(mod)] = roles[name] = role
     return roles
 

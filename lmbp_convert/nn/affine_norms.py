@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..ops import func_transforms
 from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
 
 __all__ = ["HostCount", "MSAffineNorm"]
@@ -138,8 +139,9 @@ class MSAffineNorm(ConvertedModule, nn.Module):
             raise ValueError(f"MSAffineNorm: normalized_shape ({n},) does not match the last dim of the input of "
                              f"shape {tuple(x.shape)}")
         is_rms, one_plus = self.norm_kind is NormKind.RMS, self.param is WeightParam.ONE_PLUS_W
-        # the guard (too many channels cannot be inverted), or a graph that cannot hold it: the plain norm, exactly
-        keep = None if torch.compiler.is_compiling() else self.kept_channels(x.device)
+        # the guard (too many channels cannot be inverted), or a graph or a torch.func transform that cannot hold
+        # it (γ there may be a functorch tensor, with no storage to key on): the plain norm, exactly
+        keep = None if torch.compiler.is_compiling() or func_transforms.active() else self.kept_channels(x.device)
         if keep is None:
             return plain_norm_affine(x, self.weight, self.bias, n, self.eps, is_rms, one_plus, self.out_dtype)
         return ms_norm_affine(x, self.weight, self.bias, n, self.eps, is_rms, one_plus, keep, self.out_dtype)

@@ -28,6 +28,12 @@ def env_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", "no")
 
 
+def env_on(name: str) -> bool:
+    """Whether the environment switch ``name`` is set to on (1, true, on or yes; unset or anything else means
+    off): for paths that run only when asked for."""
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def triton_interpreting() -> bool:
     """True when Triton runs kernels with its CPU interpreter (set before kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

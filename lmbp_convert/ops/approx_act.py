@@ -24,7 +24,7 @@ code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway
 
 Dispatch: Triton kernels for CUDA tensors, the PyTorch path everywhere else (same codes, same layout, so
 either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
-tuples (no device tables). Eager calls run in C++ where the host path builds (`cuda_host`: forward, autograd node
+tuples (no device tables). Eager calls run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: forward, autograd node
 and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
 inductor emits the launches itself; the PyTorch path is traced normally.
@@ -42,7 +42,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native, cuda_host
+from . import cpu_native, cuda_host, func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op
 from .activations import ACT_NAMES, ACTIVATIONS
@@ -662,6 +662,8 @@ def _resolve_backend(x: torch.Tensor, backend: Optional[str]) -> str:
 
 def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optional[str] = None) -> torch.Tensor:
     """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
+    if func_transforms.active():  # torch.func: functorch tensors, a setup_context Function
+        return func_transforms.approx_act(x, kind, bits)
     if backend is None and use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype, eager, training
         if torch.compiler.is_compiling():
             return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]

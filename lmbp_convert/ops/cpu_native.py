@@ -7,13 +7,14 @@ CPU (``-O3 -march=native``: AVX2, AVX-512, ...), cached on disk, and called thro
 
 Cache: ``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``, one build per (source, compiler,
 flags, torch version, CPU): a cache shared by different machines never runs code built for another CPU.
-Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and install atomically.
+Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and install atomically. A build
+first prints one line on stderr (what it compiles, about how long, where it is cached; `announce_build`).
 
 Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
 one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
-it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a dispatch mode or torch.compile tracing,
-an input autograd is recording as in double backward, a dtype combination the kernels lack), and the caller
-then runs its PyTorch path: the kernels never see an input they are not correct for.
+it does not apply (non-CPU or meta tensor, fp64, tensor subclass, a torch.func transform's tensor, a dispatch
+mode or torch.compile tracing, an input autograd is recording as in double backward, a dtype combination the
+kernels lack), and the caller then runs its PyTorch path: the kernels never see an input they are not correct for.
 
 Threads: ``torch.get_num_threads()``, through the OpenMP runtime torch already loaded (one thread pool, with
 at::parallel_for's chunking and grain size); where torch's runtime is not GNU's libgomp the library is built
@@ -28,6 +29,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -161,6 +163,23 @@ def _compile(cxx: str, flags: list[str], out: Path) -> None:
             os.unlink(tmp)
 
 
+#: Seconds a first build took, measured on a 2-core VM (`ops/csrc/cpu_ops.cpp` 12.6 s, `csrc/cuda_host.cpp` 24 s):
+#: the figure the one line announcing a build quotes.
+BUILD_SECONDS = {"cpu_ops": 15, "cuda_host": 25}
+_announced: set = set()
+
+
+def announce_build(what: str, source: Path, cxx: str, root: Path, key: str) -> None:
+    """One line on stderr before a first build (once per process and ``key``): a silent ~10-25 s pause at the
+    first op looks like a hang. Not a warning: nothing is wrong, and it must not turn into an error under
+    ``-W error``."""
+    if key in _announced:
+        return
+    _announced.add(key)
+    print(f"lmbp_convert: compiling {what} ({source.name}, {Path(cxx).name}), once per machine: about "
+          f"{BUILD_SECONDS[key]} s; cached in {root}", file=sys.stderr, flush=True)
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
     lib.lmbp_abi_version.argtypes, lib.lmbp_abi_version.restype = [], i32
@@ -188,6 +207,7 @@ def _build_and_load() -> ctypes.CDLL:
         try:
             with _file_lock(target.parent / "lock"):
                 if not target.exists():
+                    announce_build("the native CPU kernels", _SOURCE, cxx, root, "cpu_ops")
                     _compile(cxx, flags, target)
                     built = True
             lib = ctypes.CDLL(str(target))
@@ -251,9 +271,10 @@ def disabled() -> Iterator[None]:
 
 # ------------------------------------------------------------------------------------------ dispatch
 def _plain_cpu(t: torch.Tensor) -> bool:
-    """A dense CPU tensor whose memory the kernels may read directly."""
+    """A dense CPU tensor whose memory the kernels may read directly (not a torch.func wrapper: a batched or
+    gradient-tracking tensor of a transform has no storage of its own)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
-            and not t.is_neg())
+            and not t.is_neg() and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
 def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:

@@ -18,8 +18,13 @@ C++ launches off for the process (``LMBP_CUDA_HOST_CHECK=0`` skips the check).
 Build: at first use with the host's C++ compiler against torch's headers and libraries (no CUDA toolkit:
 the driver is reached with dlopen), cached on disk next to the native CPU kernels
 (``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``) per (source, compiler, flags, torch,
-Python), one build under a file lock for concurrent first uses. ``LMBP_CUDA_HOST=0`` turns it off; when the
-build or load fails, one warning says why and the Python path runs.
+Python), one build under a file lock for concurrent first uses; when the build or load fails, one warning says
+why and the Python path runs.
+
+Off unless asked for (``LMBP_CUDA_HOST=1``): it has run only on the stub driver so far. A wrong launch parameter is
+not a wrong value the self-check could catch but an illegal memory access that kills the process, so until a GPU
+run has validated it the Python launch path (Triton's own launcher) is the default. The variable is read at the
+first CUDA op of the process; `reload` reads it again.
 """
 from __future__ import annotations
 
@@ -39,10 +44,10 @@ from typing import Any, Iterator, Optional
 import torch
 
 from . import cpu_native
-from ._common import env_off, triton_interpreting
+from ._common import env_off, env_on, triton_interpreting
 
 __all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
-           "under_interpreter"]
+           "under_interpreter", "reload"]
 
 ENV_SWITCH = "LMBP_CUDA_HOST"
 ENV_CHECK = "LMBP_CUDA_HOST_CHECK"
@@ -91,6 +96,7 @@ def _build_and_load() -> Any:
     built = False
     with cpu_native._file_lock(target.parent / "lock"):
         if not target.exists():
+            cpu_native.announce_build("the C++ CUDA host path", _SOURCE, cxx, cpu_native._build_root(), "cuda_host")
             _compile(cxx, flags, target)
             built = True
     spec = importlib.util.spec_from_file_location(_MODULE, target)
@@ -122,8 +128,12 @@ def _load() -> Any:
     global _ext, _state, _reason
     with _lock:
         if _state == "unloaded":
-            if env_off(ENV_SWITCH):
-                _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+            if not env_on(ENV_SWITCH):
+                _state, _reason = "off", (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}" if env_off(ENV_SWITCH) else
+                                          f"C++ host path off by default until a GPU run validates it; "
+                                          f"{ENV_SWITCH}=1 turns it on")
+            elif _ext is not None:  # asked for again after `reload`: the module is loaded already
+                _state = "ready"
             else:
                 try:
                     mod = _build_and_load()
@@ -135,9 +145,18 @@ def _load() -> Any:
                 except Exception as e:  # any failure: the Python launch path runs instead
                     _state, _reason = "failed", str(e) or type(e).__name__
                     warnings.warn(f"lmbp_convert: C++ host path unavailable ({_reason}); using the Python launch "
-                                  f"path (set {ENV_SWITCH}=0 to skip the build)", RuntimeWarning, stacklevel=4)
+                                  f"path (unset {ENV_SWITCH} to skip the build)", RuntimeWarning, stacklevel=4)
             _reset()
     return _ext
+
+
+def reload() -> None:
+    """Read ``LMBP_CUDA_HOST`` again at the next CUDA op (it is read once per process): for a test or a notebook
+    that sets it after the first use. A built extension is not rebuilt."""
+    global _state
+    with _lock:
+        _state = "unloaded"
+        _reset()
 
 
 def ext() -> Any:

@@ -26,7 +26,7 @@ Triton kernels on CUDA tensors (`use_triton`; fp32 math in registers, one roundi
 path (ATen's act and act-backward kernels in the inputs' dtype: bitwise the roundings of eager autograd, and
 no fp32 copies of T×f tensors, which on CPU would cost more than the maths) (`_fwd_torch` / `_bwd_torch`, the reference
 in tests) everywhere else. Activation codes and maths come from the shared table (`ops.activations`). Eager
-calls of `gated_mlp` run in C++ where the host path builds (`cuda_host`: a step-for-step port of `GatedMLPFunction`),
+calls of `gated_mlp` run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: a step-for-step port of `GatedMLPFunction`),
 other launches go through `LeanKernel`; under torch.compile the Triton path is the triton_ops
 ``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` (inductor emits the launches) and the PyTorch path the opaque
 custom ops ``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. The matmuls are ordinary PyTorch calls.
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kinds import GATED_ACT_KINDS
-from . import cuda_host
+from . import cuda_host, func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 from .activations import ACTIVATIONS, act_code
@@ -541,6 +541,8 @@ def _check_gu(g: torch.Tensor, u: torch.Tensor, act: str, op: str) -> None:
 def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """``act(g)·u`` (dtype: promoted dtype of g and u) saving only g and u for backward."""
     _check_gu(g, u, act, "gated_act")
+    if func_transforms.active():
+        return func_transforms.gated_act(g, u, act)
     if torch.compiler.is_compiling() and use_triton(g) and use_triton(u):
         return torch.ops.lmbp_convert.gated_act_fwd(g, u, act, torch.promote_types(g.dtype, u.dtype))
     return GatedActFunction.apply(g, u, act)
@@ -574,6 +576,8 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
             raise TypeError(f"gated_mlp: LoRA scale must be a Python number, got {type(ad.scale).__name__}")
         meta.append((float(ad.scale), bool(ad.cast_input)))
         flat += [a_w, b_w, b_b]
+    if func_transforms.active():  # torch.func: the same function through torch's ops
+        return func_transforms.gated_mlp(g, u, weight, bias, act, meta, flat)
     if use_triton(g) and use_triton(u) and not torch.compiler.is_compiling() and g.get_device() == u.get_device():
         host = _HOST.get(0)
         if host is None:

@@ -17,7 +17,7 @@ the approximation the method accepts.
 
 Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
 everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
-path builds (`cuda_host`), else their launches go through
+path is on (`cuda_host`, LMBP_CUDA_HOST=1), else their launches go through
 `LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
 ``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
 Rows up to ``MAX_FUSED_BLOCK`` (16384) elements are held in registers by one program; longer rows use a
@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from . import cpu_native, cuda_host
+from . import cpu_native, cuda_host, func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
 
@@ -456,6 +456,8 @@ def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, i
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
     """The norm over rows of ``n`` trailing elements, for callers that validated the shape once (modules);
     only the dtype is checked here."""
+    if func_transforms.active():  # torch.func: the same function through torch's ops
+        return func_transforms.ms_norm(x, n, eps, is_rms, autocast_dtype_for(x))
     if use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype
         if torch.compiler.is_compiling():
             return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, autocast_dtype_for(x))[0]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..fold import BETA_RATIO, GAMMA_FLOOR, unreliable_channels
+from . import func_transforms
 from ._common import HAS_TRITON, autocast_dtype_for, check_dtype, use_triton
 
 if HAS_TRITON:
@@ -288,6 +289,9 @@ def ms_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                          + (f" and {tuple(bias.shape)}" if bias is not None else ""))
     if x.dim() == 0 or x.shape[-1] != n:
         raise ValueError(f"ms_norm_affine: input of shape {tuple(x.shape)} has no rows of {n}")
+    if func_transforms.active():  # torch.func: the same function through torch's ops
+        out = out_dtype if out_dtype is not None else autocast_dtype_for(x)
+        return func_transforms.ms_norm_affine(x, weight, bias, n, eps, is_rms, one_plus, out)
     if keep_idx is None:
         if torch.compiler.is_compiling():
             return plain_norm_affine(x, weight, bias, n, eps, is_rms, one_plus, out_dtype)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import ProbeError
 from . import probe_inputs as pi
-from .tracer import call_model
+from .tracer import OUT_OF_MEMORY, call_model
 
 T = TypeVar("T")
 
@@ -184,6 +184,8 @@ def _refusal(model: nn.Module, inputs: Any, device: torch.device, outputs: list 
             out = call_model(model, inputs)
         if outputs is not None:
             outputs.append(out)
+    except OUT_OF_MEMORY:  # not this probe's fault: a smaller one would only hide it
+        raise
     except Exception as exc:  # a probe the model cannot take: try the next one
         return exc
     finally:
@@ -344,6 +346,8 @@ def _accepted(model: nn.Module, inputs: Any, device: torch.device, accept: Calla
         return _Refused(err) if err is not None else (outputs[0] if outputs else None)
     try:
         return accept(inputs)
+    except OUT_OF_MEMORY:
+        raise
     except Exception:
         err = _refusal(model, inputs, device)
         if err is None:

@@ -22,6 +22,10 @@ from ..errors import TraceError
 from .containers import children
 from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
 
+#: Out of memory (a device's or the host's): never "this input does not fit the model". The probe search, the
+#: trace and verification re-raise it, so that a smaller probe cannot hide it and the report cannot misread it.
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+
 _INPLACE_EXCEPTIONS = {"__iadd__", "__isub__", "__imul__", "__itruediv__"}
 
 
@@ -312,18 +316,35 @@ def _trace_once(model: nn.Module, probe: Any, is_leaf: Callable[[nn.Module], boo
     params: dict[int, str] = {}
     for pname, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         params.setdefault(id(t), pname)
+    scripted = {id(m) for m in model.modules() if isinstance(m, torch.jit.ScriptModule)}
+    if scripted:  # one opaque node each: TorchScript runs no Python ops the mode could see
+        base_leaf = is_leaf
+        is_leaf = lambda m: id(m) in scripted or base_leaf(m)  # noqa: E731
     tracer = _Tracer(names, is_leaf, meta_as_cpu, params)
     with ExitStack() as stack:
-        stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
+        if not isinstance(model, torch.jit.ScriptModule):
+            stack.callback(model.register_forward_pre_hook(_dict_outputs, with_kwargs=True).remove)
         for mod in model.modules():
-            stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
-            stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
+            if id(mod) not in scripted:
+                stack.callback(mod.register_forward_pre_hook(tracer.pre_hook, with_kwargs=True).remove)
+                stack.callback(mod.register_forward_hook(tracer.post_hook, with_kwargs=True).remove)
+        if scripted:  # a ScriptModule refuses hooks of its own, but its Python call runs the global ones (which
+            # see its positional arguments only: a tensor passed to it by keyword looks unread, so a fold that
+            # misses it fails verification and is rolled back)
+            from torch.nn.modules import module as nn_module
+
+            stack.callback(nn_module.register_module_forward_pre_hook(
+                lambda m, args: tracer.pre_hook(m, args, {}) if id(m) in scripted else None).remove)
+            stack.callback(nn_module.register_module_forward_hook(
+                lambda m, args, out: tracer.post_hook(m, args, {}, out) if id(m) in scripted else None).remove)
         stack.enter_context(torch.no_grad())
         if meta_as_cpu:
             probe = _MetaAsCpu.probe(probe)
         with tracer:
             try:
                 out = call_model(model, probe)
+            except OUT_OF_MEMORY:  # the machine's limit, not the probe's: raised as it is
+                raise
             except Exception as exc:  # a probe the model cannot take
                 err = TraceError(
                     f"the probe forward of {type(model).__name__} failed ({type(exc).__name__}: {exc}); "

@@ -1,6 +1,7 @@
 """A norm that casts its output (T5's RMSNorm casts to its half-precision weight) stays a cast once converted."""
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers as T
 from transformers import AutoConfig
@@ -44,3 +45,48 @@ def test_the_cast_survives_the_plan_round_trip():
     plan = convert(m).lmbp_report.plan
     again = Plan.from_dict(plan.to_dict())
     assert [f.out_dtype for f in again.norm_folds] == [f.out_dtype for f in plan.norm_folds]
+
+
+def _family(name: str):
+    from benchmarks.families import FAMILIES, PROBE_FAMILIES, randomize_norms
+
+    torch.manual_seed(0)
+    return randomize_norms({**FAMILIES, **PROBE_FAMILIES}[name]()).eval()
+
+
+def _step_bytes(model, probe) -> int:
+    """Exact saved-for-backward bytes of one training forward under bf16 autocast."""
+    from lmbp_convert.memory import SavedTensorLedger
+
+    with SavedTensorLedger() as ledger, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**probe)
+    (out.logits if hasattr(out, "logits") else out[0]).float().sum().backward()
+    return ledger.bytes
+
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_convert_under_autocast_analyses_outside_it_and_keeps_the_savings(family):
+    """Once, inside ``torch.autocast`` verification compared bf16 rounding, not the rewrites: 5 of 7 rolled back on
+    LLaMA, all 5 on T5, and the report said "passed". Now convert() traces and verifies outside autocast, keeps
+    every rewrite (the plan is the one made outside), says so in a note, and leaves autocast on for the caller;
+    a training step under autocast then saves exactly what the model converted outside autocast saves."""
+    import copy
+
+    from lmbp_convert.trace.probe import make_probe
+
+    original = _family(family)
+    outside, inside = copy.deepcopy(original), copy.deepcopy(original)
+    convert(outside)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        convert(inside)
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
+    got, want = inside.lmbp_report, outside.lmbp_report
+    assert not got.rolled_back and got.verification == "passed"
+    assert got.plan.to_dict()["norm_folds"] == want.plan.to_dict()["norm_folds"]
+    assert len(got.plan.items) == len(want.plan.items) >= 5
+    assert any("torch.autocast (cpu: bfloat16)" in n for n in got.notes)
+    assert not any("autocast" in n for n in want.notes)
+    probe = make_probe(original)[0]
+    saved = [_step_bytes(m, probe) for m in (original, outside, inside)]
+    assert saved[1] == saved[2] < saved[0], saved

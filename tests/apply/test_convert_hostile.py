@@ -167,3 +167,64 @@ def test_output_hidden_states_match_the_original(family):
         got, want = model(**probe, output_hidden_states=True), ref(**probe, output_hidden_states=True)
     for a, b in zip(got.hidden_states, want.hidden_states):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _scripted_case(family: str, what: str):
+    """A family model (random γ, β) with one module replaced by its ``torch.jit.script`` version: the first norm the
+    plan folds (``what="norm"``) or the first Linear that norm folds into (``"linear"``)."""
+    from benchmarks.families import FAMILIES, randomize_norms
+    from lmbp_convert import plan_conversion
+    from lmbp_convert.match.plan import NormFold
+
+    torch.manual_seed(0)
+    model = randomize_norms(FAMILIES[family]()).eval()
+    fold = next(i for i in plan_conversion(model).items if isinstance(i, NormFold) and i.targets)
+    name = fold.name if what == "norm" else fold.targets[0].name
+    parent, _, child = name.rpartition(".")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated, and still used
+        setattr(model.get_submodule(parent), child, torch.jit.script(model.get_submodule(name)))
+    return model, name
+
+
+@pytest.mark.parametrize("excluded", [False, True])
+@pytest.mark.parametrize("what", ["norm", "linear"])
+@pytest.mark.parametrize("family", ["llama", "bert", "timm_vit"])
+def test_scripted_submodules_are_left_alone_with_the_reason(family, what, excluded):
+    """Once a raw RuntimeError from the tracer ("register_forward_pre_hook is not supported on ScriptModules"),
+    excluded or not. Now the scripted module is one opaque call in the trace, kept as it is and listed with the
+    reason (unless excluded); everything else converts and verifies, and the outputs are the original's."""
+    from lmbp_convert.match.roles import SCRIPTED_WHY
+
+    model, name = _scripted_case(family, what)
+    scripted = model.get_submodule(name)
+    probe = make_probe(model)[0]
+    with torch.no_grad():
+        ref = model(**probe) if isinstance(probe, dict) else model(probe)
+    convert(model, exclude=[name] if excluded else None)
+    report = model.lmbp_report
+    assert model.get_submodule(name) is scripted
+    assert report.verification == "passed" and report.plan.items
+    skips = {s.name: s.reason for s in report.plan.skips}
+    assert (skips.get(name) == SCRIPTED_WHY) is not excluded, skips
+    with torch.no_grad():
+        out = model(**probe) if isinstance(probe, dict) else model(probe)
+    got, want = (out if isinstance(out, torch.Tensor) else out[0]), (ref if isinstance(ref, torch.Tensor) else ref[0])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_scripted_model_has_nothing_to_convert_and_says_why():
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(self.norm(x))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = torch.jit.script(Tiny())
+    with pytest.raises(NothingToConvertError, match="torch.jit.script-ed") as err:
+        convert(model, probe=torch.randn(2, 8))
+    assert str(err.value).count("torch.jit.script-ed") == 1  # the outermost one, not each of its children

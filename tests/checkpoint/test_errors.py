@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -282,14 +283,70 @@ def test_commit_failure_restores_existing_dst(cli, src, tmp_path, monkeypatch):
 
 # -- options and other inputs ---------------------------------------------------------------------------------
 def test_nothing_to_fold(cli, saved, tmp_path):
+    src = saved("llama")  # (an include that names a module, but no norm)
+    expect_error(cli, src, tmp_path / "dst", "--include", "model.embed_tokens", match="nothing to fold")
+    rc, _, err = cli(src, tmp_path / "dst", "--include", "model.embed_tokens", "--allow-empty", "-q")
+    assert rc == 0, err
+    assert (tmp_path / "dst" / "config.json").exists()
+
+
+def _convert_says(**patterns) -> tuple[Exception | None, list[str]]:
+    """What convert() raises and warns about these patterns on the model the "llama" checkpoint holds."""
+    import warnings
+
+    from ckpt_helpers import build_model
+
+    from lmbp_convert import convert
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            convert(build_model("llama"), **patterns)
+        except Exception as exc:  # noqa: BLE001 - compared below
+            return exc, [str(w.message) for w in caught]
+    return None, [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+                  and "pattern(s)" in str(w.message)]
+
+
+@pytest.mark.parametrize("extra", [["--dry-run"], [], ["--allow-empty"], ["--json", "--dry-run"]])
+def test_include_matching_no_module_is_the_error_convert_raises(cli, saved, tmp_path, extra):
+    """Once '0 norm(s) folded', exit 0 in --dry-run (and a DST with --allow-empty): now convert()'s own error."""
+    from lmbp_convert import NothingToConvertError
+
+    exc, _ = _convert_says(include=["no_such_module"])
+    assert isinstance(exc, NothingToConvertError) and "'no_such_module'" in str(exc)
+    line = expect_error(cli, saved("llama"), tmp_path / "dst", "--include", "no_such_module", *extra, match="")
+    assert line == f"lmbp-convert: error: {exc}"
+
+
+def test_unmatched_exclude_and_include_warn_as_convert_does(cli, saved, tmp_path):
+    """An exclude that matches nothing excludes nothing (a typo protects no module): the warning convert() gives,
+    one line each; the plan is the one without them. -q leaves it out (errors only)."""
     src = saved("llama")
-    expect_error(cli, src, tmp_path / "dst", "--include", "no_such_module", match="nothing to fold")
-    rc, _, err = cli(src, tmp_path / "dst", "--include", "no_such_module", "--allow-empty", "-q")
-    assert rc == 0, err and (tmp_path / "dst" / "config.json").exists()
+    args = ["--exclude", "model.layers.9.input_layernorm", "--include", "model.norm", "--include", "nope"]
+    _, warned = _convert_says(exclude=args[1], include=[args[3], args[5]])
+    assert len(warned) == 2
+    rc, out, err = cli(src, tmp_path / "dst", *args, "--dry-run")
+    assert rc == 0, err
+    assert err.splitlines() == [f"lmbp-convert: warning: {w}" for w in warned], err
+    rc, plain, _ = cli(src, tmp_path / "dst", "--include", "model.norm", "--dry-run")
+    assert rc == 0 and out == plain
+    rc, _, err = cli(src, tmp_path / "dst", *args, "--dry-run", "-q")
+    assert rc == 0 and err == ""
 
 
-def test_bad_regex(cli, saved, tmp_path):
-    expect_error(cli, saved("llama"), tmp_path / "dst", "--exclude", "(", match="not a valid regular expression")
+@pytest.mark.parametrize("flag", ["--exclude", "--include"])
+def test_invalid_regex_is_a_usage_error(cli, capsys, saved, tmp_path, flag):
+    """Exit 2, as the epilog reserves for usage errors (it was 1), before anything is read."""
+    src = saved("llama")
+    before = tree_hash(src)
+    with pytest.raises(SystemExit) as stop:
+        cli(src, tmp_path / "dst", flag, "(", "--dry-run")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: lmbp-convert") and err.splitlines()[-1].startswith(
+        f"lmbp-convert: error: {flag[2:]} pattern '(' is not a valid regular expression: "), err
+    assert not os.path.lexists(tmp_path / "dst") and tree_hash(src) == before
 
 
 def test_file_src_without_timm_model(cli, src, tmp_path):
@@ -395,3 +452,63 @@ def test_help_and_path_errors_come_before_the_heavy_imports(src, tmp_path):
 
     assert lmbp_convert.convert.__module__ == "lmbp_convert.apply.convert"  # public names unchanged
     from lmbp_convert import ConvertOptions, SavedTensorLedger, convert  # noqa: F401
+
+
+# -- a closed stdout (`lmbp-convert SRC DST --dry-run | head -1`) ---------------------------------------------
+class _ClosedPipe:
+    """The write end of a pipe whose read end is closed before anything is written: every write fails with EPIPE
+    at once (Python ignores SIGPIPE), so no test depends on when a reader exits."""
+
+    def __enter__(self):
+        r, w = os.pipe()
+        os.close(r)
+        self.fd = w
+        self.file = os.fdopen(w, "w")
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.file.close()
+        except BrokenPipeError:  # what the command left in the buffer
+            pass
+
+
+@pytest.mark.parametrize("extra", [["--dry-run"], ["--dry-run", "--json"], [], ["--force"]])
+def test_closed_stdout_ends_quietly_with_no_dst(monkeypatch, capsys, saved, tmp_path, extra):
+    """Once "I/O error ...: Broken pipe; no DST written", exit 1. Now no word (the reader has gone), exit 141
+    (128 + SIGPIPE, what a shell reports for `cp` or `head` ended so), and DST as it was: none, or the old one."""
+    from lmbp_convert.cli import EXIT_STDOUT_CLOSED, main
+
+    src, dst = saved("llama"), tmp_path / "dst"
+    if "--force" in extra:
+        dst.mkdir()
+        (dst / "old.txt").write_text("previous result")
+    before = tree_hash(dst) if dst.exists() else None
+    with _ClosedPipe() as pipe:
+        monkeypatch.setattr(sys, "stdout", pipe.file)
+        rc = main([str(src), str(dst), *extra])
+    assert rc == EXIT_STDOUT_CLOSED == 141
+    assert capsys.readouterr().err == ""
+    assert (tree_hash(dst) if dst.exists() else None) == before
+    assert not leftovers(tmp_path), leftovers(tmp_path)
+
+
+@pytest.mark.slow  # a fresh interpreter (torch import)
+def test_closed_stdout_ends_the_command_as_sigpipe_ends_head(saved, tmp_path):
+    """The command itself (`cli.run`): ended by SIGPIPE like `head` or `cp`, after the exit handlers, silently."""
+    import signal
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    command = ("import atexit, sys\n"
+               "atexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
+               "sys.argv = ['lmbp-convert', *sys.argv[1:]]\n"
+               "from lmbp_convert.cli import run\n"
+               "run()\n")
+    with _ClosedPipe() as pipe:
+        proc = subprocess.run([sys.executable, "-c", command, str(saved("llama")), str(tmp_path / "dst"), "--dry-run"],
+                              cwd=root, stdout=pipe.fd, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == -signal.SIGPIPE, proc.stderr
+    assert proc.stderr == "exit handler ran\n"
+    assert not os.path.lexists(tmp_path / "dst")

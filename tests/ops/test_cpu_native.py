@@ -296,3 +296,29 @@ def test_other_instruction_sets_match_the_torch_path(arch, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
     assert list((tmp_path / "build").rglob("*.so"))  # built with these flags, not a cached native build
+
+
+def test_first_build_says_in_one_line_what_it_compiles(tmp_path, monkeypatch, capsys):
+    """The first use compiles for ~10-25 s: one stderr line says what, about how long and where it is cached, once
+    (not again for the next flag set, and not when the library is already in the cache)."""
+    calls = []
+
+    def no_compiler_run(cxx, flags, out):  # the build itself is not what is tested: fail every flag set
+        calls.append(flags)
+        raise RuntimeError("not built in this test")
+
+    cached = os.path.dirname(os.path.dirname(N.build_info()["path"]))
+    monkeypatch.setenv(N.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(N, "_announced", set())
+    monkeypatch.setattr(N, "_compile", no_compiler_run)
+    with pytest.raises(RuntimeError, match="not built in this test"):
+        N._build_and_load()
+    err = capsys.readouterr().err
+    assert calls and err.count("\n") == 1, err
+    assert err.startswith("lmbp_convert: compiling the native CPU kernels (cpu_ops.cpp, ")
+    assert f"about {N.BUILD_SECONDS['cpu_ops']} s; cached in {tmp_path}" in err
+    # a cached library: nothing said (the real cache of this process's build)
+    monkeypatch.setattr(N, "_announced", set())
+    monkeypatch.setenv(N.ENV_DIR, cached)
+    N._build_and_load()
+    assert capsys.readouterr().err == ""

@@ -28,6 +28,16 @@ needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("c++"
                                reason="needs gcc and a C++ compiler (stub libcuda, the extension)")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+@pytest.fixture(autouse=True)
+def cpp_path_asked_for(monkeypatch):
+    """The C++ host path is off unless asked for (LMBP_CUDA_HOST=1): these tests ask for it, here and in the
+    subprocesses they start; the next test elsewhere reads the variable again."""
+    monkeypatch.setenv(cuda_host.ENV_SWITCH, "1")
+    cuda_host.reload()
+    yield
+    cuda_host.reload()
+
 PARITY_SCRIPT = r"""
 import struct, sys
 from types import SimpleNamespace
@@ -170,9 +180,10 @@ print("ok")
 
 
 def _run(script: str, env: dict | None = None) -> str:
+    """Run ``script`` in a fresh Python; ``env`` entries override the environment (None: unset)."""
+    full = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT, **(env or {})}
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                         timeout=900, cwd=ROOT,
-                         env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT, **(env or {})})
+                         timeout=900, cwd=ROOT, env={k: v for k, v in full.items() if v is not None})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return res.stdout
 
@@ -198,6 +209,27 @@ print(cuda_host.status())
 def test_env_switch_turns_the_cpp_path_off_without_building():
     out = _run(SWITCH_SCRIPT, {cuda_host.ENV_SWITCH: "0"})
     assert "Python launch path (LMBP_CUDA_HOST=0)" in out
+
+
+@pytest.mark.parametrize("value", [None, "", "2"])
+def test_cpp_path_is_off_unless_asked_for(value):
+    """Until a GPU run has validated it, a wrong launch parameter would be an illegal memory access in the user's
+    process: unset (or not an on value), the variable keeps the Python launch path, with no build and no warning,
+    and the status line says how to turn it on."""
+    out = _run(SWITCH_SCRIPT, {cuda_host.ENV_SWITCH: value})
+    assert out.strip() == ("Python launch path (C++ host path off by default until a GPU run validates it; "
+                           "LMBP_CUDA_HOST=1 turns it on)"), out
+
+
+def test_reload_reads_the_switch_again(monkeypatch):
+    with cuda_host.under_interpreter():  # (else the status names the interpreter)
+        monkeypatch.setenv(cuda_host.ENV_SWITCH, "0")
+        cuda_host.reload()
+        assert cuda_host.status() == "Python launch path (LMBP_CUDA_HOST=0)"
+        monkeypatch.delenv(cuda_host.ENV_SWITCH)
+        assert cuda_host.status() == "Python launch path (LMBP_CUDA_HOST=0)"  # read once per process...
+        cuda_host.reload()  # ... unless asked again
+        assert cuda_host.status().endswith("LMBP_CUDA_HOST=1 turns it on)")
 
 
 @needs_triton
@@ -506,3 +538,22 @@ def test_every_ops_switch_reads_the_same_off_values(monkeypatch, value, off):
         else:
             monkeypatch.setenv(name, value)
         assert env_off(name) is off
+
+
+def test_first_build_says_in_one_line_what_it_compiles(tmp_path, monkeypatch, capsys):
+    """Building the host path takes ~25 s at the first CUDA op: one stderr line says so before it starts."""
+    from lmbp_convert.ops import cpu_native
+
+    def not_built(cxx, flags, out):
+        raise RuntimeError("not built in this test")
+
+    if cpu_native._compiler() is None or sys.platform != "linux":
+        pytest.skip("no C++ compiler: nothing is built")
+    monkeypatch.setenv(cpu_native.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(cpu_native, "_announced", set())
+    monkeypatch.setattr(cuda_host, "_compile", not_built)
+    with pytest.raises(RuntimeError, match="not built in this test"):
+        cuda_host._build_and_load()
+    ours = [ln for ln in capsys.readouterr().err.splitlines() if "lmbp_convert" in ln]  # (torch logs its own)
+    assert len(ours) == 1 and ours[0].startswith("lmbp_convert: compiling the C++ CUDA host path (cuda_host.cpp, ")
+    assert ours[0].endswith(f"about {cpu_native.BUILD_SECONDS['cuda_host']} s; cached in {tmp_path}"), ours

@@ -235,3 +235,29 @@ def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_
     model = PROBE_FAMILIES["bert_multiple_choice"]()
     found = search_probe(model, None, first=0)  # the 2-D ids: refused, then the others in order
     assert found.probe["input_ids"].dim() == 3 and found.index == search_probe(model, None).index
+
+
+@pytest.mark.parametrize("oom", [torch.OutOfMemoryError, MemoryError])
+@pytest.mark.parametrize("call", ["convert", "plan_conversion", "make_probe"])
+def test_out_of_memory_during_the_search_is_raised_not_taken_for_a_refusal(oom, call):
+    """Out of memory is the machine's limit, not the probe's: once, the search tried a smaller candidate (batch 1)
+    and the conversion went on as if nothing had happened; now it is raised as it is, and the model left alone."""
+    from benchmarks.families import FAMILIES
+
+    model = FAMILIES["llama"]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+
+    def big_batch_does_not_fit(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        seen.append(tuple(ids.shape))
+        if ids.shape[0] > 1:
+            raise oom("out of memory (test)")
+
+    model.register_forward_pre_hook(big_batch_does_not_fit, with_kwargs=True)
+    fn = {"convert": convert, "plan_conversion": plan_conversion, "make_probe": make_probe}[call]
+    with pytest.raises(oom, match="out of memory"):
+        fn(model)
+    assert seen == [(2, 8)]  # no other candidate tried
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not any(type(m).__module__.startswith("lmbp_convert") for m in model.modules())
