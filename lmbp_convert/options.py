@@ -29,7 +29,9 @@ class ConvertOptions:
     verify: check the rewritten model's outputs on the probe against the original's and roll back rewrites
         that change them (real weights only; meta models are planned but not verified).
     rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None picks by dtype.
-    untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy.
+    untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy; the
+        model's config then says ``tie_word_embeddings=False``, so transformers' ``tie_weights()`` (and
+        ``resize_token_embeddings``) does not tie the unfolded embedding back under the folded head.
     keep_affine: where a norm's fold is refused but a consumer keeps its output anyway (a post-LN residual in the
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a

@@ -24,6 +24,7 @@ from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import trace
 from .rewrite import Unit, UnitBuilder
+from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
                      float_tensors, run_probe)
 
@@ -149,13 +150,20 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
     builder = UnitBuilder(model)
-    units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
+    units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
+    ties = TieRecord(model)
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
         _verify(model, checks, units, opt, report)
+        untie = ties.untie_unit()  # what a fold untied stays untied: tie_weights() must not re-tie it
+        units.append((untie, None))
+        untie.apply()
+        if untie.steps:
+            report.notes.append("untied weights: config.tie_word_embeddings is now False (and transformers' tie map "
+                                "drops them), so tie_weights() and resize_token_embeddings() keep the folded head")
         _warn_orphans(model, params_before)
         report.seconds = time.perf_counter() - t0
         _attach(model, report)
