@@ -36,6 +36,10 @@ class ConvertOptions:
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
         residual add that reads it sees the rounded value.
+    accept_norms: norm classes (``"module:QualName"`` or the class name) swapped on the behaviour probe's word
+        alone. Without it, a module that acts as a norm on the probe but not in train mode, on non-finite or on
+        extreme input (a subclass with its own forward: a train-time noise term, a NaN guard) is refused, and
+        the report names its class.
     """
 
     activations: bool = True
@@ -49,6 +53,7 @@ class ConvertOptions:
     rtol: float | None = None
     untie: bool = False
     keep_affine: bool = True
+    accept_norms: Sequence[str] | None = None
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -85,6 +90,13 @@ class ConvertOptions:
                 except re.error as exc:
                     raise ValueError(f"{attr} pattern {pat!r} is not a valid regular expression: {exc}") from exc
             setattr(self, f"_{attr}_rx", compiled)
+        if isinstance(self.accept_norms, str):
+            self.accept_norms = [self.accept_norms]
+        if self.accept_norms is not None:
+            items = list(self.accept_norms) if isinstance(self.accept_norms, Iterable) else None
+            if items is None or not all(isinstance(c, str) and c for c in items):
+                raise ValueError(f"accept_norms must be a class name or a list of them, got {self.accept_norms!r}")
+            self.accept_norms = items
         if not (self.activations or self.norms or self.gated_mlp):
             raise ValueError("all of activations, norms and gated_mlp are off: nothing to convert")
         if self.probe is not None:
@@ -133,7 +145,7 @@ class ConvertOptions:
             "activations": self.activations, "norms": self.norms, "gated_mlp": self.gated_mlp,
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
-            "keep_affine": self.keep_affine,
+            "keep_affine": self.keep_affine, "accept_norms": list(self.accept_norms) if self.accept_norms else None,
         }
 
 

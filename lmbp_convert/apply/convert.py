@@ -50,7 +50,7 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     cat = load_catalogue()
-    roles = assign_roles(model, cat)
+    roles = assign_roles(model, cat, opt.accept_norms or ())
     if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
         probe = probe[0]
     is_leaf = is_leaf_factory(model, roles)
