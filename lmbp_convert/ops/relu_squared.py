@@ -46,7 +46,7 @@ def _bwd_torch(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """grad · 2√y in fp32 (fp64 for fp64), rounded once to y's dtype; differentiable for double backward."""
     cd = torch.float64 if y.dtype == torch.float64 else torch.float32
     yc = y.to(cd)
-    if grad.requires_grad and torch.is_grad_enabled():  # d√y/dy is infinite at 0: keep NaN out of the graph
+    if torch.is_grad_enabled():  # double backward (create_graph): d√y/dy is infinite at 0, keep NaN out of it
         pos = yc > 0
         root = torch.where(pos, torch.sqrt(torch.where(pos, yc, 1.0)), 0.0)
     else:
@@ -121,7 +121,7 @@ class ReluSquaredFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         (y,) = ctx.saved_tensors
-        fast = ctx.triton_path and grad.dtype == y.dtype and not (grad.requires_grad and torch.is_grad_enabled())
+        fast = ctx.triton_path and grad.dtype == y.dtype and not torch.is_grad_enabled()  # create_graph: PyTorch
         return (_bwd_triton(grad, y) if fast else _bwd_torch(grad, y)), None
 
 
