@@ -16,8 +16,9 @@ inf, where the unfused one is finite; the loss is then inf anyway. NaN in gives 
 unfused; x ≤ 0 gives exactly 0.
 
 Dispatch: Triton kernels for CUDA tensors of fp32 / fp16 / bf16 (one pass each way, no temporaries), the
-PyTorch path everywhere else. Double backward (create_graph) takes the PyTorch path, whose ops are
-differentiable (with √y guarded at y = 0, where d√y/dy is infinite).
+PyTorch path everywhere else, and under ``torch.compile`` (inductor fuses its elementwise ops). Double backward
+(create_graph) takes the PyTorch path, whose ops are differentiable (with √y guarded at y = 0, where d√y/dy is
+infinite).
 """
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ def relu_squared(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor
         raise ValueError(f"relu_squared: backend must be None, 'auto', 'torch' or 'triton', got {backend!r}")
     check_dtype(x, "relu_squared")
     triton_path = use_triton(x) if backend in (None, "auto") else backend == "triton"
+    if triton_path and backend in (None, "auto") and torch.compiler.is_compiling():
+        triton_path = False  # inductor fuses the PyTorch path's elementwise ops into kernels of its own
     if triton_path and (not HAS_TRITON or x.dtype == torch.float64):
         raise ValueError(f"relu_squared: the Triton path takes fp32 / fp16 / bf16 tensors with Triton installed, "
                          f"got {x.dtype}")

@@ -153,3 +153,10 @@ def test_triton_path_reads_non_contiguous_inputs():
 
 def test_module_doc_states_the_dtypes():
     assert "bf16" in M.__doc__ and "fp16" in M.__doc__
+
+
+def test_compiles_in_one_graph():
+    x = torch.randn(4, 64, requires_grad=True)
+    f = torch.compile(lambda t: relu_squared(t).sum(), backend="aot_eager", fullgraph=True)
+    f(x).backward()
+    assert torch.equal(x.grad, _grads(_unfused, x.detach(), torch.ones(4, 64)))
