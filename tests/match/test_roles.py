@@ -118,3 +118,23 @@ def test_plain_norms_pass_beyond_the_probe(name):
     """NaN / inf rows give NaN (or 0 beside an inf, for RMSNorm) as the memory-sharing norm does; 1e15, 1e-15 and
     an outlier row are normalised; train mode is eval mode."""
     assert isinstance(identify_norm(_family_norms()[name](), None, None), NormRole)
+
+
+def _all_families():
+    from benchmarks.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES
+
+    return {**FAMILIES, **PROBE_FAMILIES, **MORE_FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(_all_families()))
+def test_no_family_norm_fails_the_checks_beyond_the_probe(family):
+    """Every norm of the conversion families acts as its norm in train mode and on non-finite and extreme input:
+    the checks cost no family a norm (their plans are the same with and without them)."""
+    from lmbp_convert.catalogue import load_catalogue
+    from lmbp_convert.match.roles import assign_roles
+
+    roles = assign_roles(_all_families()[family](), load_catalogue())
+    beyond = {n: r.problem for n, r in roles.items() if r.probe_norm}
+    assert not beyond, beyond
+    assert any(r.kind.value == "norm" for r in roles.values())
