@@ -267,3 +267,12 @@ def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_
     model = PROBE_FAMILIES["bert_multiple_choice"]()
     found = search_probe(model, None, first=0)  # the 2-D ids: refused, then the others in order
     assert found.probe["input_ids"].dim() == 3 and found.index == search_probe(model, None).index
+
+
+def test_one_channel_hf_vit_probes_with_its_config_channels():
+    from benchmarks.families import hf_auto
+
+    model = hf_auto("AutoModelForImageClassification", "vit", image_size=32, patch_size=8, num_channels=1,
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+    probe, _, _ = make_probe(model)
+    assert tuple(probe["pixel_values"].shape) == (2, 1, 32, 32)
