@@ -26,7 +26,7 @@ def _embedding_weights(mod: nn.Module) -> tuple[Any, Any] | None:
         return None
     try:
         emb_in, emb_out = get_in(), get_out()
-    except (NotImplementedError, AttributeError):  # a base model without a head
+    except Exception:  # noqa: BLE001 - a model without one of them (NotImplementedError, AttributeError, ...)
         return None
     w_in, w_out = getattr(emb_in, "weight", None), getattr(emb_out, "weight", None)
     return (w_in, w_out) if w_in is not None and w_out is not None else None
