@@ -36,7 +36,7 @@ if HAS_TRITON:
 __all__ = ["relu_squared", "ReluSquaredFunction"]
 
 _BLOCK = 1024
-_HALF = (torch.bfloat16, torch.float16)
+_HALF = (torch.bfloat16, torch.float16)  # √y is rounded to these before use, as torch.sqrt does
 
 
 def _fwd_torch(x: torch.Tensor) -> torch.Tensor:
@@ -44,17 +44,14 @@ def _fwd_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_torch(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """grad · 2√y in fp32 (fp64 for fp64), rounded once to y's dtype; differentiable for double backward."""
-    cd = torch.float64 if y.dtype == torch.float64 else torch.float32
-    yc = y.to(cd)
-    if torch.is_grad_enabled():  # double backward (create_graph): d√y/dy is infinite at 0, keep NaN out of it
-        pos = yc > 0
-        root = torch.where(pos, torch.sqrt(torch.where(pos, yc, 1.0)), 0.0)
-    else:
-        root = torch.sqrt(yc)
-    if y.dtype in _HALF:  # relu(x) was a number of y's dtype: √y rounded to it is relu(x) itself, bar rare ties
-        root = root.to(y.dtype).to(cd)
-    return (grad.to(cd) * 2.0 * root).to(y.dtype)
+    """grad · (2·√y) with the ops of the unfused backward (``grad * (2 * r)``), √y standing in for r = relu(x):
+    ``torch.sqrt`` is correctly rounded in fp32 / fp64 and computes in fp32, rounded once, for bf16 / fp16, where
+    that rounding gives r back. Differentiable for double backward (create_graph), with √y guarded at y = 0."""
+    if torch.is_grad_enabled():  # double backward: d√y/dy is infinite at 0, keep NaN out of the graph
+        pos = y > 0
+        root = torch.where(pos, torch.sqrt(torch.where(pos, y, torch.ones_like(y))), torch.zeros_like(y))
+        return (grad * (root * 2)).to(y.dtype)
+    return torch.sqrt(y).mul_(2).mul_(grad)  # in place on the fresh √y: one tensor allocated, not three
 
 
 if HAS_TRITON:
