@@ -83,3 +83,13 @@ def test_converted_mlp_is_exact_and_keeps_one_tensor_less():
     assert before.bytes - after.bytes == 2 * 5 * H * 4
     assert torch.equal(x1.grad, x2.grad)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), model.parameters()))
+
+
+def test_plan_with_the_swap_round_trips_through_json():
+    import json
+
+    from lmbp_convert.match.plan import Plan
+
+    plan = _plan(PrimerReLU2())
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.of(OutputActSwap) == plan.of(OutputActSwap)
