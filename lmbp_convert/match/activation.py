@@ -32,7 +32,13 @@ def match_activations(ctx: MatchContext) -> Iterator[ActSwap | Skip]:
         elif role.kind is RoleKind.OTHER and ctx.g.module_calls.get(name):
             kind = output_activation_kind(ctx, name, mod, checked)
             if kind is not None:
-                yield OutputActSwap(name, class_key(mod), kind, predicted_output_act_bytes(ctx, name))
+                changed = _modified_in_place(ctx, name)
+                if changed:
+                    yield Skip(name, class_key(mod), f"{kind}: its output is modified in place by {changed}, so a "
+                                                     "backward computed from that output cannot keep it (left as it "
+                                                     "is)")
+                else:
+                    yield OutputActSwap(name, class_key(mod), kind, predicted_output_act_bytes(ctx, name))
                 continue
             why = unconverted_activation(mod)
             if why is not None:
@@ -92,6 +98,16 @@ def _computes(mod: nn.Module, ref: Callable[[torch.Tensor], torch.Tensor]) -> bo
                     and torch.equal(torch.nan_to_num(got, 0.0), torch.nan_to_num(want, 0.0))):
                 return False
     return True
+
+
+def _modified_in_place(ctx: MatchContext, name: str) -> str | None:
+    """What changes the module's output in place (an ``x.mul_``, a ``Dropout(inplace=True)``), if anything: the
+    swapped activation keeps that output for its backward, and autograd refuses a modified saved tensor."""
+    for s in (s for s in ctx.g.scopes if s.module == name):
+        for c in ctx.g.consumers(s.outputs[0]):
+            if c.info.get("inplace") or (c.kind == "module" and getattr(ctx.modules.get(c.target), "inplace", False)):
+                return c.target
+    return None
 
 
 def predicted_output_act_bytes(ctx: MatchContext, name: str) -> int:

@@ -93,3 +93,24 @@ def test_plan_with_the_swap_round_trips_through_json():
     plan = _plan(PrimerReLU2())
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.of(OutputActSwap) == plan.of(OutputActSwap)
+
+
+@pytest.mark.parametrize("after", [nn.Dropout(0.1, inplace=True), "mul_"], ids=["dropout_inplace", "mul_"])
+def test_output_modified_in_place_is_left_alone_with_the_reason(after):
+    """The swap keeps the output for its backward: an in-place change of it would make backward fail."""
+    class Then(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.act, self.down = nn.Linear(D, H), PrimerReLU2(), nn.Linear(H, D)
+            self.after = after if isinstance(after, nn.Module) else None
+
+        def forward(self, x):
+            h = self.act(self.up(x))
+            h = self.after(h) if self.after is not None else h.mul_(0.5)
+            return self.down(h)
+
+    model = Then()
+    plan = plan_conversion(model, probe=X, norms=False, gated_mlp=False)
+    assert not plan.of(OutputActSwap)
+    (skip,) = [s for s in plan.skips if s.name == "act"]
+    assert "modified in place" in skip.reason, skip.reason
