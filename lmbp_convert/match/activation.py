@@ -70,11 +70,23 @@ def output_activation_kind(ctx: MatchContext, name: str, mod: nn.Module, checked
     return kind
 
 
+#: the most traced ops a call may run to be a candidate (squared ReLU runs two)
+_MAX_OPS = 8
+
+
 def _elementwise_calls(ctx: MatchContext, name: str) -> bool:
+    """Every traced call of ``name`` takes one tensor and returns one of its shape, running a few torch ops and
+    no module: only such a module is run again for the behaviour check (nothing that may talk to other ranks or
+    touch state)."""
     calls = [s for s in ctx.g.scopes if s.module == name]
-    return bool(calls) and all(len(s.args) == 1 and len(s.outputs) == 1 and
-                               ctx.g.tensors[s.outputs[0]].shape == ctx.g.tensors[next(iter(s.args))].shape
-                               for s in calls)
+    if not calls or not all(len(s.args) == 1 and len(s.outputs) == 1 and
+                            ctx.g.tensors[s.outputs[0]].shape == ctx.g.tensors[next(iter(s.args))].shape
+                            for s in calls):
+        return False
+    idx = {s.idx for s in calls}
+    inner = [n for n in ctx.g.nodes if idx & set(n.scopes)]
+    return 0 < len(inner) <= _MAX_OPS * len(calls) and all(
+        n.kind == "op" and n.target.startswith("torch.") and ".distributed" not in n.target for n in inner)
 
 
 def _computes(mod: nn.Module, ref: Callable[[torch.Tensor], torch.Tensor]) -> bool:
