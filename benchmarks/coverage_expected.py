@@ -53,7 +53,7 @@ TOKEN_MIXING = Cause("transposed token mixing (MLP-Mixer): the norm's channels r
                      r"no Linear reads its channels \(they end in \S*mlp_tokens")
 BIAS_IN_FORWARD = Cause("attention calls F.linear on qkv.weight with a bias built in forward (BEiT/EVA q_bias, "
                         "v_bias): norm1 is not folded", r"no Linear reads its channels \(they end in linear in \S*attn")
-UNAPPROXIMATED_ACT = Cause("feed-forward activation with no approximate-backprop kind (ReLU, squared ReLU): left as "
+UNAPPROXIMATED_ACT = Cause("feed-forward activation with no approximate-backprop kind (ReLU): left as "
                            "it is", r"no approximate-backprop kind")
 NOTHING_SKIPPED = Cause("nothing skipped: the bytes left are kept by ops convert() does not rewrite (attention, "
                         "pooling, convolutions, custom-gated feed-forwards)", None)

@@ -32,7 +32,9 @@ class ConvertOptions:
     verify: check the rewritten model's outputs on the probe against the original's and roll back rewrites
         that change them (real weights only; meta models are planned but not verified).
     rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None picks by dtype.
-    untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy.
+    untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy; the
+        model's config then says ``tie_word_embeddings=False``, so transformers' ``tie_weights()`` (and
+        ``resize_token_embeddings``) does not tie the unfolded embedding back under the folded head.
     keep_affine: where a norm's fold is refused but a consumer keeps its output anyway (a post-LN residual in the
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
@@ -46,6 +48,10 @@ class ConvertOptions:
         of the convert() call. Off: only the analytic per-rewrite prediction.
     lora_inputs: let PEFT LoRA adapters rebuild their cast (and dropped) inputs from the layer's input instead of
         keeping private fp32 copies (`lmbp_convert.match.lora_inputs`); their dropout keeps a 1-bit mask.
+    accept_norms: norm classes (``"module:QualName"`` or the class name) swapped on the behaviour probe's word
+        alone. Without it, a module that acts as a norm on the probe but not in train mode, on non-finite or on
+        extreme input (a subclass with its own forward: a train-time noise term, a NaN guard) is refused, and
+        the report names its class.
     """
 
     activations: bool = True
@@ -62,6 +68,7 @@ class ConvertOptions:
     fold_norms: bool = True
     lora_inputs: bool = True
     measure: bool = True
+    accept_norms: Sequence[str] | None = None
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -92,6 +99,13 @@ class ConvertOptions:
                     raise ValueError("include=[] selects no module: pass None to convert everything")
             setattr(self, attr, val)
             setattr(self, f"_{attr}_rx", compile_patterns(attr, val or []))
+        if isinstance(self.accept_norms, str):
+            self.accept_norms = [self.accept_norms]
+        if self.accept_norms is not None:
+            items = list(self.accept_norms) if isinstance(self.accept_norms, Iterable) else None
+            if items is None or not all(isinstance(c, str) and c for c in items):
+                raise ValueError(f"accept_norms must be a class name or a list of them, got {self.accept_norms!r}")
+            self.accept_norms = items
         if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs):
             raise ValueError("all of activations, norms, gated_mlp and lora_inputs are off: nothing to convert")
         if self.probe is not None:
@@ -163,6 +177,7 @@ class ConvertOptions:
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
             "keep_affine": self.keep_affine, "fold_norms": self.fold_norms, "lora_inputs": self.lora_inputs,
+            "accept_norms": list(self.accept_norms) if self.accept_norms else None,
         }
 
 

@@ -25,6 +25,7 @@ from ..trace.tracer import OUT_OF_MEMORY, trace
 from .measure import measure_saved
 from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
+from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
                      float_tensors, run_probe)
 
@@ -51,7 +52,7 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
     cat = load_catalogue()
-    roles = assign_roles(model, cat)
+    roles = assign_roles(model, cat, opt.accept_norms or ())
     if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
         probe = probe[0]
     is_leaf = is_leaf_factory(model, roles)
@@ -142,7 +143,8 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
     builder = UnitBuilder(model)
-    units: list[tuple[Unit, PlanItem]] = [(item.build_unit(builder), item) for item in plan.items]
+    units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
+    ties = TieRecord(model)
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
     before = measure_saved(model, probe, amp) if opt.measure and not _is_meta(model) else None
@@ -150,6 +152,12 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
         for u, _ in units:
             u.apply()
         _verify(model, checks, units, opt, report)
+        untie = ties.untie_unit()  # what a fold untied stays untied: tie_weights() must not re-tie it
+        units.append((untie, None))
+        untie.apply()
+        if untie.steps:
+            report.notes.append("untied weights: config.tie_word_embeddings is now False (and transformers' tie map "
+                                "drops them), so tie_weights() and resize_token_embeddings() keep the folded head")
         if before is not None:
             after = measure_saved(model, probe, amp)
             report.measured_bytes = (before.bytes, after.bytes)

@@ -17,7 +17,7 @@ from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
 from ..match.consumers import ConsumerFold
 from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
-from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, PlanItem
+from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, OutputActSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad, FoldParamsOnLoad
 
@@ -184,6 +184,13 @@ class UnitBuilder:
         self.swap_module(unit, swap.name, ApproxActivation(swap.kind, swap.bits))
         return unit
 
+    def output_activation(self, swap: OutputActSwap) -> Unit:
+        from ..nn.activations import OUTPUT_KINDS
+
+        unit = Unit(f"activation {swap.name}")
+        self.swap_module(unit, swap.name, OUTPUT_KINDS[swap.kind]())
+        return unit
+
     def norm(self, fold: NormFold) -> Unit:
         unit = Unit(f"norm {fold.name}")
         old = self.modules[fold.name]
@@ -297,7 +304,8 @@ class UnitBuilder:
         return unit
 
 
-BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp})
+BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp,
+                 OutputActSwap: UnitBuilder.output_activation})
 
 
 @builds(NormSwap)

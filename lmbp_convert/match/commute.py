@@ -21,6 +21,8 @@ from ..trace.graph import Node, TensorInfo
 class Pass:
     axis: int
     caveat: str | None = None
+    #: the op writes zeros (a constant pad): exact for a norm without β (γ·0 = 0), for one with β this is why not
+    unless_beta: str | None = None
 
 
 @dataclass(frozen=True)
@@ -179,20 +181,28 @@ def _mean(op: OpCall) -> Step:
 
 
 def _pad(op: OpCall) -> Step:
+    """Padding along dims other than the channels. replicate / reflect / circular copy elements within their
+    channel: they commute with the affine. A constant pad writes its value where the original's Linear also sees
+    it: exact for value 0 and a norm without β only (γ·0 = 0), at *every* shape, so a pad that is a no-op at the
+    probe's shape (Swin's window padding) is judged like any other, not by the probe's shape."""
     if not op.node.target.endswith("functional.pad"):
         return None
     pads = op.arg(1, "pad")
-    mode = op.arg(2, "mode", "constant")
-    if not isinstance(pads, tuple) or op.axis != op.ndim - 1:
+    mode = op.arg(2, "mode", "constant") or "constant"
+    value = op.arg(3, "value", None)
+    if not isinstance(pads, tuple) or op.axis != op.ndim - 1 or len(op.outs) != 1:
         return Block("padding between norm and Linear")
     if any(pads[0:2]):
-        return Block("zero-padding of channels between norm and Linear")
-    if any(pads):
-        return Block(f"{mode}-padding between norm and Linear (padded positions would see β)")
-    if op.outs[0].shape != op.shape:
-        return Block("padding between norm and Linear")
-    return Pass(op.axis, "a pad op on the path was a no-op at the probe shape; inputs that need padding "
-                         "would give padded positions β instead of 0")
+        return Block("padding of channels between norm and Linear")
+    if mode != "constant":
+        return Pass(op.axis)
+    if value not in (None, 0, 0.0):
+        return Block(f"constant-padding with {value!r} between norm and Linear (the folded Linear would see "
+                     f"γ·{value!r} + β there)")
+    where = ("a pad that is a no-op at the probe's shape pads inputs of other shapes (window padding)"
+             if not any(pads) else "zero-padding")
+    return Pass(op.axis, unless_beta=f"{where} between norm and Linear: padded positions hold 0 where the folded "
+                                     "Linear would add its W·β")
 
 
 def _last_dim_whole(op: OpCall) -> Step:

@@ -327,6 +327,8 @@ class _Walker:
     def _op(self, c: Node, tid: int, axis: int, via: list[str]) -> None:
         w = self.walk
         res = step(c, self.g.tensors, tid, axis, self.d)
+        if isinstance(res, Pass) and res.unless_beta and self.has_beta:
+            res = Block(res.unless_beta)
         if isinstance(res, Pass):
             w.active_scopes.update(c.scopes)
             if res.caveat:

@@ -191,6 +191,24 @@ class ActSwap(PlanItem):
 
 @register_item
 @dataclass
+class OutputActSwap(PlanItem):
+    """An activation whose derivative is a function of its output (squared ReLU: 2·√y) swapped for one whose
+    backward keeps only that output, the tensor the following Linear keeps anyway: exact, no code per element."""
+
+    tag = "output_act_swaps"
+    noun = "output-backward activations"
+    heading = "activations → memory-sharing (backward from the output)"
+    counted_when_none = False
+
+    kind: str  # the ops layer's name of the activation (lmbp_convert.nn.activations.OUTPUT_KINDS)
+    predicted_saved_bytes: int = 0
+
+    def describe(self) -> list[str]:
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, keeps only its output)"]
+
+
+@register_item
+@dataclass
 class NormFold(PlanItem):
     """A norm swapped for a memory-sharing one, its affine folded into the Linears it feeds (``targets``) and
     re-applied for any other consumer (``reapply``)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ class Role:
     p: float | None = None  # dropout probability
     lora: dict | None = None  # for LoRA-wrapped Linears: catalogue entry (base layer / adapter attributes)
     problem: str | None = None  # why a would-be norm cannot be used
+    probe_norm: bool = False  # acts as a norm on the probe but not beyond it: reported whatever its name
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", RoleKind(self.kind))
@@ -132,6 +134,58 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat(rows, dim=1)
 
 
+class BeyondProbe(str):
+    """Why a module that acts as a norm on the behaviour probe is still not one: it differs in train mode, on
+    non-finite or on extreme input (code the probe does not run). Reported whatever the class's name."""
+
+
+#: rows beyond the probe: magnitudes at the ends of the fp32 range a norm's maths still holds in (squares stay
+#: finite), one outlier among ordinary values, and rows holding NaN, +inf or -inf (the norm gives NaN there)
+_EXTREME_SCALES = (1e15, 1e-15)
+
+
+def _beyond_inputs(d: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """The inputs of `_beyond_problem`, (2, rows, d) each, by what they exercise."""
+    extreme = [(torch.randn(2, 1, d, generator=gen) * 3 + 1) * s for s in _EXTREME_SCALES]
+    outlier = torch.randn(2, 1, d, generator=gen)
+    outlier[:, :, 0] = 1e12
+    special = torch.randn(2, 3, d, generator=gen)
+    special[:, 0, 0], special[:, 1, d // 2], special[:, 2, -1] = float("nan"), float("inf"), float("-inf")
+    return {"extreme": torch.cat([*extreme, outlier], dim=1), "non-finite": special}
+
+
+def _same_values(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
+    """NaN and ±inf at the same places, finite values row by row within ``rtol`` (`_rows_match`)."""
+    y = y.double()
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        if not torch.equal(test(y), test(ref)):
+            return False
+    fin = torch.isfinite(ref)
+    return _rows_match(torch.where(fin, y, 0.0), torch.where(fin, ref, 0.0), rtol)
+
+
+def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, reference, channel_dim: int,
+                    what: str) -> BeyondProbe | None:
+    """Why ``probe`` (eval mode), which matched the norm ``reference(x)`` on the probe ``x``, is not that norm
+    beyond it: on non-finite rows, on extreme rows (eval mode), or on all of them in train mode (a noise term, a
+    dropout, a branch on ``self.training``). The train-mode forward draws from its own RNG stream."""
+    rows = _beyond_inputs(x.shape[-1], gen)
+    cases = [(f"on {name} input", t, False) for name, t in rows.items()]
+    cases.append(("in train mode", torch.cat([x, *rows.values()], dim=1), True))
+    for where, t, train in cases:
+        probe.train(train)
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                y = _run_probe(probe, t, channel_dim)
+        finally:
+            probe.eval()
+        if isinstance(y, str) or not _same_values(y, reference(t), 1e-4):
+            return BeyondProbe(f"acts as {what} on the probe but not {where} (its forward runs code the probe "
+                               "does not reach)")
+    return None
+
+
 def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     probe = copy.deepcopy(module)
     if any(t.device.type == "meta" for t in list(probe.parameters()) + list(probe.buffers())):
@@ -139,13 +193,16 @@ def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     return probe.to(device="cpu", dtype=dtype).eval()
 
 
-def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> NormRole | str:
+def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyond: bool = True
+                  ) -> NormRole | str:
     """Return the norm's role, or a string saying why it is not a usable norm.
 
     By behaviour: a copy of the module, with random γ, β, runs on a probe tensor and must match LayerNorm or
     RMSNorm over the last dim, with scale w, 1 + w or none (no weight), ± bias. ``entry`` (a catalogue entry)
     may fix the kind and parameterisation; ``eps`` (an attribute value) is tried first, then eps is fitted from
-    the output. The module must also return bf16 for bf16 input, as the memory-sharing norm does."""
+    the output. The module must also return bf16 for bf16 input, as the memory-sharing norm does, and (unless
+    ``beyond`` is False) act as that norm beyond the probe too: in train mode, on non-finite and on extreme
+    input (a `BeyondProbe` reason otherwise)."""
     w = getattr(module, "weight", None)
     b = getattr(module, "bias", None)
     w = w if isinstance(w, torch.Tensor) else None
@@ -197,6 +254,10 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None) -> N
                         role = NormRole(kind, param, e, shape, b is not None, affine=w is not None,
                                         channel_dim=channel_dim)
                         problem = _dtype_problem(module, x, channel_dim)
+                        if problem is None and beyond:
+                            problem = _beyond_problem(
+                                probe, x, gen, lambda t, k=kind, p=param, e=e: _reference(k, p, t, pw, pb, e),
+                                channel_dim, f"{kind}({param})")
                         return problem if problem else role
     if first is not None:
         return first
@@ -282,12 +343,14 @@ def is_scripted(mod: nn.Module) -> bool:
     return isinstance(mod, torch.jit.ScriptModule)
 
 
-def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
-    """Role of every named module (first name of shared modules)."""
+def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -> dict[str, Role]:
+    """Role of every named module (first name of shared modules). ``accept``: norm classes (``module:QualName``
+    or the class name) taken on the probe's word alone, without the checks beyond it (`BeyondProbe`)."""
     roles: dict[str, Role] = {}
     seen: dict[int, Role] = {}
     checked: dict[tuple, Role] = {}  # behaviour checks, by what decides them (one per kind of norm, not per layer)
     scripted: list[str] = []
+    accepted = frozenset(accept)
     for name, mod in model.named_modules():
         if id(mod) in seen:
             roles[name] = seen[id(mod)]
@@ -297,12 +360,13 @@ def assign_roles(model: nn.Module, cat: Catalogue) -> dict[str, Role]:
             scripted.append(name)
             role = Role(RoleKind.OTHER, problem=None if inside else SCRIPTED_WHY)
         else:
-            role = _role_of(mod, cat, checked)
+            role = _role_of(mod, cat, checked, accepted)
         seen[id(mod)] = roles[name] = role
     return roles
 
 
-def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role]) -> Role:
+def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role], accepted: frozenset = frozenset()
+             ) -> Role:
     if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
         return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
@@ -311,7 +375,7 @@ def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role]) -> Role
     entry = cat.norm_entry(mod)
     leaf = next(mod.children(), None) is None  # containers are never norms, whatever their name
     if entry is not None and entry.get("kind") and leaf:  # listed: kind and param are known
-        return _norm_role(mod, entry, cat, checked)
+        return _norm_role(mod, entry, cat, checked, accepted)
     layout = cat.linear_layout(mod)
     if layout is not None:
         return Role(RoleKind.LINEAR, layout=layout)
@@ -331,23 +395,28 @@ def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role]) -> Role
     if cat.is_identity(mod):
         return Role(RoleKind.IDENTITY)
     if could_be_norm(mod) or (entry is not None and leaf):  # by behaviour: whatever acts as a norm is one
-        role = _norm_role(mod, entry, cat, checked)
-        if role.kind is RoleKind.NORM or entry is not None:  # named like a norm: say why it is not one
+        role = _norm_role(mod, entry, cat, checked, accepted)
+        if role.kind is RoleKind.NORM or entry is not None or role.probe_norm:  # say why it is not one
             return role
     return Role(RoleKind.OTHER)
 
 
-def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role]) -> Role:
+def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role],
+               accepted: frozenset = frozenset()) -> Role:
     """``checked``: the roles behaviour checks found, by `behaviour_key` (shared by the modules of one model)."""
     eps = cat.eps_of(mod)
     key = behaviour_key(mod, entry, eps)
     if key is not None and key in checked:
         return checked[key]
-    found = identify_norm(mod, entry, eps)
+    cls = class_key(mod)
+    found = identify_norm(mod, entry, eps, beyond=not accepted & {cls, type(mod).__name__})
     if isinstance(found, NormRole):
         role = Role(RoleKind.NORM, norm=found)
+    elif isinstance(found, BeyondProbe):
+        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] swaps it "
+                                            "anyway)", probe_norm=True)
     else:
-        role = Role(RoleKind.OTHER, problem=f"{class_key(mod)}: {found}")
+        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}")
     if key is not None:
         checked[key] = role
     return role

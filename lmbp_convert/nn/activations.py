@@ -6,8 +6,9 @@ from torch import nn
 
 from ..kinds import ConvertedModule
 from ..ops.approx_act import ACT_BITS, ACT_KINDS, approx_act_unchecked
+from ..ops.relu_squared import relu_squared
 
-__all__ = ["ACT_KINDS", "ApproxActivation"]
+__all__ = ["ACT_KINDS", "ApproxActivation", "MSReLUSquared", "OUTPUT_KINDS"]
 
 
 class ApproxActivation(ConvertedModule, nn.Module):
@@ -31,3 +32,18 @@ class ApproxActivation(ConvertedModule, nn.Module):
 
     def extra_repr(self) -> str:
         return f"kind={self.kind!r}, bits={self.bits}"
+
+
+class MSReLUSquared(ConvertedModule, nn.Module):
+    """relu(x)² (Primer, Nemotron / Persimmon ``relu2``) whose backward keeps only its output: the derivative is
+    2·√y, and y is what the following Linear keeps anyway (``lmbp_convert.ops.relu_squared``). Same forward, bit
+    for bit; no parameters or buffers."""
+
+    kind = "relu2"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return relu_squared(x)
+
+
+#: activations whose backward reads only their output: kind → module class
+OUTPUT_KINDS: dict[str, type[nn.Module]] = {MSReLUSquared.kind: MSReLUSquared}

@@ -157,9 +157,9 @@ def _image_candidates(model: nn.Module, batch: int, seed: int) -> Iterator[Candi
     declared = tuple(pcfg["input_size"]) if isinstance(pcfg, dict) and pcfg.get("input_size") else None
     if declared is None and next(pi.module_attrs(model, "img_size"), None) is None:
         return  # nothing says this model takes images
-    chans = pi.image_channels(model, declared[0] if declared else None)
-    for size in pi.image_sizes(model, declared[1:] if declared else None):
-        yield Candidate(pi.pixels(batch, chans, size, seed), batch, "image")
+    for chans in pi.image_channels(model, declared[0] if declared else None):
+        for size in pi.image_sizes(model, declared[1:] if declared else None):
+            yield Candidate(pi.pixels(batch, chans, size, seed), batch, "image")
 
 
 # -- choosing and explaining --------------------------------------------------------------------------------------

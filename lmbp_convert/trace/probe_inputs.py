@@ -143,14 +143,15 @@ def image_sizes(model: nn.Module, declared: Any = None) -> list[Size2]:
     return list(dict.fromkeys(found))
 
 
-def image_channels(model: nn.Module, declared: Any = None) -> int:
-    if declared:
-        return int(declared)
-    chans = next((c for c in module_attrs(model, "in_chans") if isinstance(c, int)), None)
-    if chans:
-        return chans
+def image_channels(model: nn.Module, declared: Any = None) -> list[int]:
+    """Channel counts to try, most likely first: what the model was built with (an ``in_chans`` attribute, the
+    first 2-D convolution's ``in_channels``), then the declared default. timm keeps ``pretrained_cfg`` at the
+    architecture's default (3 channels) when a model is built with ``in_chans=1``: the modules decide."""
+    chans = [c for c in module_attrs(model, "in_chans") if isinstance(c, int) and not isinstance(c, bool)][:1]
     conv = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    return conv.in_channels if conv is not None else 3
+    chans += [conv.in_channels] if conv is not None else []
+    chans += [int(declared)] if declared else []
+    return list(dict.fromkeys(c for c in chans if c > 0)) or [3]
 
 
 def pixels(batch: int, chans: int, size: Size2, seed: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES, hf
+from benchmarks.families import FAMILIES, hf, hf_auto, timm_model
 
 
 def _outputs(model, probe):
@@ -144,3 +144,23 @@ def test_approx_activation_gradient_cosine(family):
     cos = torch.nn.functional.cosine_similarity(g_new[emb].flatten().double(), g_ref[emb].flatten().double(), dim=0)
     print(f"{family}: cosine(embedding grads) = {cos:.5f}")
     assert cos > 0.8
+
+
+@pytest.mark.parametrize("build, size", [
+    (lambda: timm_model("swin_tiny_patch4_window7_224", depths=(1, 1, 1, 1), embed_dim=32, num_heads=(1, 1, 1, 1),
+                        strict_img_size=False), 256),
+    (lambda: hf_auto("AutoModelForImageClassification", "swin", image_size=32, patch_size=4, embed_dim=16,
+                     depths=[1, 1], num_heads=[1, 1], window_size=4, num_labels=10), 40),
+], ids=["timm_swin", "hf_swin"])
+def test_swin_window_padding_is_exact_at_another_image_size(build, size):
+    """Swin pads each block's normed tokens up to whole windows: a no-op at the size the model was built for
+    (the probe's), not at others. A fold of the norm's β through that pad would give the padded positions W·β;
+    the fold is refused there with the reason, so every image size gives the original's outputs."""
+    model = build().eval()
+    ref_model = copy.deepcopy(model)
+    report = convert(model).lmbp_report
+    assert report.verified, str(report)
+    refused = [s for s in report.plan.skips if "no-op at the probe's shape" in s.reason]
+    assert refused and all("W·β" in s.reason for s in refused), str(report)
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    assert _rel(_outputs(model, x), _outputs(ref_model, x)) <= 1e-5

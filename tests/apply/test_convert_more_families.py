@@ -62,3 +62,34 @@ def _distilbert():
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("distilbert", dim=64, hidden_dim=256, n_layers=2, n_heads=4, vocab_size=128)
     return randomize_norms(AutoModel.from_config(cfg))
+
+
+RELU2 = {"persimmon": {}, "nemotron": dict(num_key_value_heads=2, head_dim=16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("arch", sorted(RELU2))
+def test_squared_relu_mlps_keep_exactly_one_intermediate_less(arch, dtype):
+    """Persimmon and Nemotron (transformers' ReLUSquaredActivation, 'relu2'): the swapped activation keeps only
+    its output, which down_proj keeps anyway: relu(x) (tokens × intermediate × itemsize) less per layer, exactly;
+    forward and every gradient bit for bit the original's (fp32 and bf16: see lmbp_convert/ops/relu_squared.py)."""
+    from lmbp_convert import SavedTensorLedger
+    from lmbp_convert.match.plan import OutputActSwap
+
+    model = hf(arch, **RELU2[arch]).to(dtype)
+    ref = copy.deepcopy(model)
+    rep = convert(model, norms=False, gated_mlp=False).lmbp_report
+    assert rep.verified and len(rep.plan.of(OutputActSwap)) == model.config.num_hidden_layers, str(rep)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    saved = []
+    for m in (ref, model):
+        m.train()
+        with SavedTensorLedger(m) as led:
+            out = m(input_ids=ids).logits
+        out.float().pow(2).mean().backward()
+        saved.append((led.bytes, out.detach()))
+    per_layer = ids.numel() * model.config.intermediate_size * torch.finfo(dtype).bits // 8
+    assert saved[0][0] - saved[1][0] == model.config.num_hidden_layers * per_layer
+    assert torch.equal(saved[0][1], saved[1][1])
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), n

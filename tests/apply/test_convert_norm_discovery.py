@@ -8,7 +8,7 @@ import torch
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.kinds import WeightParam
-from lmbp_convert.match.plan import NormSwap
+from lmbp_convert.match.plan import NormSwap, OutputActSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import hf
@@ -54,7 +54,8 @@ def test_olmo_affine_free_norms_become_memory_sharing(mode):
         assert (before, after) == OLMO["fp32"]
 
 
-NEMOTRON = {"fp32": (565504, 481024)}
+# 481024 before squared ReLU kept only its output: 2 layers × 64 tokens × 256 channels × 4 bytes of relu(x) less
+NEMOTRON = {"fp32": (565504, 481024 - 2 * 64 * 256 * 4)}
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
@@ -62,14 +63,13 @@ def test_nemotron_layernorm1p_folds_as_one_plus_w(mode):
     model, rep, before, after = _convert_and_measure("nemotron", mode)
     folds = rep.plan.norm_folds
     assert len(folds) == 5, str(rep)  # was NothingToConvertError
-    # what stays is its squared-ReLU activations, each listed with why
-    assert rep.plan.skips and all("no approximate-backprop kind" in s.reason for s in rep.plan.skips), str(rep)
+    # its squared-ReLU activations (relu2) keep only their output, which the down projection keeps anyway
+    assert not rep.plan.skips, str(rep)
+    assert [a.kind for a in rep.plan.of(OutputActSwap)] == ["relu2", "relu2"], str(rep)
     assert all(f.param is WeightParam.ONE_PLUS_W and f.has_bias for f in folds)
     assert after < before
-    # Below 20 %: Nemotron's MLP activation is squared ReLU (relu2), not a GELU/SiLU-family activation with an
-    # approximate backward, so its full intermediate stays saved; every norm there is converted (no skips).
-    act = type(model.model.layers[0].mlp.act_fn).__name__
-    assert act == "ReLUSquaredActivation" and not rep.plan.act_swaps and not rep.plan.gated_mlps
+    assert type(model.model.layers[0].mlp.act_fn).__name__ == "MSReLUSquared"
+    assert not rep.plan.act_swaps and not rep.plan.gated_mlps
     if mode == "fp32":
         assert (before, after) == NEMOTRON["fp32"]
 

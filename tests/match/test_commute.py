@@ -76,13 +76,13 @@ PASSES = {
     "split_with_sizes": (lambda x: x.split_with_sizes([1, 2], 1), (2, 3, D), -1, Pass(-1)),
     "tensor_split": (lambda x: x.tensor_split(2, dim=1), (2, 3, D), -1, Pass(-1)),
     "repeat_interleave": (lambda x: x.repeat_interleave(2, dim=1), (2, 3, D), -1, Pass(-1)),
-    "pad": (lambda x: F.pad(x, (0, 0, 0, 0)), (2, 3, D), -1, Pass(2, "no-op")),
+    "pad": (lambda x: F.pad(x, (0, 0, 1, 0), mode="replicate"), (2, 3, D), -1, Pass(2)),
 }
 
 #: the same op blocking the fold: op → (fn, input shape, channel axis, words of the reason)
 BLOCKS = {
     "dropout": (lambda x: F.dropout(x, p=0.1), "dropout (p=0.1)"),
-    "pad": (lambda x: F.pad(x, (1, 0)), "zero-padding of channels"),
+    "pad": (lambda x: F.pad(x, (1, 0)), "padding of channels"),
     "view": (lambda x: x.view(2, 3, 2, 4), "view reshapes the channel dim"),
     "reshape": (lambda x: x.reshape(2, -1), "reshape reshapes the channel dim"),
     "flatten": (lambda x: x.flatten(), "flatten reshapes the channel dim"),
@@ -158,9 +158,24 @@ def test_ordinary_consumers_are_not_followed(fn, op, shape, axis):
     assert got is None, got
 
 
-def test_pad_of_tokens_blocks_with_its_mode():
-    got = run_step(lambda x: F.pad(x, (0, 0, 1, 0), mode="replicate"), "pad")
-    assert isinstance(got, Block) and "replicate-padding" in got.reason and "β" in got.reason
+@pytest.mark.parametrize("mode", ["replicate", "reflect", "circular"])
+def test_pad_that_copies_within_channels_commutes(mode):
+    got = run_step(lambda x: F.pad(x, (0, 0, 1, 1), mode=mode), "pad")
+    assert got == Pass(2), got
+
+
+@pytest.mark.parametrize("pads, words", [((0, 0, 0, 0), "no-op at the probe's shape"), ((0, 0, 1, 0), "zero-padding")])
+def test_zero_pad_commutes_only_without_beta_at_every_shape(pads, words):
+    """A zero pad is exact for γ alone (γ·0 = 0); with β the padded positions would get W·β. A pad that is a no-op
+    at the probe's shape (Swin's window padding) pads other shapes: judged the same, not passed with a note."""
+    got = run_step(lambda x: F.pad(x, pads), "pad")
+    assert isinstance(got, Pass) and got.axis == 2 and got.caveat is None, got
+    assert words in got.unless_beta and "W·β" in got.unless_beta
+
+
+def test_pad_with_another_value_or_of_channels_blocks():
+    got = run_step(lambda x: F.pad(x, (0, 0, 1, 0), value=1.0), "pad")
+    assert isinstance(got, Block) and "constant-padding with 1.0" in got.reason
     assert isinstance(run_step(lambda x: F.pad(x, (0, 0, 1, 0)), "pad", (2, D, 3), 1), Block)  # channels not last
 
 

@@ -42,7 +42,7 @@ COMMUTING = {
     "mean_tokens": lambda h, m: h.mean(dim=1),
     "dropout_p0": lambda h, m: F.dropout(h, p=0.0, training=True),
     "cast": lambda h, m: h.to(torch.float64).to(torch.float32),
-    "zero_pad_noop": lambda h, m: F.pad(h, (0, 0, 0, 0)),
+    "replicate_pad_tokens": lambda h, m: F.pad(h.unsqueeze(0), (0, 0, 1, 0), mode="replicate"),
 }
 
 
@@ -56,9 +56,26 @@ def test_affine_commuting_paths_fold_exactly(name):
     assert torch.allclose(m(x), ref, atol=1e-5)
 
 
+def test_zero_pad_folds_a_norm_without_beta():
+    """γ·0 = 0: a zero pad commutes with a norm that has no β, at every shape."""
+    f = lambda h, m: F.pad(h, (0, 0, 0, 2 - h.shape[1] % 2))  # noqa: E731 - pads odd token counts
+    m, _, x = _plan(f)
+    m.norm = nn.LayerNorm(8, bias=False)
+    with torch.no_grad():
+        m.norm.weight.uniform_(0.5, 1.5)
+    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
+    assert [f.name for f in plan.norm_folds] == ["norm"] and not plan.norm_folds[0].caveats, plan.skips
+    other = torch.randn(2, 5, 8)
+    ref = m(other)
+    convert(m, probe=x, activations=False, gated_mlp=False)
+    assert torch.allclose(m(other), ref, atol=1e-5)
+
+
 BLOCKED = {
     "dropout": (lambda h, m: F.dropout(h, p=0.1, training=m.training), "dropout"),
     "zero_pad_tokens": (lambda h, m: F.pad(h, (0, 0, 0, 2))[:, :6], "padding"),
+    # a no-op at the probe's shape, not at others (Swin's window padding): judged at every shape
+    "zero_pad_noop": (lambda h, m: F.pad(h, (0, 0, 0, 0)), "no-op at the probe's shape"),
     "channel_slice": (lambda h, m: F.pad(h[..., :4], (0, 4)), "channel"),
     "sum_tokens": (lambda h, m: h.sum(dim=1), "no Linear consumer"),
     "channel_mix": (lambda h, m: h @ torch.ones(8, 8), "no Linear consumer"),

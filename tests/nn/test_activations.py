@@ -77,3 +77,24 @@ def test_bad_bits(bits):
 def test_bad_dtype():
     with pytest.raises(TypeError, match="int32"):
         ApproxActivation("gelu")(torch.ones(3, dtype=torch.int32))
+
+
+def test_ms_relu_squared_is_the_functional_op_and_transformers_module():
+    from transformers.activations import ReLUSquaredActivation
+
+    from lmbp_convert.kinds import ConvertedModule
+    from lmbp_convert.nn.activations import OUTPUT_KINDS, MSReLUSquared
+
+    mod = OUTPUT_KINDS["relu2"]()
+    assert isinstance(mod, MSReLUSquared) and isinstance(mod, ConvertedModule) and not mod.state_dict()
+    x = (torch.randn(3, 17) * 4).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    g = torch.randn(3, 17)
+    y = mod(x)
+    y.backward(g)
+    ReLUSquaredActivation()(x2).backward(g)
+    assert torch.equal(y.detach(), ReLUSquaredActivation()(x.detach())) and torch.equal(x.grad, x2.grad)
+    buf = io.BytesIO()
+    torch.save(mod, buf)
+    buf.seek(0)
+    assert isinstance(torch.load(buf, weights_only=False), MSReLUSquared)

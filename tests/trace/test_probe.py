@@ -128,7 +128,28 @@ def test_argument_it_cannot_build_is_named_with_an_example():
 
 
 def test_model_refusing_every_probe_says_why_and_what_to_pass():
-    class WrongChannels(nn.Module):
+    class Picky(nn.Module):
+        img_size = 8
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 2)
+
+        def forward(self, x):
+            if x.shape[-1] != 5:
+                raise ValueError(f"takes 5 pixels wide images, got {x.shape[-1]}")
+            return self.conv(x)
+
+    # the example's shape comes from the model: its stem's 4 channels and its 8-pixel size
+    with pytest.raises(ProbeError, match=r"(?s)ValueError: takes 5 pixels wide.*"
+                                         r"pass probe=.*convert\(model, probe=\{'x': torch.randn\(2, 4, 8, 8\)\}\)"):
+        make_probe(Picky())
+
+
+def test_channels_come_from_the_model_not_the_declared_default():
+    """timm keeps ``pretrained_cfg['input_size']`` at the architecture's 3 channels when a model is built with
+    ``in_chans=1``; the stem convolution (and ``in_chans``) say what it takes."""
+    class DeclaresThree(nn.Module):
         pretrained_cfg = {"input_size": (3, 8, 8)}  # says 3 channels, takes 4
 
         def __init__(self):
@@ -138,9 +159,20 @@ def test_model_refusing_every_probe_says_why_and_what_to_pass():
         def forward(self, x):
             return self.conv(x)
 
-    with pytest.raises(ProbeError, match=r"(?s)expected input\[2, 3, 8, 8\] to have 4 channels.*"
-                                         r"pass probe=.*convert\(model, probe=\{'x': torch.randn\(2, 3, 8, 8\)\}\)"):
-        make_probe(WrongChannels())
+    probe, _, unit = make_probe(DeclaresThree())
+    assert unit == "image" and tuple(probe.shape) == (2, 4, 8, 8)
+
+
+def test_one_channel_timm_vit_converts():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, in_chans=1, img_size=32, depth=2,
+                              num_classes=10)
+    assert model.pretrained_cfg["input_size"][0] == 3  # the declared default that misled the probe
+    probe, _, _ = make_probe(model)
+    assert tuple(probe.shape) == (2, 1, 32, 32)
+    convert(model)
+    assert model.lmbp_report.verification == "passed"
+    assert len(model.lmbp_report.plan.items) == 7  # 2 GELUs, 5 norms
 
 
 def test_config_without_sizes_names_the_main_input():
@@ -261,3 +293,12 @@ def test_out_of_memory_during_the_search_is_raised_not_taken_for_a_refusal(oom, 
     assert seen == [(2, 8)]  # no other candidate tried
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert not any(type(m).__module__.startswith("lmbp_convert") for m in model.modules())
+
+
+def test_one_channel_hf_vit_probes_with_its_config_channels():
+    from benchmarks.families import hf_auto
+
+    model = hf_auto("AutoModelForImageClassification", "vit", image_size=32, patch_size=8, num_channels=1,
+                    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_labels=3)
+    probe, _, _ = make_probe(model)
+    assert tuple(probe["pixel_values"].shape) == (2, 1, 32, 32)
