@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked
@@ -58,8 +59,13 @@ class MSExactNorm(ConvertedModule, nn.Module):
             xhat = xhat.reshape(*xhat.shape[:-len(shape)], self._n)
             w, b = w.reshape(-1), None if b is None else b.reshape(-1)
         one_plus, out = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype
-        y = norm_affine(xhat, w, b, one_plus, out)
-        note(y, affine_forward, xhat, w, b, one_plus, out)
+        if torch.compiler.is_compiling():
+            # Dynamo does not trace the shared-saves hooks; a checkpoint region tags y "recompute" instead, so
+            # AOTAutograd's partitioner keeps x̂ (which the norm's backward needs anyway) and rebuilds y from it
+            y = checkpoint(norm_affine, xhat, w, b, one_plus, out, use_reentrant=False)
+        else:
+            y = norm_affine(xhat, w, b, one_plus, out)
+            note(y, affine_forward, xhat, w, b, one_plus, out)
         return y if len(shape) == 1 else y.view(x.shape[:-len(shape)] + shape)
 
     def extra_repr(self) -> str:
