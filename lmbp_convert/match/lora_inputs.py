@@ -2,8 +2,8 @@
 
 PEFT's LoRA Linear casts its input to each adapter's dtype (fp32 by default: ``autocast_adapter_dtype``) and runs
 ``lora_A(dropout(x))``: every adapter keeps its own cast copy (and, with ``lora_dropout`` > 0, the dropout's mask
-as a tensor of the input's size on CPU, and the dropped copy). Found by structure (the catalogue's LoRA entry, as
-for norm targets): a LoRA-wrapped Linear the probe calls, with an adapter whose dtype is wider than the layer's
+as a tensor of the input's size on CPU, and the dropped copy). Found by structure (the catalogue's LoRA entries: PEFT's
+LoRA Linear and its bitsandbytes 4-/8-bit forms): a LoRA layer the probe calls, with an adapter whose dtype is wider than the layer's
 input or whose dropout is active. The rewrite (`LoraInputShare`) notes the layer's input in the model-wide
 shared-saves region (`lmbp_convert.ops.shared_saves`) and swaps each active ``lora_dropout`` for `BitDropout`
 (same draws, a 1-bit mask): the adapters' saved inputs become recipes over the kept input. Nothing else changes:
@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..catalogue import class_key
+from ..catalogue import class_key, load_catalogue
 from .context import MatchContext, tensor_bytes
 from .plan import PlanItem, Skip, register_item
 
@@ -53,12 +53,14 @@ def _dropout_p(m: nn.Module) -> float | None:
 
 
 def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
+    """Every LoRA layer the catalogue knows, whatever its base (a Linear, a quantized Linear: the adapters' copies
+    do not depend on it)."""
     if not ctx.opt.lora_inputs:
         return
-    for name, role in ctx.roles.items():
-        lora = role.lora
-        mod = ctx.modules.get(name)
-        if lora is None or mod is None or name in ctx.claimed or not ctx.opt.selected(name):
+    cat = load_catalogue()
+    for name, mod in ctx.modules.items():
+        lora = cat.lora_entry(mod)
+        if lora is None or name in ctx.claimed or not ctx.opt.selected(name):
             continue
         nodes = ctx.g.module_nodes(name)
         if len(nodes) != 1 or not nodes[0].inputs:

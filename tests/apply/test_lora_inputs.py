@@ -174,3 +174,42 @@ def test_convert_again_after_get_peft_model_adopts_the_new_adapters():
     for n in g0:  # bf16: the norm's x̂ is rounded once more than in the original
         assert (g0[n].float() - g1[n].float()).norm() <= 5e-2 * g0[n].float().norm(), n
     assert _saved(m, ids) < _saved(ref, ids)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_lora_over_a_quantized_base_shares_its_input_too(dropout):
+    """QLoRA: the 4-bit stand-in (an nn.Linear subclass with packed frozen weights) under PEFT's LoRA Linear."""
+    from benchmarks.quant_standin import quantize_linears
+
+    ids = _ids()
+    m = _lora(quantize_linears(_llama(torch.bfloat16), tuple(TARGETS)), dropout)
+    ref = copy.deepcopy(m)
+    plain = copy.deepcopy(m)
+    convert(plain, lora_inputs=False, fold_norms=False)
+    convert(m, fold_norms=False)
+    assert sum(isinstance(i, LoraInputShare) for i in m.lmbp_report.plan.items) == 2 * len(TARGETS)
+    rows = B * T
+    drop_saved = 6 * (2 * rows * D * 4 - rows * D // 8) + 2 * rows * FFN * 4 - rows * FFN // 8
+    # the norms before quantized projections are left as they are (their fold is refused; `lmbp-convert` folds
+    # them on disk): their bf16 outputs are now kept instead of the adapters' fp32 copies of them
+    norms_out = 2 * rows * D * 2
+    assert _saved(plain, ids) - _saved(m, ids) == 2 * ((drop_saved if dropout else 6 * rows * D * 4) - norms_out)
+    (l0, g0), (l1, g1) = _step(ref, ids, 4), _step(m, ids, 4)
+    assert torch.allclose(l0, l1, atol=1e-2) and g0.keys() == g1.keys()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_dora_adapters_share_their_input_bitwise(dropout):
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, use_dora=True, init_lora_weights=False,
+                          target_modules=["q_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    torch.manual_seed(1)
+    m = peft.get_peft_model(_llama(torch.bfloat16), cfg).train()
+    m.enable_input_require_grads()
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    ids = _ids()
+    assert _saved(m, ids) < _saved(ref, ids)
+    (l0, g0), (l1, g1) = _step(ref, ids, 9), _step(m, ids, 9)
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
