@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
-_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine")
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "loss")
 
 
 @dataclass
@@ -34,6 +34,9 @@ class ConvertOptions:
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
         residual add that reads it sees the rounded value.
+    loss: where the model computes a cross-entropy loss on its head's logits through ``loss_function`` (HF ≥ 4.46),
+        set that instance attribute to one that keeps the logits in their own dtype (no fp32 copy) and makes one
+        gradient in it (`lmbp_convert.nn.loss`).
     """
 
     activations: bool = True
@@ -47,6 +50,7 @@ class ConvertOptions:
     rtol: float | None = None
     untie: bool = False
     keep_affine: bool = True
+    loss: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -83,8 +87,8 @@ class ConvertOptions:
                 except re.error as exc:
                     raise ValueError(f"{attr} pattern {pat!r} is not a valid regular expression: {exc}") from exc
             setattr(self, f"_{attr}_rx", compiled)
-        if not (self.activations or self.norms or self.gated_mlp):
-            raise ValueError("all of activations, norms and gated_mlp are off: nothing to convert")
+        if not (self.activations or self.norms or self.gated_mlp or self.loss):
+            raise ValueError("all of activations, norms, gated_mlp and loss are off: nothing to convert")
         if self.probe is not None:
             warnings.warn("ConvertOptions(probe=...) is deprecated: the probe is input data, not an option; "
                           "pass convert(model, probe=...) instead", DeprecationWarning, stacklevel=4)
@@ -131,7 +135,7 @@ class ConvertOptions:
             "activations": self.activations, "norms": self.norms, "gated_mlp": self.gated_mlp,
             "bits": self.bits, "include": list(self.include) if self.include else None,
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
-            "keep_affine": self.keep_affine,
+            "keep_affine": self.keep_affine, "loss": self.loss,
         }
 
 
