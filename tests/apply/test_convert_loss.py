@@ -64,7 +64,7 @@ def _inputs(model, seed=0):
 def _step(model, kw, call=None):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same dropout masks in both models (the loss draws no random numbers)
-    out = (call or model)(**kw)
+    out = (call if call is not None else model)(**kw)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.loss.detach(), out.logits.detach(), grads
