@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..catalogue import class_key
+from ..kinds import ConvertedCallable
 from ..trace.containers import children
 from .context import MatchContext
 from .plan import PlanItem, Skip, register_item
@@ -254,6 +255,8 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
         yield Skip("", root, "computes its own loss from labels, but has no loss_function an instance can set "
                              "(transformers < 4.46): the loss is left as it is")
         return
+    if any(isinstance(m.__dict__.get("_loss_function"), ConvertedCallable) for m in hooks.values()):
+        return  # already converted
     if any(p.device.type == "meta" for p in model.parameters()):
         yield Skip("", root, "meta device: the loss cannot be checked without weights, so it is left as it is")
         return
@@ -292,6 +295,8 @@ def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
         with _recorders(hooks) as recs:
             try:
                 _run_with_labels(ctx.model, ctx.probe, labels)
+            except torch.OutOfMemoryError:
+                raise
             except Exception as exc:  # noqa: BLE001 - these labels do not fit this model: try the next output
                 why = f"the probe forward with labels failed ({type(exc).__name__}: {exc}): the loss is left as it is"
                 continue

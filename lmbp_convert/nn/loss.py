@@ -14,12 +14,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..kinds import ConvertedCallable
 from ..ops.cross_entropy import cross_entropy
 
 __all__ = ["MSCrossEntropyLoss"]
 
 
-class MSCrossEntropyLoss:
+class MSCrossEntropyLoss(ConvertedCallable):
     """``loss_function(logits, labels, vocab_size | config, num_items_in_batch=None, ignore_index=-100,
     shift_labels=None, **kwargs)`` with HF's semantics: labels shifted left by one (padded with ignore_index)
     unless ``shift_labels`` is given, when ``shift``; the mean over non-ignored targets, or the sum divided by
