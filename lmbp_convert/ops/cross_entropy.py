@@ -137,8 +137,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _rows_per_chunk(v: int, chunk: int | None) -> int:
-    return chunk if chunk is not None else max(1, CHUNK_ELEMENTS // max(v, 1))
+def _rows_per_chunk(n: int, v: int, chunk: int | None) -> int:
+    """At most CHUNK_ELEMENTS values, and at most a quarter of the rows: the scratch stays below the gradient."""
+    return chunk if chunk is not None else max(1, min(CHUNK_ELEMENTS // max(v, 1), -(-n // 4)))
 
 
 def _fwd_torch(x: torch.Tensor, t: torch.Tensor, ignore_index: int, chunk: int | None = None
@@ -148,7 +149,7 @@ def _fwd_torch(x: torch.Tensor, t: torch.Tensor, ignore_index: int, chunk: int |
     cdt = _compute_dtype(x.dtype)
     valid = t != ignore_index
     safe = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-    step = _rows_per_chunk(v, chunk)
+    step = _rows_per_chunk(n, v, chunk)
     lse = torch.cat([torch.logsumexp(x[i:i + step].to(cdt), dim=1) for i in range(0, n, step)]) if n else \
         x.new_empty(0, dtype=cdt)
     x_t = x.gather(1, safe).squeeze(1).to(cdt)
@@ -164,12 +165,14 @@ def _bwd_torch(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Ten
     valid = t != ignore_index
     w = torch.where(valid, g.to(cdt), torch.zeros_like(lse)).unsqueeze(1)
     safe = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
-    step = _rows_per_chunk(v, chunk)
+    step = _rows_per_chunk(n, v, chunk)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    for i in range(0, n, step):  # each chunk's fp32 scratch is rounded into dx before the next one is made
-        p = torch.exp(x[i:i + step].to(cdt) - lse[i:i + step].unsqueeze(1))
-        p = p.scatter_add(1, safe[i:i + step], -torch.ones_like(w[i:i + step])) * w[i:i + step]
-        dx[i:i + step] = p
+    minus_one = torch.full_like(w, -1.0)
+    for i in range(0, n, step):  # one fp32 chunk of scratch, rounded into dx before the next one is made
+        p = x[i:i + step].to(cdt, copy=True)
+        p.sub_(lse[i:i + step].unsqueeze(1)).exp_()
+        p.scatter_add_(1, safe[i:i + step], minus_one[i:i + step])
+        dx[i:i + step] = p.mul_(w[i:i + step])
     return dx
 
 
