@@ -71,11 +71,15 @@ def _settable_hook(mod: nn.Module) -> bool:
     return isinstance(prop, property) and prop.fset is not None
 
 
-def _takes_labels(mod: nn.Module) -> bool:
+def _takes_labels(mod: nn.Module) -> bool | None:
+    """True: its forward names ``labels``; None: it takes ``**kwargs`` (a wrapper may pass them on); False."""
     try:
-        return "labels" in inspect.signature(mod.forward).parameters
+        params = inspect.signature(mod.forward).parameters
     except (TypeError, ValueError):
         return False
+    if "labels" in params:
+        return True
+    return None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) else False
 
 
 @contextmanager
@@ -247,13 +251,15 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
     """The matcher (`lmbp_convert.match.planner.MATCHERS`): at most one item per module whose forward called its
     ``loss_function`` on the labelled probe."""
     model = ctx.model
-    if not ctx.opt.loss or ctx.probe is None or not _takes_labels(model) or not ctx.opt.selected(""):
+    takes = _takes_labels(model)
+    if not ctx.opt.loss or ctx.probe is None or takes is False or not ctx.opt.selected(""):
         return
     root = class_key(model)
     hooks = {n: m for n, m in ctx.modules.items() if _settable_hook(m) and ctx.opt.selected(n)}
     if not hooks:
-        yield Skip("", root, "computes its own loss from labels, but has no loss_function an instance can set "
-                             "(transformers < 4.46): the loss is left as it is")
+        if takes:  # only said of a forward that names labels: a plain **kwargs is no sign of a loss
+            yield Skip("", root, "computes its own loss from labels, but has no loss_function an instance can set "
+                                 "(transformers < 4.46): the loss is left as it is")
         return
     if any(isinstance(m.__dict__.get("_loss_function"), ConvertedCallable) for m in hooks.values()):
         return  # already converted

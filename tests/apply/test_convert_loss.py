@@ -198,3 +198,40 @@ def test_compiled_converted_model_fullgraph():
     assert grads.keys() == grads_r.keys()
     for k in grads_r:
         torch.testing.assert_close(grads[k], grads_r[k], atol=1e-5, rtol=1e-4)
+
+
+def test_autocast_loss_and_gradients_match():
+    """fp32 weights under bf16 autocast: the head emits bf16 logits; HF upcasts them, this keeps them."""
+    model = _build("llama")
+    ref = copy.deepcopy(model)
+    _loss_only(model)
+    kw = _inputs(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, logits, grads = _step(model, kw)
+        loss_r, logits_r, grads_r = _step(ref, kw)
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, logits_r)
+    torch.testing.assert_close(loss, loss_r, atol=1e-5, rtol=1e-5)
+    for k in grads_r:
+        err = float((grads[k].double() - grads_r[k].double()).norm() / grads_r[k].double().norm().clamp_min(1e-30))
+        assert err <= 2e-2, (k, err)
+
+
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])  # PeftModel (forward(**kwargs)), PeftModelForCausalLM
+def test_peft_model_gets_the_loss_on_its_inner_model(task_type):
+    """convert() on a PeftModel: the wrapper's forward passes labels to the transformers model inside, whose
+    loss_function is the one set (the wrapper has none)."""
+    peft = pytest.importorskip("peft")
+    base = _build("llama")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             task_type=task_type))
+    ref = copy.deepcopy(model)
+    _loss_only(model)
+    (item,) = model.lmbp_report.plan.items
+    assert item.name == "base_model.model" and isinstance(base.__dict__["_loss_function"], MSCrossEntropyLoss)
+    kw = _inputs(base)
+    loss, _, grads = _step(model, kw)
+    loss_r, _, grads_r = _step(ref, kw)
+    torch.testing.assert_close(loss, loss_r, atol=1e-5, rtol=1e-5)
+    assert grads.keys() == grads_r.keys() and all("lora_" in k for k in grads)
+    for k in grads:
+        torch.testing.assert_close(grads[k], grads_r[k], atol=1e-6, rtol=1e-4)
