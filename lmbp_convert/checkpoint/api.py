@@ -87,8 +87,9 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
     if not src_path.exists():
         raise CheckpointError(f"SRC {src_path} does not exist")
     try:
-        opts = ConvertOptions(activations=False, gated_mlp=False, untie=untie, include=include, exclude=exclude,
-                              verify=False)
+        # only norm folds rewrite stored weights; the loss is an attribute convert() sets on the loaded model
+        opts = ConvertOptions(activations=False, gated_mlp=False, loss=False, untie=untie, include=include,
+                              exclude=exclude, verify=False)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from exc
     raw: dict | None = None
