@@ -180,7 +180,20 @@ def test_plan_round_trips_and_reports():
     assert again.items == plan.items
     text = str(_loss_only(model).lmbp_report)
     assert "memory-sharing loss" in text and "causal (labels shifted)" in text and "bfloat16 logits" in text
-    assert item.predicted_saved_bytes > 0
+    # the prediction is the ledger's difference on the probe's logits: HF's fp32 log-softmax against the bf16
+    # logits and an fp32 lse per row
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lmbp_convert.memory import SavedTensorLedger
+
+    out = model(**plan.probe) if isinstance(plan.probe, dict) else model(plan.probe)
+    logits = out.logits.detach().requires_grad_()
+    labels = torch.randint(0, item.classes, logits.shape[:-1])
+    with SavedTensorLedger() as hf_ledger:
+        ForCausalLMLoss(logits, labels, item.classes)
+    with SavedTensorLedger() as ms_ledger:
+        MSCrossEntropyLoss(True)(logits, labels, item.classes)
+    assert item.predicted_saved_bytes == hf_ledger.bytes - ms_ledger.bytes > 0
 
 
 @pytest.mark.slow

@@ -192,6 +192,8 @@ def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, inclu
         assert_same(model, before, f"interrupt after step {k} of {total}")
 
 
+@pytest.mark.skipif(not isinstance(getattr(__import__("transformers").PreTrainedModel, "loss_function", None), property),
+                    reason="transformers < 4.46: no loss_function an instance can set")
 def test_exception_at_every_forward_of_a_loss_conversion_restores_the_model():
     """With the memory-sharing loss planned: an interrupt at any forward (the trace, the probe with labels, the
     verification) leaves loss_function as it was; an error in the probe with labels only skips the loss."""
