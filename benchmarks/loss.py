@@ -123,6 +123,61 @@ def run(tokens: int, vocab: int, hidden: int, repeats: int, json_path: str | Non
     return data
 
 
+def llama(tokens: int, vocab: int, hidden: int, layers: int):
+    """Issue 19's LLaMA-3-8B shape scaled 8× in width (d 512, FFN 1792, 8 heads, 2 KV heads), ``layers`` layers,
+    bf16, SDPA, gradient checkpointing on (where the loss holds the peak), labels = input_ids."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=hidden * 7 // 2,
+                               num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 256),
+                               num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=max(tokens, 64),
+                               tie_word_embeddings=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def model_rows(tokens: int, vocab: int, hidden: int, layers: int, repeats: int) -> dict:
+    """The whole forward + backward of the checkpointed model: HF's loss against convert(loss only)."""
+    import copy
+
+    from lmbp_convert import convert
+
+    base, kw = llama(tokens, vocab, hidden, layers)
+    ours = copy.deepcopy(base)
+    convert(ours, activations=False, norms=False, gated_mlp=False)
+    models = {"hf": base, "ms": ours}
+
+    def step(m):
+        loss = m(**kw).loss
+        loss.backward()
+        m.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    row = {"setup": f"llama {layers}L + ckpt", "dtype": "bf16"}
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    for k, m in models.items():
+        C.free()
+        tracker = MemTracker()
+        tracker.track_external(m)
+        with tracker:
+            row[f"loss_{k}"] = float(step(m))
+        snap = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        row[f"peak_{k}"] = int(snap["Total"])
+        by = {getattr(key, "value", key): int(v) for key, v in snap.items()}
+        row[f"peak_{k}_parts"] = {n: by.get(n, 0) for n in ("Parameter", "Gradient", "Activation", "Temp")}
+    times = C.time_interleaved({k: (lambda m=m: step(m)) for k, m in models.items()}, repeats, warmup=1,
+                               clock=time.thread_time)
+    row.update({f"time_{k}_s": C.median(v) for k, v in times.items()})
+    row["time_ratio"] = row["time_ms_s"] / row["time_hf_s"]
+    row["loss_rel_err"] = abs(row["loss_ms"] / row["loss_hf"] - 1)
+    return row
+
+
 def _line(r: dict) -> str:
     return (f"{r['dtype']:5} {r['setup']:13} saved {C.mib(r['saved_hf'])} → {C.mib(r['saved_ms'])} "
             f"MiB, peak {C.mib(r['peak_hf'])} → {C.mib(r['peak_ms'])} MiB, "
@@ -140,6 +195,16 @@ def table(data: dict) -> str:
                              "Δ", "time ours/HF", "loss rel. err", "grad err (eps·max)"], rows)
 
 
+def model_table(r: dict) -> str:
+    return C.markdown_table(
+        ["model", "peak MiB, HF loss", "peak MiB, MS loss", "Δ", "at the peak: params / grads / acts / temps MiB, HF",
+         "same, MS", "time MS/HF", "loss rel. err"],
+        [[r["setup"], C.mib(r["peak_hf"]), C.mib(r["peak_ms"]), C.pct(r["peak_ms"], r["peak_hf"]),
+          " / ".join(C.mib(v) for v in r["peak_hf_parts"].values()),
+          " / ".join(C.mib(v) for v in r["peak_ms_parts"].values()), f"{r['time_ratio']:.2f}×",
+          f"{r['loss_rel_err']:.1e}"]])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=2048)
@@ -147,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--tiny", action="store_true", help="T 64, V 300, d 32, 3 repeats")
+    p.add_argument("--layers", type=int, default=2, help="layers of the checkpointed LLaMA (0: leave it out)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.tiny:
@@ -154,8 +220,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     C.quiet()
     data = run(a.tokens, a.vocab, a.hidden, a.repeats, a.json)
+    if a.layers:
+        torch.set_num_threads(1)
+        data["model"] = model_rows(a.tokens, a.vocab, a.hidden, a.layers, max(3, a.repeats // 2))
+        C.save_json(a.json, data)
     print()
     print(table(data))
+    if "model" in data:
+        print()
+        print(model_table(data["model"]))
     C.finish(data, t0, a.json)
     return C.print_end(data)
 
