@@ -261,6 +261,8 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
             yield Skip("", root, "computes its own loss from labels, but has no loss_function an instance can set "
                                  "(transformers < 4.46): the loss is left as it is")
         return
+    if not takes and not any(_takes_labels(m) for m in hooks.values()):
+        return  # a wrapper's **kwargs over models that take no labels (a base model): no loss anywhere
     if any(isinstance(m.__dict__.get("_loss_function"), ConvertedCallable) for m in hooks.values()):
         return  # already converted
     if any(p.device.type == "meta" for p in model.parameters()):

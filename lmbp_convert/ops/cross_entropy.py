@@ -8,9 +8,10 @@ fp32 logsumexp and the targets, and its backward writes ONE gradient in the logi
 
     d loss_i / d x_ij = g_i · (exp(x_ij − lse_i) − [j = t_i])     (0 for a row whose target is ignore_index),
 
-computed in fp32 per element and rounded once. Forward and backward run in row chunks: the PyTorch path holds at
-most ``CHUNK_ELEMENTS`` fp32 values of scratch (never an fp32 (N, V)); the Triton kernels hold none (one program
-per row streams the row in ``BLOCK``-element pieces: an online logsumexp forward, one pass backward).
+computed in fp32 per element and rounded once. Forward and backward run in row chunks: the PyTorch path's fp32
+scratch is one chunk of at most ``CHUNK_ELEMENTS`` values in backward (a few such chunks inside ``logsumexp`` in
+forward), never an fp32 (N, V); the Triton kernels hold none (one program per row streams the row in
+``BLOCK``-element pieces: an online logsumexp forward, one pass backward).
 
 ``cross_entropy_rows`` returns the per-row losses (fp32; 0 on ignored rows); `cross_entropy` reduces them: "sum",
 "mean" (over rows whose target is not ignored: HF's and torch's mean), or a sum divided by ``divisor``

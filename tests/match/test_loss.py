@@ -108,3 +108,10 @@ def test_semantics_are_found_numerically():
     assert semantics(flat, call, shape, 11, None) is False
     assert semantics(label_smoothed, call, shape, 11, None) is None
     assert semantics(no_kwargs, call, shape, 11, None) is None
+
+
+@needs_hook
+def test_a_base_model_is_left_alone_without_a_skip():
+    """A base model's forward takes **kwargs but nothing in it names labels: no probe with labels, no skip."""
+    plan = plan_conversion(hf("llama", head="base"), norms=False)
+    assert not [i for i in plan.items if isinstance(i, LossSwap)] and "" not in _skips(plan)
