@@ -295,8 +295,9 @@ def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
     if not candidates:
         return "no output with a class dim over a batch of sequences (a per-token head): nothing V-sized to share"
     dev = _device(ctx.probe, ctx.model)
-    why = "its forward computes the loss in its own code, not through loss_function (nothing an instance can " \
+    own = "its forward computes the loss in its own code, not through loss_function (nothing an instance can " \
           "set): left as it is"
+    why = own
     for shape, _ in candidates:
         gen = torch.Generator().manual_seed(0)
         labels = torch.randint(0, shape[-1], shape[:-1], generator=gen).to(dev)
@@ -309,8 +310,8 @@ def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
                 why = f"the probe forward with labels failed ({type(exc).__name__}: {exc}): the loss is left as it is"
                 continue
         called = [(n, r.calls[0]) for n, r in recs.items() if r.calls]
-        if not called:
-            continue
+        if not called:  # the labels fitted (no error) and still no call: other shapes would not change that
+            return own
         name, (args, kwargs, _) = called[-1]  # the innermost model's: wrappers call through
         logits = kwargs.get("logits", args[0] if args else None)
         if not isinstance(logits, torch.Tensor) or logits.dim() < 3 or not logits.is_floating_point():
