@@ -4,7 +4,7 @@ Each is a ``str`` enum: a member equals its value (``NormKind.RMS == "rms"``), p
 JSON as it, so plans and reports written before these types existed read back unchanged. Open sets stay
 strings: activation kinds are the ops layer's table (`lmbp_convert.ops.activations`), so a new activation is one
 table entry, not an enum edit as well (`GATED_ACT_KINDS` names those the fused gated-MLP op offers). The marker
-bases `ConvertedModule` and `ConvertedHook` are here too: every layer asks ``isinstance`` of them.
+bases `ConvertedModule`, `ConvertedCallable` and `ConvertedHook` are here too: every layer asks ``isinstance`` of them.
 """
 from __future__ import annotations
 
@@ -84,6 +84,11 @@ GATED_ACT_KINDS: tuple[str, ...] = ("silu", "gelu", "gelu_tanh")
 class ConvertedModule:
     """Marker base of every module this package puts into a model: ``isinstance(m, ConvertedModule)`` says that
     ``m`` is already converted (a class check, not a module-name prefix)."""
+
+
+class ConvertedCallable:
+    """Marker base of the plain callables this package sets as a model's instance attributes (the memory-sharing
+    ``loss_function``): matching sees that a model already has one without importing ``nn``."""
 
 
 class ConvertedHook:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .errors import NothingToConvertError
 
-_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs", "measure")
+_FLAGS = ("activations", "norms", "gated_mlp", "verify", "untie", "keep_affine", "fold_norms", "lora_inputs", "measure",
+          "loss")
 
 
 @dataclass
@@ -52,6 +53,9 @@ class ConvertOptions:
         alone. Without it, a module that acts as a norm on the probe but not in train mode, on non-finite or on
         extreme input (a subclass with its own forward: a train-time noise term, a NaN guard) is refused, and
         the report names its class.
+    loss: where the model computes a cross-entropy loss on its head's logits through ``loss_function`` (HF ≥ 4.46),
+        set that instance attribute to one that keeps the logits in their own dtype (no fp32 copy) and makes one
+        gradient in it (`lmbp_convert.nn.loss`).
     """
 
     activations: bool = True
@@ -69,6 +73,7 @@ class ConvertOptions:
     lora_inputs: bool = True
     measure: bool = True
     accept_norms: Sequence[str] | None = None
+    loss: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -106,8 +111,9 @@ class ConvertOptions:
             if items is None or not all(isinstance(c, str) and c for c in items):
                 raise ValueError(f"accept_norms must be a class name or a list of them, got {self.accept_norms!r}")
             self.accept_norms = items
-        if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs):
-            raise ValueError("all of activations, norms, gated_mlp and lora_inputs are off: nothing to convert")
+        if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs or self.loss):
+            raise ValueError("all of activations, norms, gated_mlp, lora_inputs and loss are off: nothing to "
+                             "convert")
         if self.probe is not None:
             warnings.warn("ConvertOptions(probe=...) is deprecated: the probe is input data, not an option; "
                           "pass convert(model, probe=...) instead", DeprecationWarning, stacklevel=4)
@@ -178,6 +184,7 @@ class ConvertOptions:
             "exclude": list(self.exclude) if self.exclude else None, "untie": self.untie,
             "keep_affine": self.keep_affine, "fold_norms": self.fold_norms, "lora_inputs": self.lora_inputs,
             "accept_norms": list(self.accept_norms) if self.accept_norms else None,
+            "loss": self.loss,
         }
 
 

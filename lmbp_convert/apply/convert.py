@@ -62,7 +62,7 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
             graph, out = trace(model, probe, is_leaf)
         else:  # the trace is the probe's acceptance check: one forward, not two
             probe, count, unit, (graph, out), index = search_probe(model, lambda p: trace(model, p, is_leaf))
-    plan = make_plan(model, graph, roles, opt, prefolded_norms(model))
+    plan = make_plan(model, graph, roles, opt, prefolded_norms(model), probe)
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit
     plan.probe, plan.reference_output, plan.probe_index = probe, out, index

@@ -14,7 +14,9 @@ from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
 from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..errors import ConversionError
 from ..match.consumers import ConsumerFold
+from ..match.loss import LossSwap
 from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, OutputActSwap, PlanItem
@@ -382,3 +384,63 @@ class _Handles:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+@builds(LossSwap)
+def _loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
+    """``loss_function`` set on the instance (the property transformers provides stores ``_loss_function``); undo
+    puts the attribute back as it was (absent, or the user's own). Before anything changes, the memory-sharing
+    loss is checked against the original on the matcher's calls: loss and logits gradient, fp32 and the model's
+    logits dtype."""
+    from ..nn.loss import MSCrossEntropyLoss
+
+    mod = builder.modules[item.name]
+    new = MSCrossEntropyLoss(item.shift)
+    why = loss_mismatch(mod.loss_function, new, item, getattr(mod, "config", None))
+    if why is not None:
+        raise ConversionError(f"the memory-sharing loss differs from {item.name or '<model>'}'s loss_function "
+                              f"({why}); convert(..., loss=False) leaves the loss as it is")
+    unit = Unit(f"loss {item.name or '<model>'}")
+    state: list = []
+
+    def do() -> None:
+        state[:] = ["_loss_function" in mod.__dict__, mod.__dict__.get("_loss_function")]
+        mod.loss_function = new
+
+    def undo() -> None:
+        if not state:
+            return
+        had, old = state
+        mod.__dict__.pop("_loss_function", None)
+        if had:
+            mod.__dict__["_loss_function"] = old
+        state.clear()
+
+    unit.steps.append((do, undo))
+    return unit
+
+
+def loss_mismatch(orig, new, item: LossSwap, config) -> str | None:
+    """Why ``new`` is not ``orig`` on the check calls (None: it is): the loss within fp32 rounding, the logits
+    gradient within one rounding of the logits' dtype (fp32 and ``item.logits_dtype``)."""
+    from ..match.loss import example, replay, variants
+
+    logits32, labels = example([2, 3, item.classes], item.classes)
+    dtypes = dict.fromkeys([torch.float32, getattr(torch, item.logits_dtype, torch.float32)])
+    for dtype in dtypes:
+        for lab, extra in variants(list(logits32.shape), item.classes, labels):
+            outs = []
+            for fn in (orig, new):
+                x = logits32.to(dtype).requires_grad_()
+                loss = replay(fn, item.call, x, lab, config, extra)
+                (g,) = torch.autograd.grad(loss, x)
+                outs.append((loss.detach(), g))
+            (l0, g0), (l1, g1) = outs
+            if l1.dtype != l0.dtype or not torch.allclose(l1.double(), l0.double(), rtol=1e-5, atol=1e-6,
+                                                          equal_nan=True):
+                return f"loss {float(l1)} instead of {float(l0)} for {dtype} logits with {sorted(extra)}"
+            eps = 2 * torch.finfo(dtype).eps + 8 * torch.finfo(torch.float32).eps  # + a few fp32 ulps of exp
+            tol = eps * float(g0.abs().max()) + 1e-8
+            if g1.dtype != g0.dtype or float((g1.double() - g0.double()).abs().max()) > tol:
+                return f"logits gradient off by more than one rounding for {dtype} logits with {sorted(extra)}"
+    return None

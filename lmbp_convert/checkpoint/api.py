@@ -96,8 +96,9 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
     if not src_path.exists():
         raise CheckpointError(f"SRC {src_path} does not exist")
     try:
-        opts = ConvertOptions(activations=False, gated_mlp=False, fold_norms=True, lora_inputs=False, untie=untie,
-                              include=include, exclude=exclude, verify=False)
+        # only norm folds rewrite stored weights; the loss is an attribute convert() sets on the loaded model
+        opts = ConvertOptions(activations=False, gated_mlp=False, loss=False, fold_norms=True, lora_inputs=False,
+                              untie=untie, include=include, exclude=exclude, verify=False)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from exc
     raw: dict | None = None

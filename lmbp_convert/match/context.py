@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -45,6 +46,8 @@ class MatchContext:
     opt: ConvertOptions
     #: norms whose affine the checkpoint CLI already folded on disk (from the model's config)
     prefolded: frozenset[str] = frozenset()
+    #: the traced probe input (None where the caller has none): matchers that must run the model again use it
+    probe: Any = None
     modules: dict[str, nn.Module] = field(init=False)
     param_owners: dict[int, list[str]] = field(init=False)
     #: modules taken over by an item already planned: later matchers leave them alone

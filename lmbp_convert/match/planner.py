@@ -7,7 +7,7 @@ MLP's activation is not swapped on its own), and items are applied in plan order
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from torch import nn
 
@@ -19,6 +19,7 @@ from .consumers import match_consumer_folds
 from .context import MatchContext, code_bytes, tensor_bytes
 from .gated import match_gated_mlps
 from .lora_inputs import match_lora_inputs
+from .loss import match_losses
 from .moe import match_recompute_regions
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
@@ -33,7 +34,8 @@ Matcher = Callable[[MatchContext], Iterable["PlanItem | Skip"]]
 
 #: the matchers the planner runs, in order
 MATCHERS: list[Matcher] = [match_gated_mlps, match_recompute_regions, match_consumer_folds, match_norms,
-                           match_affine_free_norms, match_kept_affine_norms, match_activations, match_lora_inputs]
+                           match_affine_free_norms, match_kept_affine_norms, match_activations, match_lora_inputs,
+                           match_losses]
 
 
 def register_matcher(matcher: Matcher) -> Matcher:
@@ -44,9 +46,10 @@ def register_matcher(matcher: Matcher) -> Matcher:
 
 
 def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: ConvertOptions,
-              prefolded: Iterable[str] = ()) -> Plan:
-    """Run every matcher over the model; ``prefolded``: norms already folded on disk (swapped only)."""
-    ctx = MatchContext(model, graph, roles, options, frozenset(prefolded))
+              prefolded: Iterable[str] = (), probe: Any = None) -> Plan:
+    """Run every matcher over the model; ``prefolded``: norms already folded on disk (swapped only); ``probe``: the
+    traced input (for matchers that check behaviour by running the model again)."""
+    ctx = MatchContext(model, graph, roles, options, frozenset(prefolded), probe)
     plan = Plan(options=options.summary())
     plan.already_converted = [n for n, m in ctx.modules.items() if isinstance(m, ConvertedModule)]
     for matcher in list(MATCHERS):

@@ -54,7 +54,7 @@ def test_bad_options_fail_before_anything():
     with pytest.raises(ValueError, match="regular expression"):
         convert(model, exclude=["(unclosed"])
     with pytest.raises(ValueError, match="nothing to convert"):
-        ConvertOptions(activations=False, norms=False, gated_mlp=False, lora_inputs=False)
+        ConvertOptions(activations=False, norms=False, gated_mlp=False, lora_inputs=False, loss=False)
     assert _same(model, state)
 
 

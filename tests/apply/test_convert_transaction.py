@@ -13,6 +13,7 @@ from torch import nn
 import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
 from lmbp_convert.kinds import ConvertedModule
+from lmbp_convert.match.loss import LossSwap
 from model_state import assert_same, snapshot
 from benchmarks.families import hf
 
@@ -92,16 +93,19 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     report = counter.run()
     assert report.verified and len(report.rolled_back) == 1, str(report)
     n_units = len(report.swapped) + 1
-    # trace, the original on the second verification input, the original's measured training forward; then on
-    # both inputs: verify, one per unit, final; then the converted model's measured training forward
-    assert counter.forwards == 3 + 2 * (1 + n_units + 1) + 1, counter.forwards
+    labelled = int(any(isinstance(i, LossSwap) for i in report.plan.items))  # the loss matcher's probe with labels
+    # trace, (the probe with labels,) the original on the second verification input, the original's measured
+    # training forward; then on both inputs: verify, one per unit, final; then the converted model's measured one
+    assert counter.forwards == 3 + labelled + 2 * (1 + n_units + 1) + 1, counter.forwards
     inside = sorted(counter.converted_calls)
-    assert inside == list(range(4, counter.forwards + 1)), counter.converted_calls
+    assert inside == list(range(4 + labelled, counter.forwards + 1)), counter.converted_calls
     inj = Injector(model, probe)
-    # forward 2 runs the original on an input derived from the probe: an error there means the model rejects that
-    # input, and the next derivation rule is tried (see lmbp_convert.trace.second_probe); interrupts still stop it
+    # forward 2 + labelled runs the original on an input derived from the probe: an error there means the model
+    # rejects that input, and the next derivation rule is tried (see lmbp_convert.trace.second_probe); an error in
+    # the probe with labels (forward 2 then) means the loss is skipped; interrupts still stop both
+    tolerant = {2, 2 + labelled}
     cases = [(("model", k), e) for k in range(1, counter.forwards + 1) for e in (KeyboardInterrupt, RuntimeError)
-             if k != 2 or e is KeyboardInterrupt]
+             if k not in tolerant or e is KeyboardInterrupt]
     cases += [(("inside", k), (KeyboardInterrupt, RuntimeError, OSError)[k % 3]) for k in inside]
     for target, exc_type in cases:
         exc = exc_type(f"injected at {target}")
@@ -123,9 +127,9 @@ def test_exception_in_verification_restores_new_and_replaced_parameters(build, k
     before = snapshot(model)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     inj = Injector(model, {"input_ids": torch.tensor([[3, 17, 42, 9]])})
-    # forward 2 is the original on the second verification input; 3 its measured training forward; 4 the first
-    # verification forward
-    for target, exc in [(("model", 4), KeyboardInterrupt()), (("inside", 4), RuntimeError("CUDA out of memory"))]:
+    # forward 2 is the loss matcher's probe with labels, 3 the original on the second verification input, 4 its
+    # measured training forward; 5 the first verification forward
+    for target, exc in [(("model", 5), KeyboardInterrupt()), (("inside", 5), RuntimeError("CUDA out of memory"))]:
         inj.run_kwargs = kwargs
         with pytest.raises(type(exc)):
             inj.run(target, exc)
@@ -186,3 +190,27 @@ def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, inclu
         with pytest.raises(KeyboardInterrupt):
             convert(model, include=include, probe=probe, **kwargs)
         assert_same(model, before, f"interrupt after step {k} of {total}")
+
+
+@pytest.mark.skipif(not isinstance(getattr(__import__("transformers").PreTrainedModel, "loss_function", None), property),
+                    reason="transformers < 4.46: no loss_function an instance can set")
+def test_exception_at_every_forward_of_a_loss_conversion_restores_the_model():
+    """With the memory-sharing loss planned: an interrupt at any forward (the trace, the probe with labels, the
+    verification) leaves loss_function as it was; an error in the probe with labels only skips the loss."""
+    model = hf("llama")
+    probe = {"input_ids": torch.tensor([[3, 17, 42, 9]])}
+    before = snapshot(model)
+    counter = Injector(hf("llama"), probe)
+    counter.run_kwargs = {"activations": False, "norms": False, "gated_mlp": False}
+    assert [type(i) for i in counter.run().plan.items] == [LossSwap]
+    inj = Injector(model, probe)
+    inj.run_kwargs = counter.run_kwargs
+    for k in range(1, counter.forwards + 1):
+        with pytest.raises(KeyboardInterrupt):
+            inj.run(("model", k), KeyboardInterrupt())
+        assert_same(model, before, f"KeyboardInterrupt at forward {k}")
+        assert "_loss_function" not in model.__dict__
+    with pytest.raises(Exception, match="nothing to convert") as caught:
+        inj.run(("model", 2), RuntimeError("the model rejects labels"))
+    assert "the probe forward with labels failed (RuntimeError" in str(caught.value)
+    assert_same(model, before, "RuntimeError in the probe with labels")

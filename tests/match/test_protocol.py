@@ -17,6 +17,7 @@ from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
 from lmbp_convert.catalogue import class_key
 from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
+from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.plan import (ActSwap, GatedMLPSwap, LinearTarget, NormFold, Plan, PlanItem, ReapplySite,
                                      Skip, register_item, unregister_item)
 
@@ -195,4 +196,4 @@ def test_claimed_modules_are_left_to_their_claimant():
     gated = plan.gated_mlps
     assert gated and not {g.act_module for g in gated} & {a.name for a in plan.act_swaps}
     assert [type(i) for i in plan.items] == sorted((type(i) for i in plan.items),
-                                                   key=[GatedMLPSwap, NormFold, ActSwap].index)
+                                                   key=[GatedMLPSwap, NormFold, ActSwap, LossSwap].index)

@@ -197,8 +197,11 @@ def test_planning_with_the_automatic_probe_runs_the_model_once():
     """The trace is the probe's acceptance check: choosing the probe costs no forward of its own."""
     model = PROBE_FAMILIES["t5"]()
     calls = _count_forwards(model)
-    plan_conversion(model)
+    plan_conversion(model, loss=False)
     assert len(calls) == 1
+    calls.clear()
+    plan_conversion(model)  # the loss matcher's one forward with labels (match/loss.py) comes on top
+    assert len(calls) == 2
 
 
 def test_a_refused_candidate_is_skipped_before_the_trace_and_the_next_one_traced():

@@ -1,0 +1,298 @@
+"""Memory-sharing cross-entropy for LM heads: the loss from the logits in their own dtype.
+
+HF's loss functions upcast the logits (``logits.float()``) before ``F.cross_entropy``: for bf16 logits of a
+large vocabulary that is an fp32 copy of all of them, whose ``log_softmax`` keeps a second fp32 (N, V) tensor for
+backward, and backward then makes an fp32 gradient plus its bf16 cast. The logits themselves are kept anyway:
+the model returns them (``outputs.logits``). This op saves exactly that storage (no copy, no upcast), the per-row
+fp32 logsumexp and the targets, and its backward writes ONE gradient in the logits' dtype,
+
+    d loss_i / d x_ij = g_i · (exp(x_ij − lse_i) − [j = t_i])     (0 for a row whose target is ignore_index),
+
+computed in fp32 per element and rounded once. Forward and backward run in row chunks: the PyTorch path's fp32
+scratch is one chunk of at most ``CHUNK_ELEMENTS`` values in backward (a few such chunks inside ``logsumexp`` in
+forward), never an fp32 (N, V); the Triton kernels hold none (one program per row streams the row in
+``BLOCK``-element pieces: an online logsumexp forward, one pass backward).
+
+``cross_entropy_rows`` returns the per-row losses (fp32; 0 on ignored rows); `cross_entropy` reduces them: "sum",
+"mean" (over rows whose target is not ignored: HF's and torch's mean), or a sum divided by ``divisor``
+(``num_items_in_batch`` of gradient accumulation). Statistics are fp32 (fp64 for fp64 logits, PyTorch path only).
+
+Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path everywhere else, with one signature so
+tests compare them directly. Eager calls go through `LeanKernel`; under torch.compile the Triton path is the
+``triton_op`` ``lmbp_convert::cross_entropy_fwd`` (its backward ``cross_entropy_bwd`` registered as its autograd),
+and the PyTorch path is traced by dynamo (its chunk loop unrolls over a static row count).
+"""
+from __future__ import annotations
+
+import torch
+
+from ._common import HAS_TRITON, check_dtype, use_triton
+from ._launch import LeanKernel, kernel_op, next_pow2, spec_key
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+__all__ = ["cross_entropy", "cross_entropy_rows", "CrossEntropyFunction", "CHUNK_ELEMENTS", "BLOCK"]
+
+#: fp32 elements of scratch the PyTorch path works on at a time (rows per chunk = this // V, at least 1)
+CHUNK_ELEMENTS = 1 << 20
+#: elements of a row one Triton program handles per loop step
+BLOCK = 4096
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Triton kernels: one program per row, fp32 math, the row streamed in BLOCK pieces.
+# ------------------------------------------------------------------------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _ce_fwd_kernel(X, T, LOSS, LSE, stride_x, V, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_x
+        cols = tl.arange(0, BLOCK)
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        s = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
+        for off in range(0, V, BLOCK):
+            mask = off + cols < V
+            x = tl.load(x_row + off + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            # exp(-inf - -inf) is NaN: a row (or piece) that is -inf so far contributes 0, not NaN
+            e = tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+            s = s * tl.where(m == m_new, 1.0, tl.exp(m - m_new)) + tl.sum(e, axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        t = tl.load(T + row)
+        valid = t != ignore_index
+        x_t = tl.load(x_row + tl.where(valid, t, 0)).to(tl.float32)
+        tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
+        tl.store(LSE + row, lse)
+
+    @triton.jit
+    def _ce_bwd_kernel(G, X, T, LSE, DX, stride_g, stride_x, stride_dx, V, ignore_index, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        t = tl.load(T + row)
+        w = tl.where(t != ignore_index, tl.load(G + row * stride_g).to(tl.float32), 0.0)
+        lse = tl.load(LSE + row)
+        cols = tl.arange(0, BLOCK)
+        for off in range(0, V, BLOCK):
+            mask = off + cols < V
+            x = tl.load(X + row * stride_x + off + cols, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            d = (p - tl.where(off + cols == t, 1.0, 0.0)) * w
+            tl.store(DX + row * stride_dx + off + cols, d.to(DX.dtype.element_ty), mask=mask)
+
+    _FWD = LeanKernel(_ce_fwd_kernel)
+    _BWD = LeanKernel(_ce_bwd_kernel)
+
+
+def _warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+def _block_for(v: int, block: int | None) -> int:
+    return block if block is not None else min(BLOCK, next_pow2(max(v, 16)))
+
+
+def _fwd_triton(x: torch.Tensor, t: torch.Tensor, ignore_index: int, block: int | None = None,
+                traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward on (N, V) rows with unit column stride: (per-row loss, lse), both fp32 (N,)."""
+    n, v = x.shape
+    loss = torch.empty(n, dtype=torch.float32, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return loss, lse
+    blk = _block_for(v, block)
+    args = (x, t, loss, lse, x.stride(0), v, int(ignore_index))
+    if traced:
+        _FWD.launch_traced((n, 1, 1), x.device.index, args, (blk,), _warps(blk))
+    else:
+        dev = x.get_device()
+        _FWD.launch(spec_key(args, dev, (blk,), _warps(blk)), (n, 1, 1), args, dev, (blk,), _warps(blk))
+    return loss, lse
+
+
+def _bwd_triton(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, ignore_index: int,
+                block: int | None = None, traced: bool = False) -> torch.Tensor:
+    """Triton backward: the gradient of the per-row losses (upstream ``g``, (N,), any stride) w.r.t. x, in x's
+    dtype."""
+    n, v = x.shape
+    dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return dx
+    blk = _block_for(v, block)
+    args = (g, x, t, lse, dx, g.stride(0), x.stride(0), v, v, int(ignore_index))
+    if traced:
+        _BWD.launch_traced((n, 1, 1), x.device.index, args, (blk,), _warps(blk))
+    else:
+        dev = x.get_device()
+        _BWD.launch(spec_key(args, dev, (blk,), _warps(blk)), (n, 1, 1), args, dev, (blk,), _warps(blk))
+    return dx
+
+
+# ------------------------------------------------------------------------------------------------------
+# PyTorch path: the same contract on every device, fp32 scratch bounded by CHUNK_ELEMENTS.
+# ------------------------------------------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _rows_per_chunk(n: int, v: int, chunk: int | None) -> int:
+    """At most CHUNK_ELEMENTS values, and at most a quarter of the rows: the scratch stays below the gradient."""
+    return chunk if chunk is not None else max(1, min(CHUNK_ELEMENTS // max(v, 1), -(-n // 4)))
+
+
+def _fwd_torch(x: torch.Tensor, t: torch.Tensor, ignore_index: int, chunk: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch forward, `_fwd_triton`'s contract (fp64 statistics for fp64 logits); ``chunk``: rows per chunk."""
+    n, v = x.shape
+    cdt = _compute_dtype(x.dtype)
+    valid = t != ignore_index
+    safe = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+    step = _rows_per_chunk(n, v, chunk)
+    lse = torch.cat([torch.logsumexp(x[i:i + step].to(cdt), dim=1) for i in range(0, n, step)]) if n else \
+        x.new_empty(0, dtype=cdt)
+    x_t = x.gather(1, safe).squeeze(1).to(cdt)
+    loss = torch.where(valid, lse - x_t, torch.zeros_like(lse))
+    return loss, lse
+
+
+def _bwd_torch(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, ignore_index: int,
+               chunk: int | None = None) -> torch.Tensor:
+    """PyTorch backward, `_bwd_triton`'s contract: one (N, V) result in x's dtype, written chunk by chunk."""
+    n, v = x.shape
+    cdt = lse.dtype
+    valid = t != ignore_index
+    w = torch.where(valid, g.to(cdt), torch.zeros_like(lse)).unsqueeze(1)
+    safe = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+    step = _rows_per_chunk(n, v, chunk)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    minus_one = torch.full_like(w, -1.0)
+    for i in range(0, n, step):  # one fp32 chunk of scratch, rounded into dx before the next one is made
+        p = x[i:i + step].to(cdt, copy=True)
+        p.sub_(lse[i:i + step].unsqueeze(1)).exp_()
+        p.scatter_add_(1, safe[i:i + step], minus_one[i:i + step])
+        dx[i:i + step] = p.mul_(w[i:i + step])
+    return dx
+
+
+# ------------------------------------------------------------------------------------------------------
+# Library ops: the Triton path under torch.compile (inductor emits the launches).
+# ------------------------------------------------------------------------------------------------------
+def _fwd_fake(x, t, ignore_index):
+    n = x.shape[0]
+    return x.new_empty((n,), dtype=torch.float32), x.new_empty((n,), dtype=torch.float32)
+
+
+def _bwd_fake(g, x, t, lse, ignore_index):
+    return x.new_empty(x.shape)
+
+
+@kernel_op("lmbp_convert::cross_entropy_fwd", _fwd_fake)
+def _ce_fwd_op(x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fwd_triton(x, t, ignore_index, traced=True)
+
+
+@kernel_op("lmbp_convert::cross_entropy_bwd", _bwd_fake)
+def _ce_bwd_op(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor,
+               ignore_index: int) -> torch.Tensor:
+    return _bwd_triton(g, x, t, lse, ignore_index, traced=True)
+
+
+def _op_setup_context(ctx, inputs, output):
+    x, t, ignore_index = inputs
+    _, lse = output
+    ctx.save_for_backward(x, t, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.ignore_index = ignore_index
+
+
+def _op_backward(ctx, g, _g_lse):
+    x, t, lse = ctx.saved_tensors
+    return torch.ops.lmbp_convert.cross_entropy_bwd(g, x, t, lse, ctx.ignore_index), None, None
+
+
+_ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------------
+# autograd.Function (eager) and public API
+# ------------------------------------------------------------------------------------------------------
+class CrossEntropyFunction(torch.autograd.Function):
+    """Per-row cross-entropy of (N, V) logits; saves the logits themselves, the targets and the fp32 lse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        triton_path = use_triton(x)
+        loss, lse = (_fwd_triton if triton_path else _fwd_torch)(x, t, ignore_index)
+        ctx.save_for_backward(x, t, lse)
+        ctx.spec = (ignore_index, triton_path)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
+            return _backward_once(ctx, g)
+        return _backward(ctx, g)
+
+
+def _backward(ctx, g: torch.Tensor):
+    x, t, lse = ctx.saved_tensors
+    ignore_index, triton_path = ctx.spec
+    dx = (_bwd_triton if triton_path else _bwd_torch)(g, x, t, lse, ignore_index)
+    return dx, None, None
+
+
+_backward_once = torch.autograd.function.once_differentiable(_backward)
+
+
+def _rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_dtype(logits, "cross_entropy")
+    if logits.dim() < 1 or not logits.is_floating_point():
+        raise ValueError(f"cross_entropy: logits must be a floating-point tensor with a class dim, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"cross_entropy: targets must be int64 or int32 class indices, got {targets.dtype}")
+    v = logits.shape[-1]
+    x = logits.reshape(-1, v)  # a view of the model's own storage when the logits are contiguous in the last dim
+    if v > 1 and x.stride(1) != 1:
+        x = x.contiguous()
+    t = targets.reshape(-1)
+    if t.numel() != x.shape[0]:
+        raise ValueError(f"cross_entropy: {t.numel()} targets for {x.shape[0]} rows of logits "
+                         f"{tuple(logits.shape)}")
+    return x, t.to(torch.int64)
+
+
+def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Per-row losses (fp32; fp64 for fp64 logits) of logits (..., V) against class indices of the leading shape,
+    flattened to (N,); 0 where the target is ``ignore_index``."""
+    x, t = _rows(logits, targets)
+    ignore_index = int(ignore_index)
+    if use_triton(x) and torch.compiler.is_compiling():
+        return torch.ops.lmbp_convert.cross_entropy_fwd(x, t, ignore_index)[0]
+    return CrossEntropyFunction.apply(x, t, ignore_index)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  divisor: torch.Tensor | float | int | None = None) -> torch.Tensor:
+    """Cross-entropy of logits (..., V) in their own dtype, fp32 inside; backward makes one gradient in the
+    logits' dtype. ``reduction``: "mean" over non-ignored targets (NaN when all are ignored, as in torch), "sum",
+    or "none" (per row, flattened). ``divisor``: the sum divided by it (HF's ``num_items_in_batch``); only with
+    reduction "sum"."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {', '.join(_REDUCTIONS)}, got {reduction!r}")
+    if divisor is not None and reduction != "sum":
+        raise ValueError("cross_entropy: divisor divides the sum; pass reduction='sum' with it")
+    rows = cross_entropy_rows(logits, targets, ignore_index)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "mean":
+        return total / (targets != ignore_index).sum().to(total.dtype)
+    if divisor is None:
+        return total
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(total.device)
+    return total / divisor
