@@ -62,7 +62,7 @@ def _saved(m, ids):
     return led.bytes
 
 
-ONLY_LORA = dict(activations=False, norms=False, gated_mlp=False)
+ONLY_LORA = dict(activations=False, norms=False, gated_mlp=False, loss=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
