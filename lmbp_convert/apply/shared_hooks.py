@@ -20,7 +20,7 @@ from ..kinds import ConvertedHook, NormKind, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity
-from .rewrite import Unit, UnitBuilder, builds
+from .rewrite import Unit, UnitBuilder, _Handles, builds
 
 __all__ = ["RegionHooks", "NoteInput", "add_region"]
 
@@ -81,15 +81,6 @@ class NoteInput(ConvertedHook):
         if isinstance(x, torch.Tensor):
             note_identity(x)
         return None
-
-
-class _Handles:
-    def __init__(self, handles: list) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 def _region_hooks(model: nn.Module) -> RegionHooks:
