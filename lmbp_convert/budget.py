@@ -238,6 +238,10 @@ def checkpoint_for_budget(model: nn.Module, budget_bytes: int, probe: Any, *,
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be a non-negative int, not {budget_bytes!r}")
     layers, names = _layers_of(model, layers)
+    done = [n for n, m in zip(names, layers) if isinstance(m.__dict__.get("forward"), _CheckpointedForward)]
+    if done:
+        raise BudgetError(f"{', '.join(done)} already checkpointed by checkpoint_for_budget: call undo() on the "
+                          "ActivationBudget that did it first (the layers would be measured checkpointed)")
     with _probe_state(model):
         led = _measure(model, layers, names, probe)
     n = len(layers)
