@@ -1,6 +1,7 @@
 """The whole-step peak harness: its live-tensor tracker is exact (a hand-computed case, and MemTracker's total on
 a model MemTracker can hook), and on tiny configurations the variants keep their relations (checkpointing lowers
-the activations at the peak, conversion never raises the peak)."""
+the activations at the peak, conversion never raises the peak; converted + checkpointing against checkpointing
+alone: tests/integration/test_grad_checkpointing.py)."""
 import pytest
 import torch
 from torch import nn
@@ -69,7 +70,7 @@ def test_tracker_matches_memtracker_total():
 @pytest.fixture(scope="module")
 def tiny_rows():
     cfgs = [SP.TINY["a"], SP.TINY["c"]]
-    data = SP.run(cfgs, SP.VARIANTS, log=lambda *_: None)
+    data = SP.run(cfgs, ["original", "converted", "ckpt", "ckpt-reentrant"], log=lambda *_: None)
     return {(r["config"], r["variant"]): r for r in data["rows"]}, data
 
 
@@ -80,12 +81,10 @@ def test_variants_keep_their_relations(tiny_rows):
         orig, conv, ckpt = rows[cfg, "original"], rows[cfg, "converted"], rows[cfg, "ckpt"]
         assert conv["verified"] and conv["peak"] <= orig["peak"]
         assert ckpt["activations"] < orig["activations"]
-        assert rows[cfg, "converted+ckpt"]["peak"] <= ckpt["peak"]
         for r in (orig, conv, ckpt):
             assert r["untracked"] == 0 and r["params"] > 0 and r["optimizer"] > 0
             assert r["peak"] == r["params"] + r["grads"] + r["optimizer"] + r["activations"]
     assert rows["a", "ckpt-reentrant"]["activations"] < rows["a", "original"]["activations"]
-    assert rows["a", "converted+ckpt-reentrant"]["peak"] <= rows["a", "ckpt-reentrant"]["peak"]
     assert ("c", "ckpt-reentrant") not in rows  # timm: no reentrant switch
     md = SP.table(data)
     assert "(a) LLaMA d 64" in md and "2 layers, T 32, batch 2" in md
