@@ -200,6 +200,26 @@ def make_step(cfg: StepConfig, m: nn.Module, opt: torch.optim.Optimizer, batch: 
 
 
 # -------------------------------------------------------------------------------------------- measurement
+def _opt_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+
+
+def track_step(cfg: StepConfig, m: nn.Module, opt: torch.optim.Optimizer, batch: dict, device: str = "cpu"):
+    """(Peak, loss) of one training step of a model whose optimizer has stepped before, every live tensor
+    tracked."""
+    C.free()
+    params = [p for p in m.parameters() if p.requires_grad]
+    with LiveTensorTracker() as tr:
+        tr.register(list(m.parameters()) + list(m.buffers()), "params")
+        tr.register(_opt_state(opt), "optimizer")
+        tr.register(batch.values(), "activations")
+        tr.watch_grads(params)
+        loss = make_step(cfg, m, opt, batch, device, tr)()
+        tr.label(_opt_state(opt), "optimizer")
+        pk = tr.peak(list(m.parameters()) + list(m.buffers()) + _opt_state(opt))
+    return pk, loss
+
+
 def measure_variant(cfg: StepConfig, variant: str, device: str = "cpu", convert_kwargs: Optional[dict] = None,
                     convert_order: str = "after") -> dict:
     """Peak of the second training step of one variant, split; everything of it is freed on return."""
@@ -209,17 +229,7 @@ def measure_variant(cfg: StepConfig, variant: str, device: str = "cpu", convert_
     opt = torch.optim.AdamW(params, lr=1e-4)
     batch = make_batch(cfg, device)
     first_loss = make_step(cfg, m, opt, batch, device)()  # optimizer state now exists
-    C.free()
-    with LiveTensorTracker() as tr:
-        tr.register(list(m.parameters()) + list(m.buffers()), "params")
-        tr.register([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)],
-                    "optimizer")
-        tr.register(batch.values(), "activations")
-        tr.watch_grads(params)
-        loss = make_step(cfg, m, opt, batch, device, tr)()
-        tr.label([t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)], "optimizer")
-        pk = tr.peak(list(m.parameters()) + list(m.buffers()) +
-                     [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)])
+    pk, loss = track_step(cfg, m, opt, batch, device)
     row = {"config": cfg.key, "variant": variant, **info, **pk.to_dict(), "loss_step1": first_loss,
            "loss_step2": loss, "trainable_params": sum(p.numel() for p in params),
            "params_total": sum(p.numel() for p in m.parameters())}
@@ -281,16 +291,17 @@ def table(data: dict) -> str:
     by = {(r["config"], r["variant"]): r for r in data["rows"] if "error" not in r}
     for r in data["rows"]:
         if "error" in r:
-            rows.append([r["config"], r["variant"], "error: " + r["error"]] + [""] * 7)
+            rows.append([r["config"], r["variant"], "error: " + r["error"]] + [""] * 8)
             continue
         base_v = r["variant"].replace("converted+", "") if r["variant"] != "converted" else "original"
         base = by.get((r["config"], base_v)) if base_v != r["variant"] else None
         rows.append([r["config"], r["variant"], C.mib(r["peak"]), C.mib(r["params"]), C.mib(r["grads"]),
-                     C.mib(r["optimizer"]), C.mib(r["activations"]), r["phase"],
+                     C.mib(r["optimizer"]), C.mib(r["activations"]),
+                     C.mib(r["activations_by_phase"].get("forward", 0)), r["phase"],
                      C.pct(r["peak"], base["peak"]) if base else "",
                      C.pct(r["activations"], base["activations"]) if base else ""])
     header = ["config", "variant", "peak MiB", "params", "grads", "optimizer", "activations + temporaries",
-              "peak in", "peak vs unconverted", "act. vs unconverted"]
+              "of which from forward", "peak in", "peak vs unconverted", "act. vs unconverted"]
     cfgs = "\n".join(f"- ({c['key']}) {c['describe']}" for c in data["configs"])
     kw = json.dumps(data["convert_kwargs"])
     return (f"Measured on {data['machine']}; convert() {data['convert_order']} get_peft_model, kwargs {kw}.\n\n"

@@ -113,6 +113,8 @@ class ActivationBudget:
     bytes_without: int  # no layer checkpointed
     bytes_all: int  # every layer checkpointed
     measured_bytes: Optional[int] = None  # the ledger on the probe after the change (verify=True)
+    #: every option in the order layers are added: (layers checkpointed, predicted bytes, predicted peak)
+    choices: list[tuple[int, int, int]] = field(default_factory=list)
     _restore: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -267,12 +269,11 @@ def checkpoint_for_budget(model: nn.Module, budget_bytes: int, probe: Any, *,
     while len(order) < n:
         rest = [i for i in range(n) if i not in order]
         order.append(min(rest, key=lambda i: (predict({*order, i})[1], i)))
-    without = predict(set())[0]
-    everything, best_peak = predict(set(range(n)))
-    for k in range(n + 1):
-        chosen = set(order[:k])
-        total, peak = predict(chosen)
+    choices = [(k, *predict(set(order[:k]))) for k in range(n + 1)]
+    without, (_, everything, best_peak) = choices[0][1], choices[-1]
+    for k, total, peak in choices:
         if peak <= budget_bytes:
+            chosen = set(order[:k])
             break
     else:
         raise BudgetError(f"an activation budget of {budget_bytes} bytes cannot be met on this probe: with every one "
@@ -280,7 +281,7 @@ def checkpoint_for_budget(model: nn.Module, budget_bytes: int, probe: Any, *,
                           f"layer peaks at {best_peak} bytes ({nbytes(outside)} of them outside the layers)")
     rows = [LayerBytes(names[i], nbytes(kept[i]), nbytes(ins[i])) for i in range(n)]
     plan = ActivationBudget(budget_bytes, rows, [names[i] for i in sorted(chosen)], nbytes(outside), total, peak,
-                            without, everything)
+                            without, everything, choices=choices)
     plan._restore = [_checkpoint_layer(layers[i], use_reentrant) for i in sorted(chosen)]
     if verify:
         try:

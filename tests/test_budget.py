@@ -60,6 +60,7 @@ def test_positional_layers_predict_the_ledger_exactly():
     assert [r.checkpointed for r in full.layers] == [8 * d * 4] * n  # a checkpoint holds the block's input
     full.undo()
     saves = blk - 8 * d * 4  # checkpointing a block keeps its input only
+    assert [c[:2] for c in full.choices] == [(k, full.bytes_without - k * saves) for k in range(n + 1)]
     for k in range(n + 1):  # the bytes of k checkpointed blocks (k < n), or just below those of n - 1 (k = n)
         budget = full.bytes_without - k * saves if k < n else full.bytes_without - (n - 1) * saves - 1
         plan = checkpoint_for_budget(model, budget, x)
