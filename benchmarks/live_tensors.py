@@ -40,6 +40,7 @@ class _Entry:
     category: str = "activations"
     ref: Optional[weakref.ref] = None
     key: int = 0
+    op: str = ""
 
 
 @dataclass
@@ -54,10 +55,13 @@ class Peak:
     #: the ``activations`` bytes at the peak by the phase that allocated them (forward: kept for backward;
     #: backward / optimizer: temporaries)
     activations_by_phase: dict[str, int] = field(default_factory=dict)
+    #: the largest storages live at the peak: (bytes, category, phase that allocated it, the op that made it)
+    largest: list[tuple[int, str, str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"peak": self.bytes, "phase": self.phase, **self.split, "untracked": self.untracked,
-                "phase_peaks": dict(self.phase_peaks), "activations_by_phase": dict(self.activations_by_phase)}
+                "phase_peaks": dict(self.phase_peaks), "activations_by_phase": dict(self.activations_by_phase),
+                "largest": [list(x) for x in self.largest]}
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -81,14 +85,14 @@ class LiveTensorTracker(TorchDispatchMode):
         e = self._by_id.get(id(storage))
         return e if e is not None and e.ref() is storage else None
 
-    def _add(self, storage, category: str = "activations") -> _Entry:
+    def _add(self, storage, category: str = "activations", op: str = "") -> _Entry:
         e = self._entry_of(storage)
         if e is not None:
             if e.nbytes == storage.nbytes():
                 return e
             self._freed(e)  # resized in place: the old size is gone, the new one is a new allocation
         self._event += 1
-        e = _Entry(storage.nbytes(), self._event, self._phase, category=category, key=id(storage))
+        e = _Entry(storage.nbytes(), self._event, self._phase, category=category, key=id(storage), op=op)
         e.ref = weakref.ref(storage, lambda _r, e=e: self._freed(e))
         self._by_id[id(storage)] = e
         self._entries.append(e)
@@ -143,7 +147,7 @@ class LiveTensorTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage())
+                self._add(t.untyped_storage(), op=func.__name__)
         return out
 
     def __exit__(self, *exc):
@@ -156,14 +160,16 @@ class LiveTensorTracker(TorchDispatchMode):
     def live_bytes(self) -> int:
         return self._live
 
-    def peak(self, check: Iterable = ()) -> Peak:
+    def peak(self, check: Iterable = (), largest: int = 12) -> Peak:
         """The peak and its split. ``check``: tensors that must have been tracked (parameters, grads, optimizer
         state); the bytes of any that were not are reported as ``untracked`` (0 when the count is complete)."""
         split = dict.fromkeys(CATEGORIES, 0)
         by_phase: dict[str, int] = {}
         phase = "setup"
+        live: list[_Entry] = []
         for e in self._entries:
             if e.alloc <= self._peak_event and (e.free is None or e.free > self._peak_event):
+                live.append(e)
                 split[e.category] += e.nbytes
                 if e.category == "activations":
                     by_phase[e.phase] = by_phase.get(e.phase, 0) + e.nbytes
@@ -176,4 +182,6 @@ class LiveTensorTracker(TorchDispatchMode):
             seen.add(id(st))
             if self._entry_of(st) is None:
                 untracked += st.nbytes()
-        return Peak(self._peak, phase, split, untracked, dict(self._phase_peaks), by_phase)
+        top = sorted(live, key=lambda e: -e.nbytes)[:largest]
+        return Peak(self._peak, phase, split, untracked, dict(self._phase_peaks), by_phase,
+                    [(e.nbytes, e.category, e.phase, e.op) for e in top])
