@@ -294,6 +294,8 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
            "python -m benchmarks.host                   # host time of the CUDA path, on any CPU",
            "python -m benchmarks.moe                    # MoE blocks (its section above is kept by benchmarks.all)",
            "python -m benchmarks.checkpoint             # lmbp-convert on a 3 GB checkpoint against a plain copy",
+           "python -m benchmarks.step_peak --help       # whole-step peak (its section above is kept)",
+           "python -m benchmarks.budget_curve           # peak vs step time, layers checkpointed by budget",
            "python -m benchmarks.speed --gpu            # on a CUDA machine",
            "bash scripts/gpu_run.sh                     # a CUDA machine: CUDA tests, kernels, GPU speed, QLoRA flow",
            "```", ""]

@@ -21,19 +21,22 @@ _LAZY = {
     "LmbpError": ".errors", "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
     "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
-    "Probes": ".trace.second_probe",
+    "Probes": ".trace.second_probe", "checkpoint_for_budget": ".budget", "ActivationBudget": ".budget",
+    "BudgetError": ".errors",
 }
 
 __all__ = [
-    "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions", "ExportError", "LmbpError",
+    "ActivationBudget", "BudgetError", "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions",
+    "ExportError", "LmbpError",
     "NothingToConvertError", "ProbeError", "Probes", "SavedTensorLedger", "TraceError", "convert", "last_report",
-    "plan_conversion",
+    "plan_conversion", "checkpoint_for_budget",
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from .apply.convert import convert, last_report, plan_conversion
+    from .budget import ActivationBudget, checkpoint_for_budget
     from .checkpoint.errors import CheckpointError
-    from .errors import ConversionError, LmbpError, NothingToConvertError, ProbeError, TraceError
+    from .errors import BudgetError, ConversionError, LmbpError, NothingToConvertError, ProbeError, TraceError
     from .export import ExportError
     from .memory import SavedTensorLedger
     from .options import ConvertOptions

@@ -6,7 +6,8 @@
     │   ├── TraceError                                      the probe forward failed
     │   ├── ProbeError                     (ValueError)     no probe input can be built for the model
     │   └── ExportError                                     (lmbp_convert.export) not expressible as a plain checkpoint
-    └── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
+    ├── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
+    └── BudgetError                                         checkpoint_for_budget cannot meet the budget or find the layers
 
 The builtin second bases are the ones each class had before it joined the hierarchy, so ``except RuntimeError`` /
 ``except ValueError`` written against older releases still catch what they caught.
@@ -45,4 +46,9 @@ class ProbeError(ConversionError, ValueError):
     """The walker cannot build an input for this model by itself."""
 
 
-__all__ = ["ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "TraceError"]
+class BudgetError(LmbpError):
+    """``checkpoint_for_budget`` cannot meet the activation budget (even with every layer checkpointed), or cannot
+    find or measure the layers; the model is left as it was."""
+
+
+__all__ = ["BudgetError", "ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "TraceError"]

@@ -223,6 +223,11 @@ def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
     return y
 
 
+#: Elements per chunk of the eager PyTorch path: the temporaries of the forward's codes and of the backward's
+#: compute-dtype slopes and products cover one chunk, not the whole tensor, as the C++ and Triton paths hold none.
+BWD_CHUNK = 1 << 20
+
+
 def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(activation in x's dtype, packed codes) on any device."""
     const = _CONSTANTS[(kind, bits)]
@@ -233,10 +238,25 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
     # no fp32 copy of x: compare against thresholds moved onto x's own grid
     thresholds = const.c if x.dtype == torch.float64 else _THRESHOLDS[((kind, bits), x.dtype)]
     flat = x.reshape(-1)
+    n = flat.numel()
+    if n <= BWD_CHUNK or torch.compiler.is_compiling():
+        return y, pack_codes(_step_codes(flat, thresholds), bits)
+    # in chunks of whole packed words: the code bytes and the packing's words cover one chunk, not the tensor
+    per = 8 // slot_bits(bits)
+    step = max(BWD_CHUNK // (8 * per), 1) * 8 * per
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        packed[s // per:-(-e // per)] = pack_codes(_step_codes(flat[s:e], thresholds), bits)
+    return y, packed
+
+
+def _step_codes(flat: torch.Tensor, thresholds) -> torch.Tensor:
+    """The step index of each element (uint8): how many thresholds it exceeds."""
     codes = (flat > thresholds[0]).to(torch.uint8)
     for c in thresholds[1:]:
         codes += flat > c
-    return y, pack_codes(codes, bits)
+    return codes
 
 
 #: Per-device [256, P] slope tables for the PyTorch backward off the CPU (double backward, fp64,
@@ -281,8 +301,18 @@ def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
     table = _slope_table((kind, bits), compute, grad.device)
-    slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
-    return (grad * slope).to(grad.dtype)
+    if n <= BWD_CHUNK or torch.compiler.is_compiling() or (grad.requires_grad and torch.is_grad_enabled()):
+        slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
+        return (grad * slope).to(grad.dtype)
+    per = table.shape[1]  # codes per packed byte
+    step = max(BWD_CHUNK // per, 1) * per
+    flat = grad.reshape(-1)
+    out = torch.empty(n, dtype=grad.dtype, device=grad.device)
+    for s in range(0, n, step):  # the same products, rounded once to grad's dtype as above
+        e = min(s + step, n)
+        slope = table.index_select(0, packed[s // per:-(-e // per)].to(torch.int32)).view(-1)[:e - s]
+        out[s:e] = slope.mul_(flat[s:e])
+    return out.view(grad.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -416,3 +416,53 @@ def test_default_dispatch_on_the_triton_path(kind, dtype, monkeypatch):
         y0 = M.approx_act_unchecked(x, kind, 2)
     assert ledger.count == 0 and y0.grad_fn is None
     torch.testing.assert_close(y0, y_ref.detach(), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_torch_backward_in_chunks_is_bitwise_the_whole_and_holds_a_chunk(dtype, bits, monkeypatch):
+    """The eager PyTorch backward (no C++ kernel: a dispatch mode, no compiler) runs in chunks of BWD_CHUNK
+    elements: the same bits as one pass, and its compute-dtype temporaries cover one chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmbp_convert.ops import cpu_native
+
+    n, chunk = 10_000 + 3, 1024
+    g = torch.randn(n // 7 + 1, 7, generator=torch.Generator().manual_seed(0)).to(dtype).view(-1)[:n].view(n, 1)
+    per = 8 // (4 if bits == 3 else bits)
+    packed = torch.randint(0, 256, (-(-n // per),), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+
+    class Allocations(TorchDispatchMode):
+        sizes: list = []
+        seen = {g.untyped_storage().data_ptr(), packed.untyped_storage().data_ptr()}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                ptr = out.untyped_storage().data_ptr()
+                if ptr not in Allocations.seen:  # a new storage, not a view of one
+                    Allocations.seen.add(ptr)
+                    Allocations.sizes.append(out.untyped_storage().nbytes())
+            return out
+
+    with cpu_native.disabled():
+        whole = M._bwd_torch(g, packed, bits, "gelu")
+        monkeypatch.setattr(M, "BWD_CHUNK", chunk)
+        with Allocations():
+            chunked = M._bwd_torch(g, packed, bits, "gelu")
+    assert torch.equal(chunked, whole) and chunked.shape == g.shape and chunked.dtype == dtype
+    sizes = sorted(Allocations.sizes)
+    assert sizes[-1] == n * g.element_size() and sizes[-2] <= chunk * 4  # the result; one chunk's fp32 slopes
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_torch_forward_in_chunks_packs_the_same_codes(bits, monkeypatch):
+    """The eager PyTorch forward packs its codes chunk by chunk (whole packed words): the same bytes."""
+    from lmbp_convert.ops import cpu_native
+
+    x = torch.randn(10_000 + 5, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    with cpu_native.disabled():
+        y, whole = M._fwd_torch(x, "gelu", bits)
+        monkeypatch.setattr(M, "BWD_CHUNK", 1000)
+        y2, chunked = M._fwd_torch(x, "gelu", bits)
+    assert torch.equal(y, y2) and torch.equal(chunked, whole) and chunked.dtype == torch.uint8

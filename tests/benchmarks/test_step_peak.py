@@ -1,0 +1,107 @@
+"""The whole-step peak harness: its live-tensor tracker is exact (a hand-computed case, and MemTracker's total on
+a model MemTracker can hook), and on tiny configurations the variants keep their relations (checkpointing lowers
+the activations at the peak, conversion never raises the peak; converted + checkpointing against checkpointing
+alone: tests/integration/test_grad_checkpointing.py)."""
+import pytest
+import torch
+from torch import nn
+
+from benchmarks import step_peak as SP
+from benchmarks.live_tensors import LiveTensorTracker
+
+
+def test_tracker_is_exact_on_a_hand_computed_step():
+    n = 1000  # fp32: 4000 bytes a tensor
+    x, w = torch.randn(n), nn.Parameter(torch.randn(n))
+    with LiveTensorTracker() as tr:
+        tr.register([w], "params")
+        tr.register([x], "activations")
+        tr.watch_grads([w])
+        tr.phase("forward")
+        y = (w * x).sum()  # w * x (4000) is alive while the sum (4) is made, then freed
+        tr.phase("backward")
+        y.backward()  # seed 4, grad of w 4000 (AccumulateGrad keeps MulBackward's output)
+        del y
+    pk = tr.peak([w, w.grad])
+    assert pk.phase_peaks["forward"] == 3 * 4 * n + 4
+    assert pk.bytes == 3 * 4 * n + 8 and pk.phase == "backward"
+    assert pk.split == {"params": 4 * n, "grads": 4 * n, "optimizer": 0, "activations": 4 * n + 8}
+    assert pk.untracked == 0 and tr.live_bytes == 3 * 4 * n  # x, w, w.grad
+
+
+def test_tracker_frees_and_resizes():
+    with LiveTensorTracker() as tr:
+        a = torch.empty(1000)  # 4000
+        b = a * 2  # 8000 live
+        del a
+        c = torch.empty(3000)  # 4000 + 12000 = 16000: the peak
+        del b, c
+        d = torch.empty(10)
+        d.resize_(5000)  # resized in place: 20000 bytes, a new peak
+    assert tr.peak().bytes == 20000 and tr.live_bytes == 20000
+
+
+def test_tracker_matches_memtracker_total():
+    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    opt = torch.optim.AdamW(m.parameters())
+    x = torch.randn(16, 32)
+
+    def step():
+        m(x).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with LiveTensorTracker() as tr:
+        tr.register(m.parameters(), "params")
+        tr.register([t for s in opt.state.values() for t in s.values()], "optimizer")
+        tr.register([x], "activations")
+        tr.watch_grads(m.parameters())
+        step()
+    mt = mem_tracker.MemTracker()
+    mt.track_external(m, opt, x)
+    with mt:
+        step()
+    assert tr.peak().bytes == mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    cfgs = [SP.TINY["a"], SP.TINY["c"]]
+    data = SP.run(cfgs, ["original", "converted", "ckpt", "ckpt-reentrant"], log=lambda *_: None)
+    return {(r["config"], r["variant"]): r for r in data["rows"]}, data
+
+
+def test_variants_keep_their_relations(tiny_rows):
+    rows, data = tiny_rows
+    assert not [r for r in data["rows"] if "error" in r], data["rows"]
+    for cfg in ("a", "c"):
+        orig, conv, ckpt = rows[cfg, "original"], rows[cfg, "converted"], rows[cfg, "ckpt"]
+        assert conv["verified"] and conv["peak"] <= orig["peak"]
+        assert ckpt["activations"] < orig["activations"]
+        for r in (orig, conv, ckpt):
+            assert r["untracked"] == 0 and r["params"] > 0 and r["optimizer"] > 0
+            assert r["peak"] == r["params"] + r["grads"] + r["optimizer"] + r["activations"]
+    assert rows["a", "ckpt-reentrant"]["activations"] < rows["a", "original"]["activations"]
+    assert ("c", "ckpt-reentrant") not in rows  # timm: no reentrant switch
+    md = SP.table(data)
+    assert "(a) LLaMA d 64" in md and "2 layers, T 32, batch 2" in md
+
+
+def test_convert_kwargs_reach_convert():
+    cfg = SP.TINY["a"]
+    full = SP.measure_variant(cfg, "converted")
+    no_norms = SP.measure_variant(cfg, "converted", convert_kwargs={"norms": False})
+    assert no_norms["items"] < full["items"]
+
+
+def test_command_line_scales_and_checks():
+    a = SP.parse_args(["--tiny", "--configs", "a,b", "--layers", "3", "--seq", "16", "--batch", "1",
+                       "--convert-kwargs", '{"norms": false}'])
+    cfgs = SP.configs_of(a)
+    assert [(c.key, c.layers, c.seq, c.batch) for c in cfgs] == [("a", 3, 16, 1), ("b", 3, 16, 1)]
+    assert cfgs[1].lora_dropout == 0.05 and a.convert_kwargs == {"norms": False}
+    with pytest.raises(SystemExit):
+        SP.parse_args(["--variants", "nope"])
