@@ -220,6 +220,18 @@ MAIN_VARIANTS = {
 }
 FOLD_ABLATION = {"fold, approx-BP off": {"activations": False, "fold_norms": True}}
 EXACT_TARGET = 1e-5  # issue 21: step-by-step |Δ loss| of the exact variant, fp32
+# --rounding-twin: the original itself with every weight moved by about one fp32 rounding step, unconverted. How
+# far its loss drifts from the original's shows what training does to rounding-level differences by itself.
+ROUNDING_TWIN = "original, weights × (1 ± 2⁻²³)"
+
+
+def rounding_twin(model: torch.nn.Module, seed: int = 5) -> torch.nn.Module:
+    """A copy of ``model`` with each weight scaled by 1 ± 2⁻²³ (random sign): same function up to rounding."""
+    twin, gen = copy.deepcopy(model), torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1 + (torch.randint(0, 2, p.shape, generator=gen) * 2 - 1).to(p.dtype) * 2.0 ** -23)
+    return twin
 
 
 # ============================================================================================ training
@@ -402,10 +414,11 @@ def fine_tune(task, pretrained: torch.nn.Module, seed: int) -> Run:
     original = task.start(pretrained, seed)
     models = {"original": original.train()}
     for variant, options in task.variants.items():  # before the optimizer is built (folded γ, β become buffers)
-        models[variant] = convert(copy.deepcopy(original), **options).train()
+        models[variant] = (rounding_twin(original) if variant == ROUNDING_TWIN
+                           else convert(copy.deepcopy(original), **options)).train()
     opts = {k: adamw(m, task.fine.lr) for k, m in models.items()}
-    run = Run(curves={k: [] for k in models},
-              reports={k: str(m.lmbp_report).splitlines()[0] for k, m in models.items() if k != "original"})
+    run = Run(curves={k: [] for k in models}, reports={k: str(m.lmbp_report).splitlines()[0]
+                                                       for k, m in models.items() if hasattr(m, "lmbp_report")})
     for step, batch in enumerate(task.batches(seed)):
         for k, model in models.items():
             set_lr(opts[k], lr_at(step, task.fine))
@@ -498,6 +511,8 @@ def step_diff_table(results: dict[str, list[Run]]) -> tuple[str, list[str]]:
                 target = f"≤ {EXACT_TARGET:.0e}: {'met' if ok else '**not met**'}"
                 verdicts.append(f"{name} {variant}: max step |Δ loss| {worst:.2e} "
                                 f"({'meets' if ok else 'MISSES'} the {EXACT_TARGET:.0e} target)")
+            elif variant == ROUNDING_TWIN:
+                target = "rounding reference (unconverted)"
             vname = f"**{variant}**" if variant == EXACT else variant
             rows.append(f"| {name} | {vname} | {len(runs[0].curves[variant])} × {len(runs)} | {worst:.2e} | "
                         f"{per_seed.index(worst)} | {target} |")
@@ -508,7 +523,7 @@ def plot(results: dict[str, list[Run]], path: str, smooth_k: int) -> None:
     fig, axes = file_plots().subplots(2, len(results), figsize=(6 * len(results), 7), sharex="col",
                              gridspec_kw={"height_ratios": [2, 1]}, squeeze=False)
     colors = {"original": "tab:blue", EXACT: "tab:green", "exact + approx-BP": "tab:orange", "fold": "tab:red",
-              "fold, approx-BP off": "tab:purple"}
+              "fold, approx-BP off": "tab:purple", ROUNDING_TWIN: "tab:grey"}
     for col, (name, runs) in enumerate(results.items()):
         top, bottom = axes[0, col], axes[1, col]
         for k in runs[0].curves:
@@ -565,6 +580,8 @@ def main() -> None:
     ap.add_argument("--lm-steps", type=int, default=None, help="LM fine-tuning steps (default 300)")
     ap.add_argument("--vit-steps", type=int, default=None, help="ViT fine-tuning steps (default 200)")
     ap.add_argument("--no-ablations", action="store_true", help="original and the three main variants only")
+    ap.add_argument("--rounding-twin", action="store_true",
+                    help=f"also train `{ROUNDING_TWIN}`: the original, weights moved by one rounding step")
     ap.add_argument("--out", default=None, help="folder for fidelity.md and fidelity_loss.png "
                                                 "(default docs/, or a temp folder with --quick)")
     args = ap.parse_args()
@@ -586,6 +603,8 @@ def main() -> None:
     for task in tasks:
         if args.no_ablations:
             task.variants = dict(MAIN_VARIANTS)
+        if args.rounding_twin:
+            task.variants = {**task.variants, ROUNDING_TWIN: {}}
     header = machine()
     print(header, flush=True)
     t_all = time.perf_counter()
@@ -627,6 +646,9 @@ def write_doc(path, header, tasks, task_notes, md_table, verdicts, total, timing
     ablation_txt = "" if args.no_ablations or "ViT" not in [t.name for t in tasks] else (
         "\n  The ViT also runs `fold, approx-BP off` (`convert(model, activations=False, fold_norms=True)`), the\n"
         "  fold alone, in the same lock step.")
+    twin_txt = "" if not args.rounding_twin else (
+        f"\n  `{ROUNDING_TWIN}`: the unconverted original with every weight scaled by 1 ± 2⁻²³ (random sign), a\n"
+        "  rounding-level twin: how far its loss drifts shows how training amplifies rounding by itself.")
     task_lines = []
     for task, spread, d0, reports in task_notes:
         summary = "; ".join(f"{k}: `{r.removeprefix('lmbp-convert: ')}`" for k, r in reports.items())
@@ -659,7 +681,7 @@ the reparameterising fold (`fold_norms=True`) is measured alongside.
   `{EXACT}` = `convert(model, activations=False, fold_norms=False)`;
   `exact + approx-BP` = `convert(model, fold_norms=False)` (2-bit approx-BP GELU/SiLU modules);
   `fold` = `convert(model, fold_norms=True)` (affine folded into the next Linears, + approx-BP).{ablation_txt}
-  All of them also use the memory-sharing gated MLP where there is one (LM).
+  All of them also use the memory-sharing gated MLP where there is one (LM).{twin_txt}
 {chr(10).join(task_lines)}
 
 ## Results

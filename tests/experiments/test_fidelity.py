@@ -53,3 +53,18 @@ def test_exact_variant_tracks_the_original_step_by_step(task_name):
     assert all(len(c) == 8 for c in run.curves.values())
     assert run.max_step_diff[fid.EXACT] <= fid.EXACT_TARGET
     assert run.max_step_diff["fold"] > fid.EXACT_TARGET
+
+
+def test_rounding_twin_moves_every_weight_by_one_rounding_step():
+    import torch
+
+    from experiments.fidelity import rounding_twin
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32))
+    twin = rounding_twin(model)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p == 0, q == 0) and bool((p != q)[p != 0].all())  # every nonzero weight moved
+        assert torch.allclose(p, q, rtol=2 ** -22, atol=0)
+    x = torch.randn(8, 16)
+    assert torch.allclose(model(x), twin(x), rtol=1e-5, atol=1e-6)
