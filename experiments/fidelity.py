@@ -1,9 +1,11 @@
 """Training fidelity: does fine-tuning a converted model learn what fine-tuning the original learns?
 
-    python -m experiments.fidelity             # full run (4 seeds, 10-20 min on a shared 2-core CPU); writes docs/fidelity.md
-                                               # and docs/fidelity_loss.png
+    python -m experiments.fidelity             # full run, 4 seeds (33 min on a 2-core CPU at load average 9);
+                                               # writes docs/fidelity.md and docs/fidelity_loss.png
     python -m experiments.fidelity --quick     # a smoke run (tiny step counts), writes to /tmp unless --out
     python -m experiments.fidelity --tasks vit --vit-steps 600 --out /tmp/long   # a longer ViT run
+    python -m experiments.fidelity --tasks lm --rounding-twin --out /tmp/twin    # + the original, one rounding
+                                               # step off, as the reference for rounding-level drift
 
 Two tasks, both generated here, deterministically (no network, no downloads):
 
