@@ -79,5 +79,5 @@ def dropout_bits(x: torch.Tensor, p: float) -> torch.Tensor:
             or not (x.requires_grad and torch.is_grad_enabled()):
         return torch.nn.functional.dropout(x, p, True)
     out, bits = _DropoutBits.apply(x, p)
-    note(out, _rebuild, x, bits, p)
+    note(out, _rebuild, x, bits, p, weak=(0,))  # x: often a transient cast copy (PEFT's x.float())
     return out

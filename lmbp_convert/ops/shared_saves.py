@@ -26,6 +26,7 @@ autograd's bytes.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -45,25 +46,49 @@ def active() -> Optional["SharedSaves"]:
     return stack[-1] if stack else None
 
 
-def note(out: torch.Tensor, rebuild: Callable[..., torch.Tensor], *sources: Any) -> None:
+def note(out: torch.Tensor, rebuild: Callable[..., torch.Tensor], *sources: Any, weak: tuple[int, ...] = ()) -> None:
     """``out == rebuild(*sources)`` bitwise (tensors among ``sources`` are packed through the region when a recipe
-    needs them; other values are passed as they are). No-op outside a region or for an output without a graph."""
+    needs them; other values are passed as they are). ``weak``: positions of sources the note must not keep alive
+    (a transient copy: the recipe is made only while it lives); the others are tensors kept anyway (x̂, which the
+    norm's backward saves). No-op outside a region, inside other hooks (checkpointing), or without a graph."""
     if torch.compiler.is_compiling():
         return
     region = active()
     if region is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
         inner = region.inner_hooks()
         if inner is not False:
-            region.notes.setdefault(out.grad_fn, _Note(rebuild, sources, identity=False, hooks=inner))
+            held = tuple(region.hold_transient(s, inner) if i in weak and isinstance(s, torch.Tensor) else s
+                         for i, s in enumerate(sources))
+            region.notes.setdefault(out.grad_fn, _Note(rebuild, held, identity=False, hooks=inner))
 
 
 def note_identity(t: torch.Tensor) -> None:
-    """``t`` itself may stand in for its up-cast copies (a LoRA layer's input: the adapters save ``t.float()``)."""
+    """``t`` itself may stand in for its up-cast copies (a LoRA layer's input: the adapters save ``t.float()``).
+    Held weakly: a note never keeps a tensor alive (the recipe does, once a copy of it is saved)."""
     if torch.compiler.is_compiling():
         return
     region = active()
-    if region is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point():
-        region.notes.setdefault(t.grad_fn, _Note(None, (t,), identity=True))
+    if region is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point() \
+            and region.inner_hooks() is None:
+        region.notes.setdefault(t.grad_fn, _Note(None, (_Weak(t),), identity=True))
+
+
+class _Weak:
+    """A source held by a weak reference (resolved when a recipe is made)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+
+
+class _Prepacked:
+    """A transient source packed when it was noted, by the hooks innermost then (a gated MLP's recompute hooks)."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable) -> None:
+        self.packed, self.unpack = packed, unpack
 
 
 class _Note:
@@ -164,6 +189,14 @@ class SharedSaves:
             return None
         return top if isinstance(getattr(top[0], "__self__", None), _FRIENDLY) else False
 
+    def hold_transient(self, t: torch.Tensor, inner) -> Any:
+        """How a note holds a source that may be freed before a recipe needs it (a cast copy the caller rebinds):
+        packed now by friendly inner hooks, or as its own recipe if it has one, else weakly."""
+        if inner is not None:
+            return _Prepacked(inner[0](t), inner[1])
+        recipe = self._recipe(t)
+        return recipe if recipe is not None else _Weak(t)
+
     # -- packing ---------------------------------------------------------------------------------------------
     def _opack(self, t: torch.Tensor):
         return self.outer[0](t) if self.outer is not None else t
@@ -204,8 +237,11 @@ class SharedSaves:
         found = self.notes.get(node)
         if found is None:
             return None
+        sources = tuple(src.ref() if isinstance(src, _Weak) else src for src in found.sources)
+        if any(src is None for src in sources):  # a transient source already freed: nothing to rebuild from
+            return None
         if found.identity:
-            base = found.sources[0]
+            base = sources[0]
             # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
             if not casts or any(torch.empty((), dtype=d).element_size() < base.element_size() for d in casts):
                 return None
@@ -213,11 +249,12 @@ class SharedSaves:
         shared = self._made.get(key)
         if shared is None:
             if found.hooks is None:
-                parts = [self._pack_part(s) for s in found.sources]
+                parts = [self._pack_part(s) for s in sources]
             else:
                 pack, unpack = found.hooks
-                parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in found.sources]
-            versions = [s._version if isinstance(s, torch.Tensor) else None for s in found.sources]
+                parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in sources]
+            parts = [(p.packed, p.unpack) if isinstance(p, _Prepacked) else p for p in parts]
+            versions = [s._version if isinstance(s, torch.Tensor) else None for s in sources]
             shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, casts)
         self.recipes += 1
         return _Recipe(shared, t)
