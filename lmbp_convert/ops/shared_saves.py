@@ -187,7 +187,11 @@ class SharedSaves:
         top = _top_hooks(False)
         if top is None or top[0] == self._pack:
             return None
-        return top if isinstance(getattr(top[0], "__self__", None), _FRIENDLY) else False
+        owner = getattr(top[0], "__self__", None)
+        # friendly hooks directly inside this region only: inside checkpointing they pass to its hooks, which
+        # count every pack (a note packing through them would change that count between forward and recompute)
+        friendly = isinstance(owner, _FRIENDLY) and owner.outer is not None and owner.outer[0] == self._pack
+        return top if friendly else False
 
     def hold_transient(self, t: torch.Tensor, inner) -> Any:
         """How a note holds a source that may be freed before a recipe needs it (a cast copy the caller rebinds):
