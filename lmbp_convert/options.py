@@ -53,7 +53,7 @@ class ConvertOptions:
     rtol: float | None = None
     untie: bool = False
     keep_affine: bool = True
-    fold_norms: bool = True
+    fold_norms: bool = False
     lora_inputs: bool = True
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)

@@ -7,6 +7,7 @@ from transformers import AutoConfig
 
 from lmbp_convert import convert
 from lmbp_convert.kinds import ConvertedModule
+from lmbp_convert.match.norm_exact import NormExact
 
 
 def _t5_bf16_with_fp32_wo() -> torch.nn.Module:
@@ -25,8 +26,8 @@ def test_a_norm_that_casts_its_output_is_converted_and_still_casts():
     m = _t5_bf16_with_fp32_wo()
     rep = convert(m).lmbp_report  # raised "expected m1 and m2 to have the same dtype" before
     assert rep.verification == "passed"
-    assert len(rep.plan.norm_folds) == 4
-    casting = {f.name: f.out_dtype for f in rep.plan.norm_folds}
+    assert len(rep.plan.of(NormExact)) == 4 and not rep.plan.norm_folds
+    casting = {f.name: f.out_dtype for f in rep.plan.of(NormExact)}
     assert casting["encoder.block.0.layer.0.layer_norm"] is None  # bf16 in, bf16 out: nothing to cast
     assert casting["encoder.block.1.layer.0.layer_norm"] == "bfloat16"  # fp32 residual in, bf16 out
     norm = m.get_submodule("encoder.block.1.layer.0.layer_norm")
@@ -43,4 +44,5 @@ def test_the_cast_survives_the_plan_round_trip():
     m = _t5_bf16_with_fp32_wo()
     plan = convert(m).lmbp_report.plan
     again = Plan.from_dict(plan.to_dict())
-    assert [f.out_dtype for f in again.norm_folds] == [f.out_dtype for f in plan.norm_folds]
+    assert "bfloat16" in [f.out_dtype for f in plan.of(NormExact)]
+    assert [f.out_dtype for f in again.of(NormExact)] == [f.out_dtype for f in plan.of(NormExact)]
