@@ -8,6 +8,7 @@ import torch
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.kinds import WeightParam
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
@@ -60,8 +61,8 @@ NEMOTRON = {"fp32": (565504, 481024)}
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
 def test_nemotron_layernorm1p_folds_as_one_plus_w(mode):
     model, rep, before, after = _convert_and_measure("nemotron", mode)
-    folds = rep.plan.norm_folds
-    assert len(folds) == 5, str(rep)  # was NothingToConvertError
+    folds = rep.plan.of(NormExact)  # the exact default: γ = 1 + w kept; the bytes are the fold's
+    assert len(folds) == 5 and not rep.plan.norm_folds, str(rep)  # was NothingToConvertError
     # what stays is its squared-ReLU activations, each listed with why
     assert rep.plan.skips and all("no approximate-backprop kind" in s.reason for s in rep.plan.skips), str(rep)
     assert all(f.param is WeightParam.ONE_PLUS_W and f.has_bias for f in folds)
