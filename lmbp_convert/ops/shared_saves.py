@@ -5,7 +5,8 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
 
 * PEFT's LoRA casts an adapter's input to the adapter dtype (fp32 by default) and ``lora_A`` saves that copy; the
   bf16 input is kept anyway (a memory-sharing norm's output) or is half the size. A saved tensor that is a chain
-  of dtype up-casts (and views) of a *noted* tensor becomes a recipe: the noted tensor plus the casts.
+  of dtype casts and reshapes (and views) of a *noted* tensor becomes a recipe: the noted tensor plus the same
+  casts and reshapes (an MoE router's and experts' ``y.view(-1, d)`` cast under autocast).
 * A producer that can rebuild its output from kept tensors notes how (`note`): the exact norm's ``y = γ·x̂ + β``
   from x̂, which its own backward keeps (`lmbp_convert.nn.exact_norms`); a dropout's output from its input and a
   packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .gated_recompute import _Hooks as _GatedHooks
-from .gated_recompute import _top_hooks, cast_chain
+from .gated_recompute import _top_hooks
 
 __all__ = ["SharedSaves", "active", "note", "note_identity"]
 
@@ -66,6 +67,32 @@ def note_identity(t: torch.Tensor) -> None:
         region.notes.setdefault(t.grad_fn, _Note(None, (t,), identity=True))
 
 
+_RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0")  # same elements, same order
+
+
+def _chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[tuple[str, Any], ...]]]:
+    """Follow dtype casts (``ToCopyBackward0``) and reshapes (view, reshape) back from autograd node ``fn``: (the
+    first node that is neither, the ops in forward order: ("to", dtype) / ("reshape", shape)), or None where a
+    cast also moves devices or a node lacks the metadata (another torch)."""
+    ops = []
+    while fn is not None and type(fn).__name__ in ("ToCopyBackward0",) + _RESHAPES:
+        try:  # the metadata of the gradient a node receives is that of the forward op's output
+            meta = fn._input_metadata[0]
+        except (AttributeError, IndexError):
+            return None
+        if type(fn).__name__ == "ToCopyBackward0":
+            if meta.device != device:
+                return None
+            ops.append(("to", meta.dtype))
+        else:
+            ops.append(("reshape", tuple(meta.shape)))
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return None
+        fn = nxt[0]
+    return fn, tuple(reversed(ops))
+
+
 class _Note:
     __slots__ = ("rebuild", "sources", "identity", "hooks")
 
@@ -77,13 +104,14 @@ class _Note:
 
 
 class _Rebuild:
-    """A noted tensor and casts, rebuilt once (on the first unpack) for every recipe that shares it."""
+    """A noted tensor and its casts and reshapes, rebuilt once (on the first unpack) for every recipe that shares
+    it (the forward's own ops in its order, so the value and its layout are the forward's)."""
 
-    __slots__ = ("rebuild", "parts", "versions", "casts", "value", "region")
+    __slots__ = ("rebuild", "parts", "versions", "ops", "value", "region")
 
     def __init__(self, region: "SharedSaves", rebuild: Optional[Callable], parts: list, versions: list,
-                 casts: tuple[torch.dtype, ...]) -> None:
-        self.region, self.rebuild, self.parts, self.versions, self.casts = region, rebuild, parts, versions, casts
+                 ops: tuple[tuple[str, Any], ...]) -> None:
+        self.region, self.rebuild, self.parts, self.versions, self.ops = region, rebuild, parts, versions, ops
         self.value: Optional[torch.Tensor] = None
 
     def get(self) -> torch.Tensor:
@@ -96,8 +124,8 @@ class _Rebuild:
                                        f"is at version {a._version}, it was saved at version {v})")
             with torch.no_grad():
                 out = args[0] if self.rebuild is None else self.rebuild(*args)
-                for dtype in self.casts:
-                    out = out.to(dtype)
+                for op, arg in self.ops:
+                    out = out.to(arg) if op == "to" else out.reshape(arg)
             self.value = out
         return self.value
 
@@ -197,19 +225,20 @@ class SharedSaves:
         src = t if t._base is None else t._base
         if src.grad_fn is None or not src.is_contiguous():
             return None
-        walked = cast_chain(src.grad_fn, src.device)
+        walked = _chain(src.grad_fn, src.device)
         if walked is None:
             return None
-        node, casts = walked
+        node, ops = walked
         found = self.notes.get(node)
         if found is None:
             return None
+        casts = [d for op, d in ops if op == "to"]
         if found.identity:
             base = found.sources[0]
             # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
             if not casts or any(torch.empty((), dtype=d).element_size() < base.element_size() for d in casts):
                 return None
-        key = (node, casts)
+        key = (node, ops)
         shared = self._made.get(key)
         if shared is None:
             if found.hooks is None:
@@ -218,7 +247,7 @@ class SharedSaves:
                 pack, unpack = found.hooks
                 parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in found.sources]
             versions = [s._version if isinstance(s, torch.Tensor) else None for s in found.sources]
-            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, casts)
+            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, ops)
         self.recipes += 1
         return _Recipe(shared, t)
 
