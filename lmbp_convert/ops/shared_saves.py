@@ -5,8 +5,8 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
 
 * PEFT's LoRA casts an adapter's input to the adapter dtype (fp32 by default) and ``lora_A`` saves that copy; the
   bf16 input is kept anyway (a memory-sharing norm's output) or is half the size. A saved tensor that is a chain
-  of dtype casts and reshapes (and views) of a *noted* tensor becomes a recipe: the noted tensor plus the same
-  casts and reshapes (an MoE router's and experts' ``y.view(-1, d)`` cast under autocast).
+  of dtype casts, reshapes and token selections (and views) of a *noted* tensor becomes a recipe: the noted tensor
+  plus the same ops (an MoE router's ``y.view(-1, d)``, a classifier's ``y[:, 0]``, cast under autocast).
 * A producer that can rebuild its output from kept tensors notes how (`note`): the exact norm's ``y = γ·x̂ + β``
   from x̂, which its own backward keeps (`lmbp_convert.nn.exact_norms`); a dropout's output from its input and a
   packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
@@ -68,24 +68,46 @@ def note_identity(t: torch.Tensor) -> None:
 
 
 _RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0")  # same elements, same order
+_OPS = ("ToCopyBackward0", "SelectBackward0", "SliceBackward0") + _RESHAPES
 
 
-def _chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[tuple[str, Any], ...]]]:
-    """Follow dtype casts (``ToCopyBackward0``) and reshapes (view, reshape) back from autograd node ``fn``: (the
-    first node that is neither, the ops in forward order: ("to", dtype) / ("reshape", shape)), or None where a
-    cast also moves devices or a node lacks the metadata (another torch)."""
+def _op(fn, name: str, device: torch.device) -> Optional[tuple]:
+    """The forward op of node ``fn`` as the rebuild replays it, or None where it cannot be read back."""
+    meta = fn._input_metadata[0]  # the metadata of the gradient a node receives is that of the op's output
+    if name == "ToCopyBackward0":
+        return None if meta.device != device else ("to", meta.dtype)
+    if name == "SelectBackward0":
+        return ("select", int(fn._saved_dim), int(fn._saved_index))
+    if name == "SliceBackward0":
+        return ("slice", int(fn._saved_dim), fn._saved_start, fn._saved_end, int(fn._saved_step))
+    return ("reshape", tuple(meta.shape))
+
+
+def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
+    kind = op[0]
+    if kind == "to":
+        return out.to(op[1])
+    if kind == "select":
+        return out.select(op[1], op[2])
+    if kind == "slice":
+        return torch.ops.aten.slice.Tensor(out, *op[1:])
+    return out.reshape(op[1])
+
+
+def _chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[tuple, ...]]]:
+    """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias) and selections (``x[:, 0]``,
+    ``x[:, a:b]``) back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
+    as `_replay` runs them), or None where a cast also moves devices or a node lacks the metadata (another
+    torch)."""
     ops = []
-    while fn is not None and type(fn).__name__ in ("ToCopyBackward0",) + _RESHAPES:
-        try:  # the metadata of the gradient a node receives is that of the forward op's output
-            meta = fn._input_metadata[0]
-        except (AttributeError, IndexError):
+    while fn is not None and type(fn).__name__ in _OPS:
+        try:
+            op = _op(fn, type(fn).__name__, device)
+        except (AttributeError, IndexError, TypeError):
             return None
-        if type(fn).__name__ == "ToCopyBackward0":
-            if meta.device != device:
-                return None
-            ops.append(("to", meta.dtype))
-        else:
-            ops.append(("reshape", tuple(meta.shape)))
+        if op is None:
+            return None
+        ops.append(op)
         nxt = [f for f, _ in fn.next_functions if f is not None]
         if len(nxt) != 1:
             return None
@@ -124,8 +146,8 @@ class _Rebuild:
                                        f"is at version {a._version}, it was saved at version {v})")
             with torch.no_grad():
                 out = args[0] if self.rebuild is None else self.rebuild(*args)
-                for op, arg in self.ops:
-                    out = out.to(arg) if op == "to" else out.reshape(arg)
+                for op in self.ops:
+                    out = _replay(out, op)
             self.value = out
         return self.value
 
@@ -232,7 +254,7 @@ class SharedSaves:
         found = self.notes.get(node)
         if found is None:
             return None
-        casts = [d for op, d in ops if op == "to"]
+        casts = [op[1] for op in ops if op[0] == "to"]
         if found.identity:
             base = found.sources[0]
             # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
