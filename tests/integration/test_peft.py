@@ -219,15 +219,14 @@ def test_adapter_input_is_the_norm_output_storage(order, fold):
     ids = _ids()
     led, off_bytes, norm_out, lora_in = _saved_bytes_and_sharing(pm, ids)
     # every adapter reads a norm's output; folded, that very storage is what autograd keeps (x̂); exact, it is
-    # y, which nobody keeps: its consumers' saves are rebuilt from x̂
+    # y, which nobody keeps (its consumers' saves are rebuilt from x̂: the byte count below says so; a pointer
+    # test cannot, the allocator reuses y's freed memory)
     norm_ptrs = set(norm_out.values())
     n_adapters = len(lora_in)
     assert n_adapters == 2 * len(LLAMA_TARGETS)
     assert set(lora_in.values()) <= norm_ptrs
     if fold:
         assert set(lora_in.values()) <= led.saved_ptrs
-    else:
-        assert not set(lora_in.values()) & led.saved_ptrs
     # Bytes: the adapters add exactly their r-wide lora_B inputs (fp32), nothing for lora_A's input, which is
     # the storage the MS norm saves anyway. A copy of x̂ per adapter-fed norm would add B·T·D·4 each.
     expected_extra = n_adapters * B * T * R * 4
