@@ -89,6 +89,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     model.lmbp_report = "a user's attribute"  # what convert() would overwrite: must come back
     before = snapshot(model)
     counter = Injector(twin, probe)
+    counter.run_kwargs = dict(fold_norms=True)  # a wrong fold, for the rollback path
     report = counter.run()
     assert report.verified and len(report.rolled_back) == 1, str(report)
     n_units = len(report.swapped) + 1
@@ -97,6 +98,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     inside = sorted(counter.converted_calls)
     assert inside == list(range(3, counter.forwards + 1)), counter.converted_calls
     inj = Injector(model, probe)
+    inj.run_kwargs = dict(counter.run_kwargs)
     # forward 2 runs the original on an input derived from the probe: an error there means the model rejects that
     # input, and the next derivation rule is tried (see lmbp_convert.trace.second_probe); interrupts still stop it
     cases = [(("model", k), e) for k in range(1, counter.forwards + 1) for e in (KeyboardInterrupt, RuntimeError)

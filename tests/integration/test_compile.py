@@ -8,7 +8,7 @@ recompute regions) each compile with fullgraph=True on the fast aot_eager backen
 
 Exact norms (the default) compile and train like eager, but Dynamo does not trace saved-tensor hooks, so the
 shared-saves region stays closed under compile: their consumers keep the norm's output y beside x̂ (`EXACT_BYTES`,
-strict xfail until compiled exact norms share it).
+strict xfail until compiled exact norms share it; GPT-2's compiled step still keeps < 85 % of the original's).
 """
 import copy
 
@@ -71,9 +71,7 @@ def test_compiled_converted_model_trains_and_matches_eager(runs):
 
 
 @slow
-def test_compiled_converted_model_keeps_its_savings(runs, request):
-    if not runs["fold"]:
-        request.applymarker(EXACT_BYTES)
+def test_compiled_converted_model_keeps_its_savings(runs):
     _, conv = runs["compiled"]
     _, orig = runs["compiled_original"]
     d = 64

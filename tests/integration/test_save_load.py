@@ -28,8 +28,8 @@ HF_CASES = {
     "llama": (lambda: hf("llama"), {}, (), "AutoModelForCausalLM"),
     "gemma": (lambda: hf("gemma"), {}, (), "AutoModelForCausalLM"),
     "gpt2": (lambda: hf("gpt2"), {}, (), "AutoModelForCausalLM"),
-    # ln_f folded into an untied copy of the tied head; head frozen, as when fine-tuning the body
-    "gpt2_untied": (lambda: hf("gpt2"), {"untie": True}, ("lm_head.",), "AutoModelForCausalLM"),
+    # ln_f folded into an untied copy of the tied head (untie is for folds); head frozen, as when fine-tuning the body
+    "gpt2_untied": (lambda: hf("gpt2"), {"untie": True, "fold_norms": True}, ("lm_head.",), "AutoModelForCausalLM"),
     "bert": (lambda: hf("bert", head="cls"), {}, (), "AutoModelForSequenceClassification"),
     "vit": (lambda: hf("vit", head="base"), {}, (), "AutoModel"),
 }
