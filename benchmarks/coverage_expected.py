@@ -112,8 +112,8 @@ EXPECTED: dict[str, Expect] = {
     "t5": Expect(15, 21, 23, why=(DROPOUT,)),
     "flan_t5": Expect(36, 36, 37),
     "umt5": Expect(36, 36, 37),
-    "bart": Expect(20, 18, 24, why=(DROPOUT,)),
-    "bart_classifier": Expect(18, 16, 23, why=(DROPOUT,)),
+    "bart": Expect(20, 20, 25),  # exact norms (the default) keep 104 B less than the kept-affine ones did in bf16
+    "bart_classifier": Expect(18, 17, 23, why=(DROPOUT,)),
     "mbart": Expect(23, 22, 36),
     "marian": Expect(21, 20, 27),
     "pegasus": Expect(25, 23, 39),

@@ -25,7 +25,7 @@ class ConvertOptions:
     """What to convert.
 
     activations: swap GELU/SiLU-family modules for approximate-backprop ones.
-    norms: swap LayerNorm/RMSNorm for memory-sharing norms, folding the affine into the following Linears.
+    norms: swap LayerNorm/RMSNorm for memory-sharing norms (exact ones by default; see ``fold_norms``).
     gated_mlp: replace gated MLPs (act(gate)·up → down) by the memory-sharing fused op.
     bits: bits per element the approximate activations keep for backward (1..4, default 2).
     include / exclude: module names, exact or regular expressions (full match); exclude wins.
@@ -40,8 +40,8 @@ class ConvertOptions:
         same forward, a tied head), swap it for a memory-sharing norm that keeps γ, β and computes its backward
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
         residual add that reads it sees the rounded value.
-    fold_norms: fold a norm's affine into the next Linears (the optimiser then trains W·diag(γ), not W and γ).
-        False: exact norms instead (`MSExactNorm`: γ, β, W, b stay the original parameters with the original
+    fold_norms: True: fold a norm's affine into the next Linears (the optimiser then trains W·diag(γ), not W and
+        γ; the checkpoint CLI folds on disk). False (default): exact norms instead (`MSExactNorm`: γ, β, W, b stay the original parameters with the original
         gradients and state dict; the consumers' copies of the norm's output are rebuilt from x̂ for backward,
         the same bytes as the fold). Channel-first norms and norms with functional consumers are folded either way.
     measure: measure what the conversion saves (one training forward on the probe before and one after, by the
@@ -69,7 +69,7 @@ class ConvertOptions:
     rtol: float | None = None
     untie: bool = False
     keep_affine: bool = True
-    fold_norms: bool = True
+    fold_norms: bool = False
     lora_inputs: bool = True
     measure: bool = True
     accept_norms: Sequence[str] | None = None

@@ -1,4 +1,6 @@
-"""lmbp_convert.export: the plain state dict of a converted (and trained) model computes what it computes."""
+"""lmbp_convert.export: the plain state dict of a converted (and trained) model computes what it computes.
+
+Export undoes folds (``fold_norms=True``, `FOLD`); in the exact default the state dict is already the plain one."""
 import copy
 
 import pytest
@@ -7,9 +9,12 @@ from torch import nn
 
 from lmbp_convert import convert
 from lmbp_convert.export import ExportError, plain_state_dict, save_pretrained
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import hf, timm_swin
+
+FOLD = dict(fold_norms=True)
 
 
 def _out(model, probe):
@@ -39,7 +44,7 @@ def _roundtrip(build, **convert_kw):
     """(converted+perturbed model, fresh plain model loaded with its plain_state_dict, probe)."""
     model = build()
     plain = copy.deepcopy(model)
-    convert(model, **convert_kw)
+    convert(model, **convert_kw, **FOLD)
     _perturb(model)
     model.eval()
     sd = plain_state_dict(model)
@@ -62,7 +67,7 @@ def test_post_ln_bert_unfolds_linears_with_current_gamma_beta():
 
 def test_pre_ln_state_dict_is_already_plain():
     model = hf("llama")
-    convert(model)
+    convert(model, **FOLD)
     _perturb(model)
     sd, own = plain_state_dict(model), model.state_dict()
     assert set(sd) == set(own)
@@ -91,7 +96,7 @@ def test_untied_head_gets_no_bias_and_exports_after_training():
     (it was, and a plain load dropped it); the shift trains as ln_f's own bias and every state stays plain."""
     model = hf("gpt2")
     plain = copy.deepcopy(model)
-    convert(model, untie=True)
+    convert(model, untie=True, **FOLD)
     fold = next(f for f in model.lmbp_report.plan.norm_folds if any(t.name == "lm_head" for t in f.targets))
     assert fold.beta == "shift" and model.lm_head.bias is None
     _perturb(model)  # trains the shift (ln_f.bias) and the head
@@ -125,7 +130,7 @@ def test_one_plus_w_norm_unfolds_with_one_plus_w():
     model = _GemmaToy()
     plain = copy.deepcopy(model)
     x = torch.randn(2, 5, 16)
-    convert(model, probe=x)
+    convert(model, probe=x, **FOLD)
     fold, = model.lmbp_report.plan.norm_folds
     assert fold.param == "1+w" and fold.reapply
     _perturb(model)
@@ -136,7 +141,7 @@ def test_one_plus_w_norm_unfolds_with_one_plus_w():
 def test_zero_gamma_with_live_channel_is_refused():
     model = _GemmaToy()
     x = torch.randn(2, 5, 16)
-    convert(model, probe=x)
+    convert(model, probe=x, **FOLD)
     with torch.no_grad():
         model.norm.weight[3] = -1.0  # γ = 1 + w = 0, but the folded Linear still reads channel 3
     with pytest.raises(ExportError, match="γ is exactly 0"):
@@ -145,7 +150,7 @@ def test_zero_gamma_with_live_channel_is_refused():
 
 def test_report_found_on_wrapped_and_unwrapped_models():
     model = hf("bert", head="cls")
-    convert(model)
+    convert(model, **FOLD)
     _perturb(model)
     wrapper = nn.ModuleDict({"inner": model})  # report on a submodule: keys get its prefix
     sd = plain_state_dict(wrapper)
@@ -168,7 +173,7 @@ def test_save_pretrained_helper_writes_plain_checkpoint(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     model = hf("bert", head="cls")
-    convert(model)
+    convert(model, **FOLD)
     _perturb(model)
     save_pretrained(model, tmp_path)
     loaded, info = AutoModelForSequenceClassification.from_pretrained(tmp_path, output_loading_info=True)
@@ -186,8 +191,8 @@ def test_export_after_a_second_convert_call():
     than writing folded Linears next to γ, β."""
     model = hf("bert", head="cls")
     plain = copy.deepcopy(model)
-    convert(model, activations=False)
-    convert(model)
+    convert(model, activations=False, **FOLD)
+    convert(model, **FOLD)
     assert model.lmbp_report.plan.act_swaps and not model.lmbp_report.plan.norm_folds
     _perturb(model)
     plain.load_state_dict(plain_state_dict(model))
@@ -197,7 +202,7 @@ def test_export_after_a_second_convert_call():
 
 def test_unreported_reapplied_norm_is_refused():
     model = hf("bert", head="cls")
-    convert(model)
+    convert(model, **FOLD)
     object.__setattr__(model, "lmbp_report", type(model.lmbp_report)(type(model.lmbp_report.plan)()))
     with pytest.raises(ExportError, match="no conversion report describes"):
         plain_state_dict(model)
@@ -207,7 +212,7 @@ def test_unreported_reapplied_norm_is_refused():
 def test_non_finite_gamma_is_refused_not_written(value):
     """A NaN/inf γ of a re-applied norm would be divided out of its Linears: NaN weights, written silently."""
     model = hf("bert", head="cls")
-    convert(model)
+    convert(model, **FOLD)
     norm = model.bert.encoder.layer[1].attention.output.LayerNorm
     assert isinstance(norm.weight, nn.Parameter)
     with torch.no_grad():
@@ -219,7 +224,7 @@ def test_non_finite_gamma_is_refused_not_written(value):
 def test_tiny_gamma_overflowing_the_dtype_is_refused():
     """W'/γ with γ = 1e-6 overflows fp16: an inf weight is not the converted model's function."""
     model = hf("bert", head="cls").half()
-    convert(model)
+    convert(model, **FOLD)
     norm = model.bert.encoder.layer[1].attention.output.LayerNorm
     with torch.no_grad():
         norm.weight[0] = 1e-7
@@ -232,3 +237,18 @@ def test_nan_residual_is_not_small():
 
     with pytest.raises(ExportError, match="relative residual nan"):
         _require_small(torch.tensor([float("nan")]), torch.tensor(1.0), 1e-4, "head")
+
+
+def test_exact_default_exports_its_own_state_dict():
+    """Nothing folded: the plain state dict is the model's own, after training too, and a plain model loads it."""
+    model = hf("bert", head="cls")
+    plain = copy.deepcopy(model)
+    convert(model)
+    assert model.lmbp_report.plan.of(NormExact) and not model.lmbp_report.plan.norm_folds
+    _perturb(model)
+    model.eval()
+    sd, own = plain_state_dict(model), model.state_dict()
+    assert sd.keys() == own.keys() == plain.state_dict().keys() and all(torch.equal(sd[k], own[k]) for k in own)
+    plain.load_state_dict(sd, strict=True)
+    probe, _, _ = make_probe(plain, batch=2, seq=9)
+    assert _rel(_out(plain.eval(), probe), _out(model, probe)) < 1e-5

@@ -5,7 +5,8 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
 
 * PEFT's LoRA casts an adapter's input to the adapter dtype (fp32 by default) and ``lora_A`` saves that copy; the
   bf16 input is kept anyway (a memory-sharing norm's output) or is half the size. A saved tensor that is a chain
-  of dtype up-casts (and views) of a *noted* tensor becomes a recipe: the noted tensor plus the casts.
+  of dtype casts, reshapes and token selections (and views) of a *noted* tensor becomes a recipe: the noted tensor
+  plus the same ops (an MoE router's ``y.view(-1, d)``, a classifier's ``y[:, 0]``, cast under autocast).
 * A producer that can rebuild its output from kept tensors notes how (`note`): the exact norm's ``y = γ·x̂ + β``
   from x̂, which its own backward keeps (`lmbp_convert.nn.exact_norms`); a dropout's output from its input and a
   packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
@@ -32,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .gated_recompute import _Hooks as _GatedHooks
-from .gated_recompute import _top_hooks, cast_chain
+from .gated_recompute import _top_hooks
 
 __all__ = ["SharedSaves", "active", "note", "note_identity"]
 
@@ -91,6 +92,54 @@ class _Prepacked:
         self.packed, self.unpack = packed, unpack
 
 
+_RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0")  # same elements, same order
+_OPS = ("ToCopyBackward0", "SelectBackward0", "SliceBackward0") + _RESHAPES
+
+
+def _op(fn, name: str, device: torch.device) -> Optional[tuple]:
+    """The forward op of node ``fn`` as the rebuild replays it, or None where it cannot be read back."""
+    meta = fn._input_metadata[0]  # the metadata of the gradient a node receives is that of the op's output
+    if name == "ToCopyBackward0":
+        return None if meta.device != device else ("to", meta.dtype)
+    if name == "SelectBackward0":
+        return ("select", int(fn._saved_dim), int(fn._saved_index))
+    if name == "SliceBackward0":
+        return ("slice", int(fn._saved_dim), fn._saved_start, fn._saved_end, int(fn._saved_step))
+    return ("reshape", tuple(meta.shape))
+
+
+def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
+    kind = op[0]
+    if kind == "to":
+        return out.to(op[1])
+    if kind == "select":
+        return out.select(op[1], op[2])
+    if kind == "slice":
+        return torch.ops.aten.slice.Tensor(out, *op[1:])
+    return out.reshape(op[1])
+
+
+def _chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[tuple, ...]]]:
+    """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias) and selections (``x[:, 0]``,
+    ``x[:, a:b]``) back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
+    as `_replay` runs them), or None where a cast also moves devices or a node lacks the metadata (another
+    torch)."""
+    ops = []
+    while fn is not None and type(fn).__name__ in _OPS:
+        try:
+            op = _op(fn, type(fn).__name__, device)
+        except (AttributeError, IndexError, TypeError):
+            return None
+        if op is None:
+            return None
+        ops.append(op)
+        nxt = [f for f, _ in fn.next_functions if f is not None]
+        if len(nxt) != 1:
+            return None
+        fn = nxt[0]
+    return fn, tuple(reversed(ops))
+
+
 class _Note:
     __slots__ = ("rebuild", "sources", "identity", "hooks")
 
@@ -102,13 +151,14 @@ class _Note:
 
 
 class _Rebuild:
-    """A noted tensor and casts, rebuilt once (on the first unpack) for every recipe that shares it."""
+    """A noted tensor and its casts and reshapes, rebuilt once (on the first unpack) for every recipe that shares
+    it (the forward's own ops in its order, so the value and its layout are the forward's)."""
 
-    __slots__ = ("rebuild", "parts", "versions", "casts", "value", "region")
+    __slots__ = ("rebuild", "parts", "versions", "ops", "value", "region")
 
     def __init__(self, region: "SharedSaves", rebuild: Optional[Callable], parts: list, versions: list,
-                 casts: tuple[torch.dtype, ...]) -> None:
-        self.region, self.rebuild, self.parts, self.versions, self.casts = region, rebuild, parts, versions, casts
+                 ops: tuple[tuple[str, Any], ...]) -> None:
+        self.region, self.rebuild, self.parts, self.versions, self.ops = region, rebuild, parts, versions, ops
         self.value: Optional[torch.Tensor] = None
 
     def get(self) -> torch.Tensor:
@@ -121,8 +171,8 @@ class _Rebuild:
                                        f"is at version {a._version}, it was saved at version {v})")
             with torch.no_grad():
                 out = args[0] if self.rebuild is None else self.rebuild(*args)
-                for dtype in self.casts:
-                    out = out.to(dtype)
+                for op in self.ops:
+                    out = _replay(out, op)
             self.value = out
         return self.value
 
@@ -234,22 +284,23 @@ class SharedSaves:
         src = t if t._base is None else t._base
         if src.grad_fn is None or not src.is_contiguous():
             return None
-        walked = cast_chain(src.grad_fn, src.device)
+        walked = _chain(src.grad_fn, src.device)
         if walked is None:
             return None
-        node, casts = walked
+        node, ops = walked
         found = self.notes.get(node)
         if found is None:
             return None
         sources = tuple(src.ref() if isinstance(src, _Weak) else src for src in found.sources)
         if any(src is None for src in sources):  # a transient source already freed: nothing to rebuild from
             return None
+        casts = [op[1] for op in ops if op[0] == "to"]
         if found.identity:
             base = sources[0]
             # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
             if not casts or any(torch.empty((), dtype=d).element_size() < base.element_size() for d in casts):
                 return None
-        key = (node, casts)
+        key = (node, ops)
         shared = self._made.get(key)
         if shared is None:
             if found.hooks is None:
@@ -259,7 +310,7 @@ class SharedSaves:
                 parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in sources]
             parts = [(p.packed, p.unpack) if isinstance(p, _Prepacked) else p for p in parts]
             versions = [s._version if isinstance(s, torch.Tensor) else None for s in sources]
-            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, casts)
+            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, ops)
         self.recipes += 1
         return _Recipe(shared, t)
 

@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from lmbp_convert import convert
 from lmbp_convert.kinds import ConvertedModule
+from lmbp_convert.match.norm_exact import NormExact
 
 
 def _t5_bf16_with_fp32_wo() -> torch.nn.Module:
@@ -26,8 +27,8 @@ def test_a_norm_that_casts_its_output_is_converted_and_still_casts():
     m = _t5_bf16_with_fp32_wo()
     rep = convert(m).lmbp_report  # raised "expected m1 and m2 to have the same dtype" before
     assert rep.verification == "passed"
-    assert len(rep.plan.norm_folds) == 4
-    casting = {f.name: f.out_dtype for f in rep.plan.norm_folds}
+    assert len(rep.plan.of(NormExact)) == 4 and not rep.plan.norm_folds
+    casting = {f.name: f.out_dtype for f in rep.plan.of(NormExact)}
     assert casting["encoder.block.0.layer.0.layer_norm"] is None  # bf16 in, bf16 out: nothing to cast
     assert casting["encoder.block.1.layer.0.layer_norm"] == "bfloat16"  # fp32 residual in, bf16 out
     norm = m.get_submodule("encoder.block.1.layer.0.layer_norm")
@@ -44,7 +45,8 @@ def test_the_cast_survives_the_plan_round_trip():
     m = _t5_bf16_with_fp32_wo()
     plan = convert(m).lmbp_report.plan
     again = Plan.from_dict(plan.to_dict())
-    assert [f.out_dtype for f in again.norm_folds] == [f.out_dtype for f in plan.norm_folds]
+    assert "bfloat16" in [f.out_dtype for f in plan.of(NormExact)]
+    assert [f.out_dtype for f in again.of(NormExact)] == [f.out_dtype for f in plan.of(NormExact)]
 
 
 def _family(name: str):
@@ -83,7 +85,7 @@ def test_convert_under_autocast_analyses_outside_it_and_keeps_the_savings(family
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is torch.bfloat16
     got, want = inside.lmbp_report, outside.lmbp_report
     assert not got.rolled_back and got.verification == "passed"
-    assert got.plan.to_dict()["norm_folds"] == want.plan.to_dict()["norm_folds"]
+    assert got.plan.to_dict() == want.plan.to_dict()
     assert len(got.plan.items) == len(want.plan.items) >= 5
     assert any("torch.autocast (cpu: bfloat16)" in n for n in got.notes)
     assert not any("autocast" in n for n in want.notes)

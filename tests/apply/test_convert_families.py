@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lmbp_convert import SavedTensorLedger, convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import FAMILIES, hf, hf_auto, timm_model
@@ -29,7 +30,7 @@ def test_family_converts_with_exact_outputs(family):
     probe, _, _ = make_probe(model, batch=3, seq=11)
     report = convert(model).lmbp_report
     assert report.verified, str(report)
-    assert report.plan.norm_folds, str(report)
+    assert report.plan.of(NormExact) and not report.plan.norm_folds, str(report)  # the exact default
     assert report.plan.act_swaps or report.plan.gated_mlps, str(report)
     err = _rel(_outputs(model, probe), _outputs(ref_model, probe))
     assert err <= 1e-5, (family, err)
@@ -82,13 +83,15 @@ def _named_grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["exact", "fold"])
 @pytest.mark.parametrize("family", ["llama", "gemma", "gpt2", "bert", "timm_vit", "timm_swin"])
-def test_norm_only_gradients_equal_original(family):
-    """MS-BP is exact: with only norms converted, gradients match the original's (original parameterisation)."""
+def test_norm_only_gradients_equal_original(family, fold):
+    """MS-BP is exact: with only norms converted, gradients match the original's (the fold's mapped back to the
+    original parameterisation; the exact default's are the original parameters' own, every one of them)."""
     model = FAMILIES[family]().eval()  # eval: dropout off, so both runs see the same function
     ref = copy.deepcopy(model)
     probe, _, _ = make_probe(model)
-    report = convert(model, activations=False, gated_mlp=False).lmbp_report
+    report = convert(model, activations=False, gated_mlp=False, fold_norms=fold).lmbp_report
     for m in (model, ref):
         out = _outputs_grad(m, probe)
         out.double().pow(2).mean().backward()
@@ -121,6 +124,9 @@ def test_norm_only_gradients_equal_original(family):
         assert rel <= 1e-5 or float((got - g).abs().max()) <= 1e-6 * scale, (name, rel)
         checked += 1
     assert checked >= len(g_ref) // 2
+    if not fold:  # nothing folded: every original parameter has its own gradient, equal to the original's
+        assert report.plan.of(NormExact) and not report.plan.norm_folds, str(report)
+        assert set(g_new) == set(g_ref) and checked == len(g_ref)
 
 
 def _outputs_grad(model, probe):

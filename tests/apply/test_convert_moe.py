@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import Probes, SavedTensorLedger, convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.tracer import call_model
 from moe_models import Expert, RMSNorm, TinyMoE, routing, silent_probe
 
@@ -35,8 +36,9 @@ def _saved_bytes(model, x):
     return ledger.bytes
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("linear", [False, True], ids=["mlp-experts", "linear-experts"])
-def test_expert_the_probe_never_routed_to_is_folded_too(linear):
+def test_expert_the_probe_never_routed_to_is_folded_too(linear, fold):
     torch.manual_seed(0)
     model = TinyMoE(D, linear=linear).eval()
     original = copy.deepcopy(model)
@@ -46,15 +48,19 @@ def test_expert_the_probe_never_routed_to_is_folded_too(linear):
     before = _saved_bytes(copy.deepcopy(original), probe)
 
     # activations stay exact here (approx-BP activations change gradients by design), so gradients can be compared
-    report = convert(model, probe=probe, activations=False).lmbp_report
-    fold = next(f for f in report.plan.norm_folds if f.name == "norm")
-    targets = {t.name: t.unseen for t in fold.targets}
+    report = convert(model, probe=probe, activations=False, fold_norms=fold).lmbp_report
     rel = [""] if linear else ["gate_proj", "up_proj"]
-    for e in range(4):
-        for r in rel:
-            name = f"moe.experts.{e}" + (f".{r}" if r else "")
-            assert targets[name] is (e in unrouted), name
-    assert "not run by the probe" in str(report) and len(report.verified_on) == 2
+    names = [f"moe.experts.{e}" + (f".{r}" if r else "") for e in range(4) for r in rel]
+    if fold:
+        item = next(f for f in report.plan.norm_folds if f.name == "norm")
+        targets = {t.name: t.unseen for t in item.targets}
+        for name in names:
+            assert targets[name] is (int(name.split(".")[2]) in unrouted), name
+        assert "not run by the probe" in str(report)
+    else:  # the exact norm shares its output with every expert, the unrouted one too
+        item = next(f for f in report.plan.of(NormExact) if f.name == "norm")
+        assert set(names) <= set(item.readers), item.readers
+    assert len(report.verified_on) == 2
 
     model.eval()
     with torch.no_grad():
@@ -104,19 +110,26 @@ def test_second_input_catches_a_consumer_the_trace_missed_and_rolls_the_fold_bac
     model = Branchy().eval()
     original = copy.deepcopy(model)
     probe = silent_probe(D)
-    report = convert(model, probe=probe, norms=True).lmbp_report
+    report = convert(model, probe=probe, norms=True, fold_norms=True).lmbp_report
     assert report.verified and len(report.verified_on) == 2, report
     assert [label for label, _ in report.rolled_back] == ["norm norm"]
     assert any(s.name == "norm" and "rolled back" in s.reason for s in report.plan.skips)
     with torch.no_grad():
         assert _rel(model(_fresh()), original(_fresh())) <= 1e-5
+    # the exact norm is right whatever the consumers are: nothing to roll back
+    exact = copy.deepcopy(original)
+    report = convert(exact, probe=probe).lmbp_report
+    assert report.verified and len(report.verified_on) == 2 and not report.rolled_back, report
+    assert [it.name for it in report.plan.of(NormExact)] == ["norm"]
+    with torch.no_grad():
+        assert _rel(exact(_fresh()), original(_fresh())) <= 1e-5
 
 
 def test_user_given_probes_are_all_verified():
     torch.manual_seed(0)
     model = Branchy().eval()
     probe = silent_probe(D)
-    report = convert(model, probe=Probes(probe, _fresh())).lmbp_report
+    report = convert(model, probe=Probes(probe, _fresh()), fold_norms=True).lmbp_report  # a fold to roll back
     assert report.verified_on == ["the traced probe", "probe 2 of 2"] and report.rolled_back
     assert "verification: passed on 2 inputs" in str(report)
 
@@ -162,7 +175,7 @@ def test_moe_families_verify_on_a_second_probe_keep_routing_and_fold_into_the_pa
     probe, fresh = make_probe(model)[0], make_probe(model, seed=2)[0]
     routes = _routes(model, probe)
     before = _saved_bytes(copy.deepcopy(original), probe)
-    report = convert(model).lmbp_report
+    report = convert(model, fold_norms=True).lmbp_report
     assert report.verified and report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
     assert "verification: passed on 2 inputs" in str(report)
     # the norm before the experts folds into the router's weight and the 3-D expert parameter (issue 11.1; before,
@@ -184,9 +197,9 @@ def test_unseen_targets_serialise_and_the_layer_stack_a_norm_lives_in_is_not_mir
     from benchmarks.families import hf
 
     torch.manual_seed(0)
-    plan = plan_conversion(TinyMoE(D).eval(), probe=silent_probe(D))
+    plan = plan_conversion(TinyMoE(D).eval(), probe=silent_probe(D), fold_norms=True)
     again = Plan.from_dict(plan.to_dict())
     assert again == plan and any(t.unseen for f in again.norm_folds for t in f.targets)
     # decoder layers are a ModuleList too, but each layer's norms live inside it: no sibling layer is a consumer
-    llama = plan_conversion(hf("llama", num_hidden_layers=3))
+    llama = plan_conversion(hf("llama", num_hidden_layers=3), fold_norms=True)
     assert llama.norm_folds and not any(t.unseen for f in llama.norm_folds for t in f.targets)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import hf
@@ -31,12 +32,13 @@ def test_moe_family_converts_and_matches_on_another_input(arch):
     rep = convert(model).lmbp_report
     assert rep.verified, str(rep)
     pre_moe = {n for n, _ in model.named_modules() if n.endswith("post_attention_layernorm")}
-    folded = {f.name for f in rep.plan.norm_folds}
-    if _expert_lists(ref):  # per-expert Linear layers: the norm before the MoE folds into router and experts
+    folded = {f.name for f in rep.plan.of(NormExact)}  # the exact default: no fold, the norms are exact
+    assert not rep.plan.norm_folds, str(rep)
+    if _expert_lists(ref):  # per-expert Linear layers: the norm before the MoE shares with router and experts
         assert pre_moe <= folded, str(rep)
         n_experts = sum(len(e) for e in _expert_lists(ref))
         assert len(rep.plan.gated_mlps) >= n_experts, str(rep)
-    else:  # nothing is left out: the norm is folded or the report says why not
+    else:  # nothing is left out: the norm is exact or the report says why not
         skipped = {s.name for s in rep.plan.skips}
         assert pre_moe <= folded | skipped, str(rep)
     probe = make_probe(model, batch=2, seq=11)[0]  # other tokens than the traced probe: other routes

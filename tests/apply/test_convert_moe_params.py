@@ -11,6 +11,7 @@ from torch import nn
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.match.moe import RecomputeRegion
+from lmbp_convert.match.norm_exact import NormExact
 from benchmarks.families import hf
 
 MOE = dict(num_key_value_heads=2, num_experts_per_tok=2, num_hidden_layers=1)
@@ -61,9 +62,10 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("arch,impl", [("mixtral", i) for i in IMPLS] + [
     pytest.param(a, "grouped_mm", marks=pytest.mark.slow) for a in CASES if a != "mixtral"])
-def test_norm_folds_into_router_and_parameter_experts_and_experts_keep_gate_up_only(arch, impl):
+def test_norm_folds_into_router_and_parameter_experts_and_experts_keep_gate_up_only(arch, impl, fold):
     model = _model(arch, impl)
     original = copy.deepcopy(model)
     ids = _ids()
@@ -71,16 +73,21 @@ def test_norm_folds_into_router_and_parameter_experts_and_experts_keep_gate_up_o
     before, g0 = _bytes_and_grads(original, ids)
 
     # activations exact (approx-BP changes gradients by design), so gradients compare with the original's
-    report = convert(model, activations=False).lmbp_report
+    report = convert(model, activations=False, fold_norms=fold).lmbp_report
     assert report.verified and len(report.verified_on) == 2, str(report)
-    fold = next(f for f in report.plan.norm_folds if f.name == "model.layers.0.post_attention_layernorm")
-    into = {t.weight_key: t for t in fold.targets}
-    experts = into["model.layers.0.mlp.experts.gate_up_proj"]
-    assert experts.weight == "gate_up_proj" and experts.layout == "out_in"
-    assert "model.layers.0.mlp.gate.weight" in into, sorted(into)
+    norm = "model.layers.0.post_attention_layernorm"
+    if fold:
+        item = next(f for f in report.plan.norm_folds if f.name == norm)
+        experts = next(t for t in item.targets if t.weight_key == "model.layers.0.mlp.experts.gate_up_proj")
+        assert experts.weight == "gate_up_proj" and experts.layout == "out_in"
+        into = {t.label for t in item.targets}
+    else:  # the exact norm: its output shared with the same readers (their labels), nothing rewritten
+        item = next(f for f in report.plan.of(NormExact) if f.name == norm)
+        into = set(item.readers)
+        assert not report.plan.norm_folds, str(report)
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"} <= into, sorted(into)
     if arch == "qwen2_moe":  # the shared expert and its gate read the same normalised tensor
-        assert {"model.layers.0.mlp.shared_expert.gate_proj.weight",
-                "model.layers.0.mlp.shared_expert_gate.weight"} <= set(into)
+        assert {"model.layers.0.mlp.shared_expert.gate_proj", "model.layers.0.mlp.shared_expert_gate"} <= into
     regions = report.plan.of(RecomputeRegion)
     assert [r.name for r in regions] == ["model.layers.0.mlp.experts"], str(report)
     assert regions[0].acts == ["model.layers.0.mlp.experts.act_fn"] and "experts" in str(report)
@@ -94,10 +101,12 @@ def test_norm_folds_into_router_and_parameter_experts_and_experts_keep_gate_up_o
     print(f"{arch}/{impl}: saved bytes {before} -> {after} ({1 - after / before:.1%} less)")
     # old code: the norm skipped, every expert intermediate kept (mixtral/grouped_mm 200848 -> 176272, -12 %)
     assert after <= 0.6 * before, (before, after)
-    # fp32 gradients: parameters the fold did not rewrite match (the folded ones differ by the γ scaling)
+    # fp32 gradients: parameters the fold did not rewrite match (the folded ones differ by the γ scaling); the
+    # exact norm rewrites none, so every one matches
     folded = {t.weight_key for f in report.plan.norm_folds for t in f.targets} | {
         f"{f.name}.weight" for f in report.plan.norm_folds}
     compared = [n for n in g0 if n not in folded]
+    assert fold or (compared == list(g0) and set(g1) == set(g0))
     assert "model.embed_tokens.weight" in compared and "model.layers.0.mlp.experts.down_proj" in compared
     for n in compared:
         assert torch.allclose(g1[n], g0[n], rtol=1e-4, atol=1e-7), (n, _rel(g1[n], g0[n]))
@@ -210,7 +219,7 @@ def test_plain_parameter_experts_fold_every_expert():
     torch.manual_seed(0)
     model, x = _Block().eval(), torch.randn(4, 5, 8)
     original = copy.deepcopy(model)
-    report = convert(model, probe=x).lmbp_report
+    report = convert(model, probe=x, fold_norms=True).lmbp_report
     fold = next(f for f in report.plan.norm_folds if f.name == "norm")
     assert {t.weight_key for t in fold.targets} == {"experts.weight", "experts.router"}, str(report)
     assert "norm [layer, w] → experts.router, experts.weight" in str(report)

@@ -1,29 +1,31 @@
 """Families the issue does not list: the walker is generic, so they convert (or say why not) with no per-model
-code. Each must verify; the expectations record what is foldable in each architecture."""
+code. Each must verify; the expectations record how many norms each architecture converts (exact norms, the
+default: the norms a fold would rewrite and those that would keep their affine)."""
 import copy
 
 import pytest
 import torch
 
 from lmbp_convert import convert
-from lmbp_convert.match.norm_kept import NormKeep
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import hf
 
 SMALL_LM = dict(num_key_value_heads=2)
 CASES = {
-    # arch: (overrides, head, minimum norm folds, minimum gated MLPs, a skip reason that must appear or None)
+    # arch: (overrides, head, minimum exact norms, minimum gated MLPs, a skip reason that must appear or None)
     "phi3": (dict(SMALL_LM, pad_token_id=0), "causal", 5, 2, None),
     "qwen3": (dict(SMALL_LM, head_dim=16), "causal", 5, 2, "no Linear consumer"),  # q_norm / k_norm
     "olmo2": (SMALL_LM, "causal", 1, 2, "no Linear consumer"),  # norms on block outputs feed residuals only
     "gpt_neox": ({}, "causal", 5, 0, None),
-    # FalconLinear: a catalogue entry; ln_f feeds the tied head (its affine is kept)
-    "falcon": (dict(num_hidden_layers=2), "causal", 2, 0, "tied"),
+    # FalconLinear: a catalogue entry; ln_f feeds the tied head (folding, it keeps its affine; exact, it is one more)
+    "falcon": (dict(num_hidden_layers=2), "causal", 3, 0, None),
     "stablelm": (SMALL_LM, "causal", 5, 2, None),
     "deit": (dict(image_size=32, patch_size=8), "base", 5, 0, None),
-    # post-LN with the residual inside one forward: no fold, the affine is kept (was: skipped, "no module boundary")
-    "distilbert": ({}, "base", 0, 0, None),
+    # post-LN with the residual inside one forward: no fold (folding, the affine is kept; was: skipped, "no module
+    # boundary"), exact norms all the same
+    "distilbert": ({}, "base", 3, 0, None),
 }
 
 
@@ -39,13 +41,13 @@ def test_unlisted_family(arch):
     ref = copy.deepcopy(model)
     rep = convert(model).lmbp_report
     assert rep.verified, str(rep)
-    assert len(rep.plan.norm_folds) >= min_norms and len(rep.plan.gated_mlps) >= min_gated, str(rep)
-    if reason:  # a refused fold is a skip, or the reason a norm keeps its affine instead (Falcon's tied head)
-        assert any(reason in s.reason for s in rep.plan.skips) or any(
-            reason in k.fold_refused for k in rep.plan.of(NormKeep)), str(rep)
-    if arch == "distilbert":  # every layer norm but the last (whose output nothing keeps) keeps its affine
-        assert len(rep.plan.of(NormKeep)) == 3 and not any("no module boundary" in s.reason
-                                                           for s in rep.plan.skips), str(rep)
+    assert not rep.plan.norm_folds, str(rep)
+    assert len(rep.plan.of(NormExact)) >= min_norms and len(rep.plan.gated_mlps) >= min_gated, str(rep)
+    if reason:
+        assert any(reason in s.reason for s in rep.plan.skips), str(rep)
+    if arch == "distilbert":  # every layer norm but the last (whose output nothing keeps) is converted
+        assert len(rep.plan.of(NormExact)) == 3 and not any("no module boundary" in s.reason
+                                                            for s in rep.plan.skips), str(rep)
     probe = make_probe(model, batch=2, seq=9)[0]
     with torch.no_grad():
         a, b = call_model(model, probe), call_model(ref, probe)

@@ -8,6 +8,7 @@ import torch
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.kinds import WeightParam
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap, OutputActSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
@@ -61,8 +62,8 @@ NEMOTRON = {"fp32": (565504, 481024 - 2 * 64 * 256 * 4)}
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "autocast"])
 def test_nemotron_layernorm1p_folds_as_one_plus_w(mode):
     model, rep, before, after = _convert_and_measure("nemotron", mode)
-    folds = rep.plan.norm_folds
-    assert len(folds) == 5, str(rep)  # was NothingToConvertError
+    folds = rep.plan.of(NormExact)  # the exact default: γ = 1 + w kept; the bytes are the fold's
+    assert len(folds) == 5 and not rep.plan.norm_folds, str(rep)  # was NothingToConvertError
     # its squared-ReLU activations (relu2) keep only their output, which the down projection keeps anyway
     assert not rep.plan.skips, str(rep)
     assert [a.kind for a in rep.plan.of(OutputActSwap)] == ["relu2", "relu2"], str(rep)

@@ -7,6 +7,8 @@ from torch import nn
 
 import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import ConvertOptions, NothingToConvertError, ProbeError, TraceError, convert
+from lmbp_convert.match.norm_exact import NormExact
+from lmbp_convert.nn import exact_norms
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import FAMILIES, hf
@@ -36,7 +38,7 @@ def test_model_without_probe_gets_a_clear_error():
     with pytest.raises(ProbeError, match="pass probe="):
         convert(model)
     report = convert(model, probe=torch.randn(2, 8)).lmbp_report
-    assert [f.name for f in report.plan.norm_folds] == ["1"] and report.plan.norm_folds[0].targets[0].name == "2"
+    assert [f.name for f in report.plan.of(NormExact)] == ["1"] and report.plan.of(NormExact)[0].readers == ["2"]
     assert [a.name for a in report.plan.act_swaps] == ["3"]
 
 
@@ -70,7 +72,7 @@ def test_rewrite_that_changes_outputs_is_rolled_back(monkeypatch):
         return (w * 1.5 if len(calls) <= 2 else w), b
 
     monkeypatch.setattr(rewrite_mod, "fold_affine", corrupt)
-    report = convert(model).lmbp_report
+    report = convert(model, fold_norms=True).lmbp_report
     assert report.verified and report.rolled_back, str(report)
     assert "model.layers.0.input_layernorm" in report.rolled_back[0][0]
     assert any("rolled back" in s.reason for s in report.plan.skips)
@@ -79,6 +81,38 @@ def test_rewrite_that_changes_outputs_is_rolled_back(monkeypatch):
         a, b = call_model(model, probe).logits, call_model(ref, probe).logits
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
     assert type(model.model.layers[0].input_layernorm) is type(ref.model.layers[0].input_layernorm)
+
+
+_REAL_EXACT_NORM = exact_norms.MSExactNorm
+
+
+class _WrongExactNorm(_REAL_EXACT_NORM):
+    def forward(self, x):
+        return super().forward(x) * 1.5
+
+
+def test_exact_norm_that_changes_outputs_is_rolled_back_alone(monkeypatch):
+    model = FAMILIES["llama"]().eval()
+    ref = copy.deepcopy(model)
+    made = []
+
+    def build(*args, **kwargs):  # the first exact norm built computes a wrong output
+        made.append(1)
+        return (_WrongExactNorm if len(made) == 1 else _REAL_EXACT_NORM)(*args, **kwargs)
+
+    monkeypatch.setattr(exact_norms, "MSExactNorm", build)
+    report = convert(model).lmbp_report
+    assert report.verified and [label for label, _ in report.rolled_back] == [
+        "norm model.layers.0.input_layernorm (exact)"], str(report)
+    assert any(s.name == "model.layers.0.input_layernorm" and "rolled back" in s.reason for s in report.plan.skips)
+    assert len(report.plan.of(NormExact)) == 4, str(report)
+    probe, _, _ = make_probe(model)
+    with torch.no_grad():
+        a, b = call_model(model, probe).logits, call_model(ref, probe).logits
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert type(model.model.layers[0].input_layernorm) is type(ref.model.layers[0].input_layernorm)
+    assert type(model.model.layers[1].input_layernorm) is not type(ref.model.layers[1].input_layernorm)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
 
 
 def test_idempotent_and_reports_already_converted():
@@ -110,10 +144,22 @@ def test_keeps_mode_dtype_device_and_requires_grad():
 def test_state_dict_keys_are_kept():
     model = FAMILIES["llama"]()
     keys = set(model.state_dict())
-    convert(model)
+    convert(model, fold_norms=True)
     assert set(model.state_dict()) == keys
     norm = model.model.layers[0].input_layernorm
-    assert torch.all(norm.weight == 1)
+    assert torch.all(norm.weight == 1)  # folded: an identity γ stands in its place
+
+
+def test_exact_default_keeps_the_state_dict_and_the_parameters():
+    model = FAMILIES["llama"]()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    params = dict(model.named_parameters())
+    report = convert(model).lmbp_report
+    assert report.plan.of(NormExact) and not report.plan.norm_folds, str(report)
+    now = model.state_dict()
+    assert now.keys() == sd.keys() and all(torch.equal(now[k], sd[k]) for k in sd)
+    assert all(p is params[n] for n, p in model.named_parameters()) and dict(model.named_parameters()).keys() == \
+        params.keys()
 
 
 def test_include_exclude_by_name_and_regex():
@@ -129,10 +175,10 @@ def test_include_exclude_by_name_and_regex():
 def test_activation_and_norm_switches():
     model = FAMILIES["bert"]()
     rep = convert(model, norms=False).lmbp_report
-    assert rep.plan.act_swaps and not rep.plan.norm_folds
+    assert rep.plan.act_swaps and not rep.plan.norm_folds and not rep.plan.of(NormExact)
     model = FAMILIES["bert"]()
     rep = convert(model, activations=False).lmbp_report
-    assert rep.plan.norm_folds and not rep.plan.act_swaps
+    assert rep.plan.of(NormExact) and not rep.plan.act_swaps
 
 
 def test_tied_head_is_skipped_with_reason_unless_untied():
@@ -141,15 +187,21 @@ def test_tied_head_is_skipped_with_reason_unless_untied():
     skip = {s.name: s.reason for s in rep.plan.skips}
     assert "tied" in skip["model.norm"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    # by default the norm keeps its affine instead (lm_head keeps its output anyway); the weights stay tied
+    # folding, the norm keeps its affine instead (lm_head keeps its output anyway); the weights stay tied
     model = hf("llama", tie_word_embeddings=True)
-    rep = convert(model).lmbp_report
+    rep = convert(model, fold_norms=True).lmbp_report
     (keep,) = [k for k in rep.plan.items if k.name == "model.norm"]
     assert keep.tag == "norm_keeps" and "tied" in keep.fold_refused and keep.keepers == ["lm_head"]
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    # the exact default: an exact norm, its output shared with the tied head; the weights stay tied
+    model = hf("llama", tie_word_embeddings=True)
+    rep = convert(model).lmbp_report
+    (exact,) = [k for k in rep.plan.items if k.name == "model.norm"]
+    assert exact.tag == "norm_exact" and exact.readers == ["lm_head"] and rep.verified
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     model = hf("llama", tie_word_embeddings=True)
     ref = copy.deepcopy(model).eval()
-    rep = convert(model, untie=True).lmbp_report
+    rep = convert(model, untie=True, fold_norms=True).lmbp_report
     assert "model.norm" in [f.name for f in rep.plan.norm_folds] and rep.verified
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     probe, _, _ = make_probe(model)
@@ -159,7 +211,7 @@ def test_tied_head_is_skipped_with_reason_unless_untied():
 
 def test_post_ln_reapplies_affine_on_residual_and_output():
     model = hf("bert", head="base")
-    rep = convert(model).lmbp_report
+    rep = convert(model, fold_norms=True).lmbp_report
     sites = [r.describe() for f in rep.plan.norm_folds for r in f.reapply]
     assert any("encoder.layer.0.output" in s for s in sites)
     assert any("last_hidden_state" in s for s in sites)
@@ -190,7 +242,7 @@ def test_meta_model_is_planned_and_swapped_without_verification():
         model = AutoModelForCausalLM.from_config(cfg)
     rep = convert(model).lmbp_report
     assert rep.verified is None and "meta" in rep.notes[0]
-    assert len(rep.plan.norm_folds) == 5
+    assert len(rep.plan.of(NormExact)) == 5 and not rep.plan.norm_folds
 
 
 def test_report_is_printable_and_serialisable():
@@ -202,7 +254,7 @@ def test_report_is_printable_and_serialisable():
     assert "layers.0.blocks.0.norm1" in text and "skipped:" in text and "per image" in text
     d = rep.to_dict()
     json.dumps(d)
-    assert d["predicted_saved_bytes"] > 0 and d["plan"]["norm_folds"]
+    assert d["predicted_saved_bytes"] > 0 and d["plan"]["norm_exact"]
 
 
 def _lora(model, **kw):
@@ -224,7 +276,7 @@ def test_fold_into_lora_wrapped_linears_after_get_peft_model(family):
     model.eval()
     ref = copy.deepcopy(model)
     probe = make_probe(model)[0]
-    rep = convert(model).lmbp_report
+    rep = convert(model, fold_norms=True).lmbp_report
     lora_targets = [t for f in rep.plan.norm_folds for t in f.targets if t.base]
     assert lora_targets and rep.verified, str(rep)
     with torch.no_grad():

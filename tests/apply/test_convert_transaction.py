@@ -90,6 +90,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     model.lmbp_report = "a user's attribute"  # what convert() would overwrite: must come back
     before = snapshot(model)
     counter = Injector(twin, probe)
+    counter.run_kwargs = dict(fold_norms=True)  # a wrong fold, for the rollback path
     report = counter.run()
     assert report.verified and len(report.rolled_back) == 1, str(report)
     n_units = len(report.swapped) + 1
@@ -104,6 +105,7 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     # rejects that input, and the next derivation rule is tried (see lmbp_convert.trace.second_probe); an error in
     # the probe with labels (forward 2 then) means the loss is skipped; interrupts still stop both
     tolerant = {2, 2 + labelled}
+    inj.run_kwargs = dict(counter.run_kwargs)
     cases = [(("model", k), e) for k in range(1, counter.forwards + 1) for e in (KeyboardInterrupt, RuntimeError)
              if k not in tolerant or e is KeyboardInterrupt]
     cases += [(("inside", k), (KeyboardInterrupt, RuntimeError, OSError)[k % 3]) for k in inside]

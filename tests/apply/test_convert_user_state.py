@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.nn.activations import ApproxActivation
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import FAMILIES, hf
@@ -72,7 +73,7 @@ def test_norm_with_output_hooks_is_refused_with_reason_and_pre_hooks_are_carried
     pre.clear()
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
-    assert pre == ["MSRMSNorm"]
+    assert pre == ["MSExactNorm"]
 
 
 
@@ -86,7 +87,8 @@ def test_linear_with_pre_hooks_is_not_folded_into_and_its_hooks_see_the_original
     probe = {"input_ids": torch.tensor([[1, 2, 3]])}
     with torch.no_grad():
         call_model(model, probe)
-    rep = convert(model).lmbp_report
+    exact = copy.deepcopy(model)
+    rep = convert(model, fold_norms=True).lmbp_report
     fold = next(f for f in rep.plan.norm_folds if f.name == "model.layers.1.input_layernorm")
     assert [t.name for t in fold.targets] == ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.v_proj"]
     assert [r.module for r in fold.reapply] == ["model.layers.1.self_attn.k_proj"]
@@ -94,6 +96,13 @@ def test_linear_with_pre_hooks_is_not_folded_into_and_its_hooks_see_the_original
     with torch.no_grad():
         call_model(model, probe)
     assert torch.allclose(inputs[2], inputs[0], rtol=1e-5, atol=1e-6)
+    # the exact default converts the norm and the hook (the copy's, on the same list) sees the original input
+    rep = convert(exact, probe=probe).lmbp_report
+    assert "model.layers.1.input_layernorm" in [it.name for it in rep.plan.of(NormExact)], str(rep)
+    del inputs[2:]
+    with torch.no_grad():
+        call_model(exact, probe)
+    assert len(inputs) == 4 and torch.allclose(inputs[2], inputs[0], rtol=1e-5, atol=1e-6)
 
 
 class _Capture:
@@ -108,7 +117,7 @@ class _Capture:
 def test_a_users_hook_is_told_from_ours_by_class_not_by_module_name():
     model = hf("llama").eval()
     model.model.layers[1].self_attn.k_proj.register_forward_pre_hook(_Capture())
-    rep = convert(model).lmbp_report
+    rep = convert(model, fold_norms=True).lmbp_report
     fold = next(f for f in rep.plan.norm_folds if f.name == "model.layers.1.input_layernorm")
     assert "model.layers.1.self_attn.k_proj" not in [t.name for t in fold.targets]
     assert [r.module for r in fold.reapply] == ["model.layers.1.self_attn.k_proj"]
@@ -119,13 +128,24 @@ def test_convert_after_an_optimizer_step_warns_about_orphaned_parameters():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
     opt.step()
+    exact = copy.deepcopy(model)
     with pytest.warns(UserWarning, match=r"model\.layers\.0\.input_layernorm\.weight.*no longer parameters.*"
                                          r"build \(or rebuild\) it after convert\(\)"):
-        convert(model)
-    fresh = hf("llama")
-    torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # an optimizer, but no step yet: nothing to tell from
+        convert(model, fold_norms=True)
     import warnings
 
+    # the exact default keeps every parameter: an optimizer built before convert() still holds the model's
+    opt = torch.optim.AdamW(exact.parameters(), lr=1e-3)
+    exact(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rep = convert(exact).lmbp_report
+    assert rep.plan.of(NormExact), str(rep)
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in held for p in exact.parameters())
+    fresh = hf("llama")
+    torch.optim.AdamW(fresh.parameters(), lr=1e-3)  # an optimizer, but no step yet: nothing to tell from
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         convert(fresh)

@@ -5,6 +5,9 @@ The natural way to prepare a large model: build it on ``meta``, ``convert()``, `
 "All keys matched" — and it must also give the original model's outputs: the folded norms fold the arriving
 γ, β into their Linears as they load. Loading the converted model's own state dict, or a checkpoint written by
 ``lmbp-convert`` (identity norms, already folded), must keep working unchanged.
+
+These are the fold's mechanics (``fold_norms=True``, `FOLD`); the exact default keeps the original parameters, so
+the original checkpoint simply loads (the tests parametrised on ``fold`` check that too).
 """
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ import pytest
 import torch
 
 from lmbp_convert import convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import FAMILIES, hf
 
 pytestmark = pytest.mark.compat  # meta init and the state-dict load paths differ across transformers releases
 
+FOLD = dict(fold_norms=True)  # the fold-on-load hooks exist only for folded norms
 FAMS = ["llama", "gemma", "gpt2", "bert", "vit", "timm_vit", "timm_swin"]
 EXTRA = {"gpt2_untied": (lambda: hf("gpt2", tie_word_embeddings=False), {})}
 
@@ -48,31 +53,32 @@ def _fill_non_persistent(model, ref, sd) -> None:
                 b.copy_(ref_bufs[n])
 
 
-def _meta_converted(name):
+def _meta_converted(name, fold=True):
     """Build on ``meta``, convert, ``to_empty``: how a large model is prepared before its weights are read."""
     with torch.device("meta"):
         model = _build(name)
-    report = convert(model).lmbp_report
-    assert report.plan.norm_folds, str(report)
+    report = convert(model, fold_norms=fold).lmbp_report
+    assert report.plan.norm_folds if fold else (report.plan.of(NormExact) and not report.plan.norm_folds), str(report)
     model.to_empty(device="cpu")
     if hasattr(model, "tie_weights"):  # to_empty gives tied parameters separate storage: tie them again
         model.tie_weights()
     return model, report
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("name", FAMS + sorted(EXTRA))
-def test_meta_convert_then_load_original_weights(name):
+def test_meta_convert_then_load_original_weights(name, fold):
     ref = _build(name).eval()
     sd = ref.state_dict()
     probe, _, _ = make_probe(ref, batch=2, seq=9)
-    model, _ = _meta_converted(name)
+    model, _ = _meta_converted(name, fold)
     res = model.load_state_dict(sd)
     assert not res.missing_keys and not res.unexpected_keys
     _fill_non_persistent(model, ref, sd)
     assert _rel(_out(model, probe), _out(ref, probe)) < 1e-5
     # and it is the model convert() makes from real weights: same state dict, bit for bit
     real = copy.deepcopy(ref)
-    convert(real)
+    convert(real, fold_norms=fold)
     own, want = model.state_dict(), real.state_dict()
     assert set(own) == set(want)
     for k in want:
@@ -100,7 +106,7 @@ def test_own_state_dict_reloads_unchanged(name):
     """A converted model's own state dict (after some training) loads back bit for bit: identity norms carry
     nothing to fold; post-LN norms keep γ, β as parameters and their Linears are already folded."""
     model = _build(name)
-    convert(model)
+    convert(model, **FOLD)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))
@@ -113,13 +119,14 @@ def test_own_state_dict_reloads_unchanged(name):
         assert torch.equal(v, saved[k]), k
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("name", ["llama", "gpt2_untied", "timm_swin"])
-def test_real_converted_model_loads_original_weights(name):
+def test_real_converted_model_loads_original_weights(name, fold):
     """Not only meta: loading the original checkpoint into an already converted model folds it as well."""
     ref = _build(name).eval()
     probe, _, _ = make_probe(ref, batch=2, seq=9)
     model = copy.deepcopy(ref)
-    convert(model)
+    convert(model, fold_norms=fold)
     other = _build(name)
     with torch.no_grad():  # another set of original weights, non-identity norms included
         for p in other.parameters():
@@ -137,7 +144,7 @@ def test_real_converted_model_takes_a_sharded_original_checkpoint_then_its_own(n
     ref = _build(name).eval()
     probe, _, _ = make_probe(ref, batch=2, seq=9)
     model = copy.deepcopy(ref)
-    convert(model)
+    convert(model, **FOLD)
     other = _build(name)
     with torch.no_grad():
         for p in other.parameters():

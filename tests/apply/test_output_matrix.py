@@ -6,12 +6,13 @@ compute what the unconverted one computes (fp32, ‖Δ‖/‖ref‖ ≤ 1e-5 on 
 * called for a dict and for a tuple (``return_dict=False``; and converted while ``config.return_dict`` was
   False, which turns the default into a tuple);
 * saved with the library's own plain save (``save_pretrained`` / ``state_dict``) and loaded by the unconverted
-  class: equal wherever ``export.saves_plainly`` says so — every family but post-LN BERT/RoBERTa, whose plain
-  save is wrong by design and which must say so;
+  class: equal wherever ``export.saves_plainly`` says so — every family in the exact default (nothing folded);
+  folding (``fold_norms=True``), every family but post-LN BERT/RoBERTa, whose plain save is wrong by design and
+  which must say so;
 * saved with ``lmbp_convert.export.save_pretrained`` / ``plain_state_dict`` and loaded by the unconverted class:
   equal for every family, with no missing or unexpected keys.
 
-One test per family: one build, one conversion, everything checked on it.
+One test per family and norm mode: one build, one conversion, everything checked on it.
 """
 from __future__ import annotations
 
@@ -104,9 +105,11 @@ def _plain_timm(ref, sd):
 
 
 @pytest.mark.slow  # every family, every output kind
+@pytest.mark.parametrize("fold", [False, True], ids=["exact", "fold"])
 @pytest.mark.parametrize("name", sorted(BUILDS))
-def test_outputs_equal_the_unconverted_model(name, tmp_path):
+def test_outputs_equal_the_unconverted_model(name, fold, tmp_path):
     build, kw = BUILDS[name]
+    kw = dict(kw, fold_norms=fold)
     model = build().eval()
     ref = copy.deepcopy(model)
     probe, _, _ = make_probe(model, batch=2, seq=9)
@@ -139,10 +142,10 @@ def test_outputs_equal_the_unconverted_model(name, tmp_path):
     else:
         plain = _plain_timm(ref, {k: v.clone() for k, v in model.state_dict().items()})
     if saves_plainly(model):
-        assert name not in POST_LN, str(report)
+        assert not fold or name not in POST_LN, str(report)
         _check_equal(_call(plain, probe), _call(ref, probe), f"{name} plain save → plain load")
-    else:  # the rule the README states: post-LN models need the export
-        assert name in POST_LN, str(report)
+    else:  # the rule the README states: folded post-LN models need the export
+        assert fold and name in POST_LN, str(report)
 
     # export → plain load
     if is_hf:
@@ -159,7 +162,7 @@ def test_bias_less_linear_fold_adds_no_state_dict_key():
     for build, kw in (BUILDS["gpt2_untied"], BUILDS["gpt2_cls"], BUILDS["timm_swin"]):
         model = build()
         keys = set(model.state_dict())
-        report = convert(model, **kw).lmbp_report
+        report = convert(model, **kw, fold_norms=True).lmbp_report
         assert any(f.beta == "shift" for f in report.plan.norm_folds), str(report)
         assert set(model.state_dict()) == keys
 

@@ -82,7 +82,7 @@ def test_masked_logits_do_not_hide_a_wrong_rewrite(monkeypatch):
     with torch.no_grad():
         ref = call_model(model, probe).logits
     assert torch.isinf(ref).any() and torch.isfinite(ref).any()
-    report = convert(model, probe=probe).lmbp_report
+    report = convert(model, probe=probe, fold_norms=True).lmbp_report  # a wrong fold to catch
     assert [label for label, _ in report.rolled_back] == ["norm model.norm"], str(report)
     assert report.rolled_back[0][1] > 1e-3
     assert report.verification == PASSED and report.verified
@@ -120,6 +120,6 @@ def test_nan_appearing_only_after_a_rewrite_is_rolled_back(monkeypatch):
         return w, b
 
     monkeypatch.setattr(rewrite_mod, "fold_affine", nan_fold)
-    report = convert(model).lmbp_report
+    report = convert(model, fold_norms=True).lmbp_report  # a wrong fold to catch
     assert [label for label, _ in report.rolled_back] == ["norm model.layers.1.post_attention_layernorm"]
     assert report.verification == PASSED and math.isinf(report.rolled_back[0][1])

@@ -12,7 +12,7 @@ from benchmarks.families import GROUPS, FamilyUnavailable, group_of, registry
 
 #: (family, mode) cells run in the fast loop: each cause and each kind of model at least once (seconds each);
 #: the other cells are `slow` (the whole matrix takes minutes on 2 cores)
-FAST = {("llama", "bf16"), ("bert", "autocast"), ("bart", "bf16"), ("mixtral", "autocast"), ("gpt_oss", "fp32"), ("opt", "fp32"),
+FAST = {("llama", "bf16"), ("bert", "autocast"), ("bart_classifier", "bf16"), ("mixtral", "autocast"), ("gpt_oss", "fp32"), ("opt", "fp32"),
         ("timm_mixer_160", "fp32"), ("timm_beit", "bf16"), ("timm_hiera_160", "bf16"), ("whisper", "autocast")}
 CELLS = [pytest.param(f, m, marks=() if (f, m) in FAST else pytest.mark.slow, id=f"{f}-{m}")
          for f in coverage.ordered() for m in coverage.MODES]
@@ -97,9 +97,9 @@ def test_suggest_writes_rows_that_read_back_as_the_measured_expectations():
 
 
 def test_table_prints_the_documented_cause_the_report_bears_out():
-    res = {"bart": {"fp32": _row(0.114, [_DROPOUT_SKIP])}, "llama": {"fp32": _row(0.48)},
+    res = {"bart_classifier": {"fp32": _row(0.114, [_DROPOUT_SKIP])}, "llama": {"fp32": _row(0.48)},
            "t5": {"fp32": _row(0.15, ["x: something new"])}}
     md = coverage.table(res, ["fp32"])
-    assert f"| bart | enc-dec | 11.4 % | passed | {E.DROPOUT.label} |" in md
+    assert f"| bart_classifier | enc-dec | 11.4 % | passed | {E.DROPOUT.label} |" in md
     assert "| llama | decoder | 48.0 % | passed |  |" in md
     assert "undocumented: x: something new" in md

@@ -5,6 +5,10 @@ through the compiled autograd function, so the hooks see exactly what inductor's
 One tiny GPT-2 (1 layer, dropout 0): LayerNorms with β folded into Conv1D, tanh-GELU with 2-bit codes.
 The rewrite kinds beyond plain folds (kept-affine norms, functional-consumer and channel-first folds, MoE
 recompute regions) each compile with fullgraph=True on the fast aot_eager backend (inductor: slow).
+
+Exact norms (the default) compile and train like eager, but Dynamo does not trace saved-tensor hooks, so the
+shared-saves region stays closed under compile: their consumers keep the norm's output y beside x̂ (`EXACT_BYTES`,
+strict xfail until compiled exact norms share it; GPT-2's compiled step still keeps < 85 % of the original's).
 """
 import copy
 
@@ -20,6 +24,8 @@ slow = pytest.mark.slow  # inductor compiles of whole models: minutes on 2 cores
 
 B, T, STEPS = 2, 16, 3
 GPT2 = dict(n_layer=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+EXACT_BYTES = pytest.mark.xfail(strict=True, reason="open: under torch.compile no shared-saves region opens, so an "
+                                                    "exact norm's consumers keep its output y beside x̂")
 
 
 def _steps(model, fwd, ids):
@@ -41,16 +47,17 @@ def _fp32_count(led, numel):
     return sum(1 for e in led.entries if e.dtype == torch.float32 and e.nbytes == 4 * numel)
 
 
-@pytest.fixture(scope="module")
-def runs():
+@pytest.fixture(scope="module", params=[True, False], ids=["fold", "exact"])
+def runs(request):
     torch._dynamo.reset()
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(0))
     original = hf("gpt2", **GPT2)
     converted = copy.deepcopy(original)
-    convert(converted)
+    convert(converted, fold_norms=request.param)
     eager = copy.deepcopy(converted)
     out = {"eager": _steps(eager, eager, ids), "compiled": _steps(converted, torch.compile(converted), ids)}
     out["compiled_original"] = _steps(original, torch.compile(original), ids)
+    out["fold"] = request.param
     return out
 
 
@@ -78,14 +85,15 @@ def test_compiled_converted_model_keeps_its_savings(runs):
 
 
 @slow
-def test_compiled_gated_mlp_keeps_only_gate_and_up():
+@pytest.mark.parametrize("fold", [True, pytest.param(False, marks=EXACT_BYTES)], ids=["fold", "exact"])
+def test_compiled_gated_mlp_keeps_only_gate_and_up(fold):
     """LLaMA (1 layer): MS norms keep one storage each under compile, and MSGatedMLP should keep g and u only,
     as it does in eager mode. Inductor's partitioner sees through the autograd.Function and also keeps
     h = act(g)·u for the down projection (one more B·T·f storage), unless the op is opaque to it."""
     torch._dynamo.reset()
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(0))
     model = hf("llama", num_hidden_layers=1)
-    convert(model)
+    convert(model, fold_norms=fold)
     model.train()
     f, d = model.config.intermediate_size, model.config.hidden_size
     with SavedTensorLedger(model) as eager:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lmbp_convert import SavedTensorLedger, convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import hf, timm_vit
@@ -56,7 +57,7 @@ def test_hf_gradient_checkpointing(order, reentrant):
     else:
         _enable_hf(base, reentrant)
         report = convert(base).lmbp_report
-        assert report.verified and report.plan.norm_folds and report.plan.gated_mlps, str(report)
+        assert report.verified and report.plan.of(NormExact) and report.plan.gated_mlps, str(report)
     assert any(getattr(m, "gradient_checkpointing", False) is True for m in base.modules())
     if reentrant:
         reference.enable_input_require_grads()  # same graph: input grads in both
@@ -79,7 +80,7 @@ def test_timm_set_grad_checkpointing(order):
     else:
         model.set_grad_checkpointing(True)
         report = convert(model).lmbp_report
-        assert report.verified and report.plan.norm_folds and report.plan.act_swaps, str(report)
+        assert report.verified and report.plan.of(NormExact) and report.plan.act_swaps, str(report)
     assert model.grad_checkpointing
     loss_ckpt, g_ckpt, bytes_ckpt = _grads(model, probe)
     loss_ref, g_ref, bytes_ref = _grads(reference, probe)

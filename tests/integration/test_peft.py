@@ -1,10 +1,11 @@
 """PEFT LoRA and conversion, in both orders.
 
+The exact default (`MSExactNorm`) leaves every weight, adapters included, as it is; folding (``fold_norms=True``):
 * convert(model) then get_peft_model: LoRA wraps the already-folded Linears.
 * get_peft_model then convert(peft_model): γ goes into the base weight *and* every adapter's lora_A
   (A(γ·x̂) = (A·diag(γ))·x̂); β goes into the base bias only, which is exact while no adapter can see it.
-In both, the adapter's saved input is the norm's output storage (one storage, not two), and adapters trained
-on a converted model save and load onto a converted base.
+In both, the adapter's saved input is the norm's output storage (one storage, not two; exact: rebuilt from x̂, the
+same bytes), and adapters trained on a converted model save and load onto a converted base.
 """
 import copy
 
@@ -16,6 +17,8 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 
 from lmbp_convert import SavedTensorLedger, convert  # noqa: E402
 from lmbp_convert.export import ExportError, plain_state_dict  # noqa: E402
+from lmbp_convert.match.norm_exact import NormExact  # noqa: E402
+from lmbp_convert.nn.exact_norms import MSExactNorm  # noqa: E402
 from lmbp_convert.nn.norms import MSLayerNorm, MSRMSNorm  # noqa: E402
 from benchmarks.families import hf  # noqa: E402
 
@@ -84,8 +87,9 @@ def test_convert_after_get_peft_model_keeps_function_with_trained_adapters():
     a_before = q.lora_A["default"].weight.detach().clone()
     w_before = q.base_layer.weight.detach().clone()
     gamma = pm.base_model.model.model.layers[0].input_layernorm.weight.detach().clone()
+    exact = copy.deepcopy(pm)
 
-    report = convert(pm).lmbp_report
+    report = convert(pm, fold_norms=True).lmbp_report
     assert report.verified, str(report)
     folded = _lora_folded_targets(report)
     assert len(folded) == 2 * len(LLAMA_TARGETS), str(report)  # every adapter-wrapped Linear took the fold
@@ -94,6 +98,14 @@ def test_convert_after_get_peft_model_keeps_function_with_trained_adapters():
     torch.testing.assert_close(q.lora_A["default"].weight, a_before * gamma, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(q.base_layer.weight, w_before * gamma, rtol=1e-6, atol=1e-7)
     assert isinstance(pm.base_model.model.model.layers[0].input_layernorm, MSRMSNorm)
+    # the exact default: the same function, every weight (base and adapter) and γ the original ones
+    before = {n: p.detach().clone() for n, p in exact.named_parameters()}
+    report = convert(exact).lmbp_report
+    assert report.verified and len(report.plan.of(NormExact)) == 5 and not report.plan.norm_folds, str(report)
+    assert _rel(_logits(exact, ids), ref) < 1e-5
+    assert all(torch.equal(p, before[n]) for n, p in exact.named_parameters()) and len(before) == len(
+        dict(exact.named_parameters()))
+    assert isinstance(exact.base_model.model.model.layers[0].input_layernorm, MSExactNorm)
 
 
 def test_convert_after_get_peft_model_folds_beta_into_base_only():
@@ -103,7 +115,7 @@ def test_convert_after_get_peft_model_folds_beta_into_base_only():
     pm = get_peft_model(base, _lora(BERT_TARGETS))
     ids = _ids()
     ref_pm = copy.deepcopy(pm)
-    report = convert(pm).lmbp_report
+    report = convert(pm, fold_norms=True).lmbp_report
     assert report.verified, str(report)
     assert _lora_folded_targets(report), str(report)
     assert _rel(_logits(pm, ids), _logits(ref_pm, ids)) < 1e-5
@@ -148,13 +160,13 @@ def test_convert_before_get_peft_model_trains_and_keeps_function():
     assert len(changed) == len(trainable)
 
 
-def _converted_peft(base, targets, order):
+def _converted_peft(base, targets, order, fold=False):
     """LoRA-wrap and convert ``base`` in the given order ("convert_then_peft" or "peft_then_convert")."""
     if order == "convert_then_peft":
-        convert(base)
+        convert(base, fold_norms=fold)
         return get_peft_model(base, _lora(targets))
     pm = get_peft_model(base, _lora(targets))
-    convert(pm)
+    convert(pm, fold_norms=fold)
     return pm
 
 
@@ -178,7 +190,7 @@ def _saved_bytes_and_sharing(pm, ids):
     graph is the same), norm output and lora_A input storage pointers."""
     norm_out, handles = {}, []
     for name, mod in pm.named_modules():
-        if isinstance(mod, (MSRMSNorm, MSLayerNorm)):
+        if isinstance(mod, (MSRMSNorm, MSLayerNorm, MSExactNorm)):
             handles.append(mod.register_forward_hook(
                 lambda m, a, o, n=name: norm_out.__setitem__(n, o.untyped_storage().data_ptr())))
     lora_in = {}
@@ -199,18 +211,22 @@ def _saved_bytes_and_sharing(pm, ids):
     return led, off.bytes, norm_out, lora_in
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["exact", "fold"])
 @pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
-def test_adapter_input_is_the_norm_output_storage(order):
+def test_adapter_input_is_the_norm_output_storage(order, fold):
     base = hf("llama")
-    pm = _converted_peft(base, LLAMA_TARGETS, order)
+    pm = _converted_peft(base, LLAMA_TARGETS, order, fold)
     ids = _ids()
     led, off_bytes, norm_out, lora_in = _saved_bytes_and_sharing(pm, ids)
-    # every adapter reads a norm's output, and that very storage is what autograd keeps
+    # every adapter reads a norm's output; folded, that very storage is what autograd keeps (x̂); exact, it is
+    # y, which nobody keeps (its consumers' saves are rebuilt from x̂: the byte count below says so; a pointer
+    # test cannot, the allocator reuses y's freed memory)
     norm_ptrs = set(norm_out.values())
     n_adapters = len(lora_in)
     assert n_adapters == 2 * len(LLAMA_TARGETS)
     assert set(lora_in.values()) <= norm_ptrs
-    assert set(lora_in.values()) <= led.saved_ptrs
+    if fold:
+        assert set(lora_in.values()) <= led.saved_ptrs
     # Bytes: the adapters add exactly their r-wide lora_B inputs (fp32), nothing for lora_A's input, which is
     # the storage the MS norm saves anyway. A copy of x̂ per adapter-fed norm would add B·T·D·4 each.
     expected_extra = n_adapters * B * T * R * 4
@@ -255,16 +271,17 @@ def test_adapters_save_and_load_onto_a_converted_base(order, tmp_path):
             torch.testing.assert_close(loaded_a[n], p)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["exact", "fold"])
 @pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
-def test_merged_adapters_export_to_a_plain_checkpoint(order):
+def test_merged_adapters_export_to_a_plain_checkpoint(order, fold):
     """merge_and_unload() + plain_state_dict: a plain model (no lmbp_convert, no PEFT) computes the same."""
     base = hf("bert", head="cls", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     plain = copy.deepcopy(base)
-    pm = _converted_peft(base, BERT_TARGETS, order)
+    pm = _converted_peft(base, BERT_TARGETS, order, fold)
     ids = _ids()
     _train(pm, ids)
     want = _logits(pm, ids)
-    if order == "peft_then_convert":
+    if order == "peft_then_convert" and fold:
         with pytest.raises(ExportError, match="merge"):
             plain_state_dict(pm)  # LoRA-wrapped folded Linears: merge first
     report = pm.lmbp_report if hasattr(pm, "lmbp_report") else None

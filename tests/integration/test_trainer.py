@@ -6,7 +6,7 @@ import torch
 
 from lmbp_convert import convert
 from lmbp_convert.export import save_pretrained
-from lmbp_convert.nn.norms import MSLayerNorm, MSRMSNorm
+from lmbp_convert.nn.exact_norms import MSExactNorm
 from benchmarks.families import hf
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def test_converted_model_trains_under_trainer_bf16(arch, causal, tmp_path):
     model = hf(arch) if causal else hf(arch, head="cls")
     reference = copy.deepcopy(model)
     convert(model)
-    assert any(isinstance(m, (MSRMSNorm, MSLayerNorm)) for m in model.modules())
+    assert any(isinstance(m, MSExactNorm) for m in model.modules())  # the exact default
     result, losses, changed, before = _run(model, tmp_path / "conv", causal)
     assert result.global_step == 3
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses

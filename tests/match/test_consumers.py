@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmbp_convert import NothingToConvertError, SavedTensorLedger, convert
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.norm_kept import NormKeep
 from lmbp_convert.match.plan import NormFold
 from lmbp_convert.match.consumers import ConsumerFold
@@ -92,11 +93,11 @@ def _eva():
     return randomize_norms(m).eval()
 
 
-def _check_exact(model, x, *, tol=1e-5):
+def _check_exact(model, x, *, tol=1e-5, **kw):
     """Convert (norms only: approximate activations are inexact by design); outputs and the fp32 gradient of the
     input match the original's."""
     ref = copy.deepcopy(model)
-    rep = convert(model, probe=x, activations=False).lmbp_report
+    rep = convert(model, probe=x, activations=False, **kw).lmbp_report
     assert rep.verified, str(rep)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = model(xa), ref(xb)
@@ -140,7 +141,7 @@ def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     model.norm = nn.RMSNorm(D)  # no β: nothing needs a bias
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
-    rep = _check_exact(model, torch.randn(2, 6, D))
+    rep = _check_exact(model, torch.randn(2, 6, D), fold_norms=True)
     # with no bias to assemble, the plain norm planner's parameter targets (match/functional.py) take it first
     assert "norm" in {f.name for f in rep.plan.of(NormFold)}
 
@@ -164,9 +165,12 @@ def test_transformer_encoder_layer(norm_first):
         with pytest.raises(NothingToConvertError, match="layers.0.norm1: output also feeds add in layers.0, and "
                                                         "there is no module boundary"):
             convert(copy.deepcopy(model), probe=x, activations=False, keep_affine=False)
-        # ... so the norms keep their affine and share their output with the feed-forward's Linear instead
-        rep = convert(model, probe=x, activations=False).lmbp_report
+        # ... so, folding, the norms keep their affine and share their output with the feed-forward's Linear
+        rep = convert(copy.deepcopy(model), probe=x, activations=False, fold_norms=True).lmbp_report
         assert {k.name for k in rep.plan.of(NormKeep)} >= {"layers.0.norm1", "layers.1.norm1"}
+        # the exact default: exact norms, outputs and input gradient the original's
+        rep = _check_exact(model, x)
+        assert {k.name for k in rep.plan.of(NormExact)} >= {"layers.0.norm1", "layers.1.norm1"}, str(rep)
         return
     before = _saved(model, x)
     rep = _check_exact(model, x)

@@ -10,6 +10,7 @@ from torch import nn
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
 from lmbp_convert.match.roles import NormRole, RoleKind, assign_roles, identify_norm
 
@@ -161,8 +162,8 @@ def test_convert_by_behaviour_verifies_and_saves_exact_bytes():
     x = torch.randn(2, 8, D)
     _, rep = convert(net, probe=x, return_report=True)
     assert rep.verification == "passed", str(rep)
-    folded = {f.name: f for f in rep.plan.norm_folds}
-    assert set(folded) == {"norms.0", "norms.1", "norms.3"}, str(rep)
+    folded = {f.name: f for f in rep.plan.of(NormExact)}  # the exact default: the norms a fold would rewrite
+    assert set(folded) == {"norms.0", "norms.1", "norms.3"} and not rep.plan.norm_folds, str(rep)
     assert folded["norms.1"].param is WeightParam.ONE_PLUS_W and folded["norms.3"].kind is NormKind.RMS
     (bare,) = rep.plan.of(NormSwap)
     assert bare.name == "norms.2" and bare.readers == ["lins.2"] and bare.eps == pytest.approx(1e-5)

@@ -1,5 +1,7 @@
 """The affine-keeping fallback: a norm whose fold is refused but whose output a Linear keeps anyway becomes a
-memory-sharing norm that keeps γ, β (`NormKeep`) — planned only where it saves bytes, exact, reversible."""
+memory-sharing norm that keeps γ, β (`NormKeep`) — planned only where it saves bytes, exact, reversible.
+
+It is part of folding (``fold_norms=True``, `FOLD`): in the exact default those norms are exact norms."""
 from __future__ import annotations
 
 import copy
@@ -15,6 +17,7 @@ from lmbp_convert.match.plan import Plan
 from lmbp_convert.nn.affine_norms import MSAffineNorm
 
 D, T = 32, 10
+FOLD = dict(fold_norms=True)  # the fallback of the fold
 
 
 class InLayerPostLN(nn.Module):
@@ -54,7 +57,7 @@ def _bytes(model, x, autocast=False):
 
 def test_in_layer_post_ln_is_planned_with_its_reason():
     model = _model()
-    rep = convert(model, probe=torch.randn(2, T, D), activations=False).lmbp_report
+    rep = convert(model, probe=torch.randn(2, T, D), activations=False, **FOLD).lmbp_report
     (keep,) = rep.plan.of(NormKeep)
     assert keep.name == "ln" and keep.keepers == ["fc"]
     assert "no module boundary" in keep.fold_refused
@@ -74,7 +77,7 @@ def test_saves_the_norm_input_exactly(autocast):
     ref = _model()
     before = _bytes(ref, x, autocast)
     model = copy.deepcopy(ref)
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, **FOLD)
     assert not model.lmbp_report.plan.of(NormKeep)[0].kept_channels
     after = _bytes(model, x, autocast)
     rows = 2 * T
@@ -88,7 +91,7 @@ def test_gradients_exact_and_parameters_kept():
     model = copy.deepcopy(ref)
     w, b = model.ln.weight, model.ln.bias
     keys = list(model.state_dict())
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, **FOLD)
     assert model.ln.weight is w and model.ln.bias is b and list(model.state_dict()) == keys
     for m in (ref, model):
         m.train()
@@ -100,7 +103,7 @@ def test_gradients_exact_and_parameters_kept():
 def test_rollback_puts_the_original_back():
     model = _model()
     original = model.ln
-    rep = convert(copy.deepcopy(model), probe=torch.randn(2, T, D), activations=False).lmbp_report
+    rep = convert(copy.deepcopy(model), probe=torch.randn(2, T, D), activations=False, **FOLD).lmbp_report
     (keep,) = rep.plan.of(NormKeep)
     unit = keep.build_unit(UnitBuilder(model))
     unit.apply()
@@ -110,13 +113,13 @@ def test_rollback_puts_the_original_back():
 
 
 def test_serialises_and_reads_back():
-    rep = convert(_model(), probe=torch.randn(2, T, D), activations=False).lmbp_report
+    rep = convert(_model(), probe=torch.randn(2, T, D), activations=False, **FOLD).lmbp_report
     back = Plan.from_dict(rep.plan.to_dict())
     assert back.of(NormKeep) == rep.plan.of(NormKeep)
 
 
 def test_switched_off_keeps_the_refusal():
-    rep = convert(_model(), probe=torch.randn(2, T, D), keep_affine=False).lmbp_report
+    rep = convert(_model(), probe=torch.randn(2, T, D), keep_affine=False, **FOLD).lmbp_report
     assert not rep.plan.of(NormKeep) and any(s.name == "ln" and "no module boundary" in s.reason
                                              for s in rep.plan.skips)
 
@@ -126,7 +129,7 @@ def test_not_planned_when_no_consumer_keeps_the_output():
     model = _model()
     model.fc.weight.requires_grad_(False)
     model.fc.bias.requires_grad_(False)
-    rep = convert(model, probe=torch.randn(2, T, D)).lmbp_report
+    rep = convert(model, probe=torch.randn(2, T, D), **FOLD).lmbp_report
     assert not rep.plan.of(NormKeep) and any(s.name == "ln" and "no module boundary" in s.reason
                                              for s in rep.plan.skips)
 
@@ -141,7 +144,7 @@ class InputAlsoRead(InLayerPostLN):
 def test_not_planned_when_the_input_stays_kept():
     torch.manual_seed(0)
     model = InputAlsoRead().eval()
-    rep = convert(model, probe=torch.randn(2, T, D)).lmbp_report
+    rep = convert(model, probe=torch.randn(2, T, D), **FOLD).lmbp_report
     assert not rep.plan.of(NormKeep) and any(s.name == "ln" for s in rep.plan.skips)
 
 
@@ -153,7 +156,7 @@ def test_guard_channels_are_kept_and_counted():
     x = torch.randn(2, T, D)
     ref = copy.deepcopy(model)
     before = _bytes(ref, x)
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, **FOLD)
     (keep,) = model.lmbp_report.plan.of(NormKeep)
     assert keep.kept_channels >= 2
     rows, k = 2 * T, keep.kept_channels
@@ -212,7 +215,7 @@ def test_tiny_families_keep_the_affine_of_their_in_layer_norms(family):
     from benchmarks.families import PROBE_FAMILIES
 
     model = PROBE_FAMILIES[family]().eval()
-    rep = convert(model).lmbp_report
+    rep = convert(model, **FOLD).lmbp_report
     keeps = rep.plan.of(NormKeep)
     assert rep.verification == "passed"
     assert keeps and all("no module boundary" in k.fold_refused or "tied" in k.fold_refused for k in keeps), str(rep)
@@ -225,7 +228,7 @@ def test_plain_export_is_the_state_dict_itself():
 
     x = torch.randn(2, T, D)
     model = _model()
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, **FOLD)
     assert saves_plainly(model)
     sd = plain_state_dict(model)
     plain = _model()
@@ -240,9 +243,35 @@ def test_lora_consumer_keeps_the_output_only_without_adapter_dropout(dropout):
     in front of it (then it keeps the dropped copy instead, and the affine-keeping norm would save nothing)."""
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(_model(), peft.LoraConfig(r=4, target_modules=["fc"], lora_dropout=dropout))
-    rep = convert(model, probe=torch.randn(2, T, D)).lmbp_report
+    rep = convert(model, probe=torch.randn(2, T, D), **FOLD).lmbp_report
     keeps = rep.plan.of(NormKeep)
     if dropout == 0.0:
         assert [k.keepers for k in keeps] == [["base_model.model.fc"]], str(rep)
     else:
         assert not keeps and any(s.name.endswith(".ln") for s in rep.plan.skips), str(rep)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_exact_default_converts_the_in_layer_post_ln_with_the_same_saving(autocast):
+    """Where folding would keep the affine (no module boundary), the exact default swaps in an exact norm: outputs
+    and gradients the original's, the norm's input and per-row mean no longer kept. Under autocast its output stays
+    fp32 as the original's does: ``fc``'s bf16 copy of it is rebuilt from x̂ (bf16 there), which takes its place,
+    and the residual sum after it stays fp32 (the kept-affine norm emits bf16, so that sum is bf16 there)."""
+    from lmbp_convert.match.norm_exact import NormExact
+
+    x = torch.randn(2, T, D)
+    ref = _model()
+    before = _bytes(ref, x, autocast)
+    model = copy.deepcopy(ref)
+    rep = convert(model, probe=x, activations=False).lmbp_report
+    (item,) = rep.plan.of(NormExact)
+    assert item.name == "ln" and item.readers == ["fc"] and not rep.plan.of(NormKeep), str(rep)
+    after = _bytes(model, x, autocast)
+    rows = 2 * T
+    assert before - after == rows * D * 4 + rows * 4, (before, after)
+    ref.zero_grad(), model.zero_grad()
+    for m in (ref, model):
+        m.train()
+        m(x).pow(2).mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)

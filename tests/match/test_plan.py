@@ -1,6 +1,7 @@
 import json
 
 from lmbp_convert import plan_conversion
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import Plan
 from benchmarks.families import hf
 
@@ -18,6 +19,6 @@ def test_plan_changes_nothing():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     types = [type(m) for m in model.modules()]
     plan = plan_conversion(model)
-    assert plan.norm_folds and plan.gated_mlps
+    assert plan.of(NormExact) and plan.gated_mlps
     assert [type(m) for m in model.modules()] == types
     assert all((before[k] == v).all() for k, v in model.state_dict().items())

@@ -1,10 +1,14 @@
-"""What the planner folds, blocks and re-applies, on small hand-made modules (one pattern each)."""
+"""What the planner folds, blocks and re-applies, on small hand-made modules (one pattern each): the fold's
+analysis (``fold_norms=True``, `FOLD`); the exact default turns the norms it plans into exact norms."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lmbp_convert import convert, plan_conversion
+from lmbp_convert.match.norm_exact import NormExact
+
+FOLD = dict(fold_norms=True)
 
 
 class NormThen(nn.Module):
@@ -28,7 +32,7 @@ class NormThen(nn.Module):
 def _plan(f, x=None, **kw):
     m = NormThen(f, **kw)
     x = torch.randn(2, 6, 8) if x is None else x
-    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
+    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False, **FOLD)
     return m, plan, x
 
 
@@ -51,7 +55,7 @@ def test_affine_commuting_paths_fold_exactly(name):
     m, plan, x = _plan(COMMUTING[name])
     assert [f.name for f in plan.norm_folds] == ["norm"], plan.skips
     ref = m(x)
-    rep = convert(m, probe=x, activations=False, gated_mlp=False).lmbp_report
+    rep = convert(m, probe=x, activations=False, gated_mlp=False, **FOLD).lmbp_report
     assert rep.verified
     assert torch.allclose(m(x), ref, atol=1e-5)
 
@@ -63,12 +67,47 @@ def test_zero_pad_folds_a_norm_without_beta():
     m.norm = nn.LayerNorm(8, bias=False)
     with torch.no_grad():
         m.norm.weight.uniform_(0.5, 1.5)
-    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False)
+    plan = plan_conversion(m, probe=x, activations=False, gated_mlp=False, **FOLD)
     assert [f.name for f in plan.norm_folds] == ["norm"] and not plan.norm_folds[0].caveats, plan.skips
     other = torch.randn(2, 5, 8)
     ref = m(other)
-    convert(m, probe=x, activations=False, gated_mlp=False)
+    convert(m, probe=x, activations=False, gated_mlp=False, **FOLD)
     assert torch.allclose(m(other), ref, atol=1e-5)
+
+
+def _bytes_and_grads(m, x):
+    from lmbp_convert import SavedTensorLedger
+
+    m.train()
+    m.zero_grad(set_to_none=True)
+    with SavedTensorLedger(m) as led:
+        out = m(x)
+    out.pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    if x.requires_grad:
+        grads["<input>"], x.grad = x.grad.clone(), None
+    return led.bytes, grads
+
+
+@pytest.mark.parametrize("name", sorted(COMMUTING))
+def test_affine_commuting_paths_are_exact_norms_by_default_with_the_folds_bytes(name):
+    """The exact default on the same paths: an exact norm, the original's gradients for every parameter (γ, β
+    included) and for the input, at most the saved bytes of the fold."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = NormThen(COMMUTING[name])
+    x = torch.randn(2, 6, 8, requires_grad=True)  # as in a model: the norm's input needs its gradient
+    exact, folded = copy.deepcopy(ref), copy.deepcopy(ref)
+    rep = convert(exact, probe=x, activations=False, gated_mlp=False).lmbp_report
+    assert [f.name for f in rep.plan.of(NormExact)] == ["norm"] and rep.verified, str(rep)
+    convert(folded, probe=x, activations=False, gated_mlp=False, **FOLD)
+    (b_ref, g_ref), (b_exact, g_exact) = _bytes_and_grads(ref, x), _bytes_and_grads(exact, x)
+    assert g_exact.keys() == g_ref.keys()
+    for n in g_ref:
+        torch.testing.assert_close(g_exact[n], g_ref[n], rtol=1e-5, atol=1e-6, msg=n)
+    b_fold = _bytes_and_grads(folded, x)[0]
+    assert b_exact <= b_fold < b_ref, (b_exact, b_fold, b_ref)  # equal but for the fp64 round trip: exact keeps less
 
 
 BLOCKED = {
@@ -105,11 +144,11 @@ class SameScopeResidual(nn.Module):
 
 def test_other_consumer_without_module_boundary_blocks_the_fold():
     plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False,
-                           keep_affine=False)
+                           keep_affine=False, **FOLD)
     (skip,) = plan.skips
     assert "no module boundary" in skip.reason
     # by default the norm keeps its affine instead (fc keeps its output anyway), with the fold's refusal as reason
-    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(SameScopeResidual(), probe=torch.randn(2, 8), activations=False, gated_mlp=False, **FOLD)
     (keep,) = plan.items
     assert not plan.skips and not plan.norm_folds and keep.tag == "norm_keeps"
     assert "no module boundary" in keep.fold_refused and keep.keepers == ["fc"]
@@ -140,7 +179,7 @@ class PostLN(nn.Module):
 def test_other_branch_at_module_boundary_gets_affine_reapplied():
     m, x = PostLN(), torch.randn(3, 8)
     ref = m(x)
-    rep = convert(m, probe=x, activations=False, gated_mlp=False).lmbp_report
+    rep = convert(m, probe=x, activations=False, gated_mlp=False, **FOLD).lmbp_report
     (fold,) = rep.plan.norm_folds
     assert [r.describe() for r in fold.reapply] == ["input arg 1 of res"]
     assert torch.allclose(m(x), ref, atol=1e-6)
@@ -161,7 +200,7 @@ class QKNorm(nn.Module):
 
 
 def test_norm_without_linear_consumer_is_left_with_reason():
-    plan = plan_conversion(QKNorm(), probe=torch.randn(2, 4, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(QKNorm(), probe=torch.randn(2, 4, 8), activations=False, gated_mlp=False, **FOLD)
     assert plan.skips and "no Linear consumer" in plan.skips[0].reason
 
 
@@ -176,7 +215,7 @@ class Shared(nn.Module):
 
 
 def test_shared_modules_are_not_folded():
-    plan = plan_conversion(Shared(), probe=torch.randn(2, 8), activations=False, gated_mlp=False)
+    plan = plan_conversion(Shared(), probe=torch.randn(2, 8), activations=False, gated_mlp=False, **FOLD)
     assert "called 2 times" in plan.skips[0].reason
 
 
@@ -205,7 +244,7 @@ class Gemmaish(nn.Module):
 def test_unlisted_norm_class_is_identified_by_behaviour():
     m, x = Gemmaish(), torch.randn(4, 8)
     ref = m(x)
-    rep = convert(m, probe=x).lmbp_report
+    rep = convert(m, probe=x, **FOLD).lmbp_report
     (fold,) = rep.plan.norm_folds
     assert (fold.kind, fold.param) == ("rms", "1+w")
     assert torch.allclose(m(x), ref, atol=1e-5)

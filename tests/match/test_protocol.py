@@ -18,6 +18,7 @@ from lmbp_convert.catalogue import class_key
 from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
 from lmbp_convert.match.loss import LossSwap
+from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import (ActSwap, GatedMLPSwap, LinearTarget, NormFold, Plan, PlanItem, ReapplySite,
                                      Skip, register_item, unregister_item)
 
@@ -86,10 +87,11 @@ def test_plugin_kind_flows_through_convert_report_and_plan_files(tanh_kind):
     convert(model, probe=x)
     rep = model.lmbp_report
     assert isinstance(model.tanh, RecordingTanh) and rep.verified
-    assert [type(it) for it in rep.plan.items] == [NormFold, ActSwap, TanhSwap]
+    assert [type(it) for it in rep.plan.items] == [NormExact, ActSwap, TanhSwap]
     assert rep.swapped == ["act", "norm", "tanh"]  # report order: kinds in registration order
     text = str(rep)
-    assert text.startswith("lmbp-convert: 1 activations, 1 norms, 0 gated MLPs, 1 tanh swaps converted;")
+    assert text.startswith("lmbp-convert: 1 activations, 0 norms, 0 gated MLPs, 1 norms (exact: affine kept, "
+                           "output rebuilt), 1 tanh swaps converted;")
     assert "tanh → recording:\n  tanh (scale 1.0)" in text
     assert rep.plan.predicted_saved_bytes == sum(it.predicted_saved_bytes for it in rep.plan.items)
     assert rep.to_dict()["plan"]["tanh_swaps"] == [{"name": "tanh", "cls": "torch.nn.modules.activation:Tanh",
@@ -107,7 +109,7 @@ def test_plugin_kind_that_changes_outputs_is_rolled_back_alone(tanh_kind):
     rep = model.lmbp_report
     assert type(model.tanh) is nn.Tanh  # its unit was undone
     assert rep.rolled_back and rep.rolled_back[0][0] == "tanh tanh"
-    assert [type(it) for it in rep.plan.items] == [NormFold, ActSwap]  # the others are kept
+    assert [type(it) for it in rep.plan.items] == [NormExact, ActSwap]  # the others are kept
     assert any(s.name == "tanh" and s.reason.startswith("rolled back") for s in rep.plan.skips)
     assert rep.verified and torch.allclose(model(x), ref, atol=1e-5)
 
@@ -196,4 +198,4 @@ def test_claimed_modules_are_left_to_their_claimant():
     gated = plan.gated_mlps
     assert gated and not {g.act_module for g in gated} & {a.name for a in plan.act_swaps}
     assert [type(i) for i in plan.items] == sorted((type(i) for i in plan.items),
-                                                   key=[GatedMLPSwap, NormFold, ActSwap, LossSwap].index)
+                                                   key=[GatedMLPSwap, NormExact, ActSwap, LossSwap].index)

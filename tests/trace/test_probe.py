@@ -235,6 +235,7 @@ def test_find_probe_returns_what_accept_returned():
 def test_meta_model_is_traced_with_one_forward():
     """On the meta device the trace is the probe's check: the model runs once, not once to check and once to trace."""
     from lmbp_convert.apply.convert import plan_conversion
+    from lmbp_convert.match.norm_exact import NormExact
     from benchmarks.families import hf
 
     with torch.device("meta"):
@@ -246,7 +247,7 @@ def test_meta_model_is_traced_with_one_forward():
     finally:
         handle.remove()
     assert len(calls) == 1
-    assert plan.norm_folds and plan.probe_tokens == 16
+    assert plan.of(NormExact) and plan.probe_tokens == 16
 
 
 def test_the_second_automatic_probe_starts_from_the_candidate_that_won_at_seed_0():
