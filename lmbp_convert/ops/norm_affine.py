@@ -38,6 +38,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _NormAffine(torch.autograd.Function):
+    generate_vmap_rule = True  # torch.func: forward and backward are plain torch ops
+
     @staticmethod
     def forward(xhat, w, b, one_plus, out_dtype):
         return affine_forward(xhat, w, b, one_plus, out_dtype)

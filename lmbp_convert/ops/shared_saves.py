@@ -119,13 +119,14 @@ def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
     return out.reshape(op[1])
 
 
-def _chain(fn, device: torch.device) -> Optional[tuple[Any, tuple[tuple, ...]]]:
+def _chain(fn, device: torch.device, noted: Callable[[Any], bool] = lambda fn: False
+           ) -> Optional[tuple[Any, tuple[tuple, ...]]]:
     """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias) and selections (``x[:, 0]``,
     ``x[:, a:b]``) back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
     as `_replay` runs them), or None where a cast also moves devices or a node lacks the metadata (another
-    torch)."""
+    torch). It stops early at a ``noted`` node (a LoRA layer's input is itself a reshape of the attention output)."""
     ops = []
-    while fn is not None and type(fn).__name__ in _OPS:
+    while fn is not None and not noted(fn) and type(fn).__name__ in _OPS:
         try:
             op = _op(fn, type(fn).__name__, device)
         except (AttributeError, IndexError, TypeError):
@@ -284,16 +285,16 @@ class SharedSaves:
         src = t if t._base is None else t._base
         if src.grad_fn is None or not src.is_contiguous():
             return None
-        walked = _chain(src.grad_fn, src.device)
+        walked = _chain(src.grad_fn, src.device, self.notes.__contains__)
         if walked is None:
             return None
         node, ops = walked
         found = self.notes.get(node)
         if found is None:
             return None
+        if any(isinstance(src, _Weak) and src.ref() is None for src in found.sources):
+            return None  # a transient source already freed: nothing to rebuild from
         sources = tuple(src.ref() if isinstance(src, _Weak) else src for src in found.sources)
-        if any(src is None for src in sources):  # a transient source already freed: nothing to rebuild from
-            return None
         casts = [op[1] for op in ops if op[0] == "to"]
         if found.identity:
             base = sources[0]

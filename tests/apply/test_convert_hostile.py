@@ -191,7 +191,7 @@ def _scripted_case(family: str, what: str):
 
     torch.manual_seed(0)
     model = randomize_norms(FAMILIES[family]()).eval()
-    fold = next(i for i in plan_conversion(model).items if isinstance(i, NormFold) and i.targets)
+    fold = next(i for i in plan_conversion(model, fold_norms=True).items if isinstance(i, NormFold) and i.targets)
     name = fold.name if what == "norm" else fold.targets[0].name
     parent, _, child = name.rpartition(".")
     with warnings.catch_warnings():
@@ -214,7 +214,7 @@ def test_scripted_submodules_are_left_alone_with_the_reason(family, what, exclud
     probe = make_probe(model)[0]
     with torch.no_grad():
         ref = model(**probe) if isinstance(probe, dict) else model(probe)
-    convert(model, exclude=[name] if excluded else None)
+    convert(model, exclude=[name] if excluded else None, fold_norms=True)
     report = model.lmbp_report
     assert model.get_submodule(name) is scripted
     assert report.verification == "passed" and report.plan.items

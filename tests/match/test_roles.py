@@ -85,7 +85,7 @@ def test_refusal_keeps_train_mode_and_nan_behaviour():
 def test_accept_norms_swaps_it_anyway(accept):
     model = Block(NoisyLN)
     ref = copy.deepcopy(model).eval()
-    rep = convert(model, probe=X, activations=False, gated_mlp=False, accept_norms=[accept]).lmbp_report
+    rep = convert(model, probe=X, activations=False, gated_mlp=False, accept_norms=[accept], fold_norms=True).lmbp_report
     assert [f.name for f in rep.plan.norm_folds] == ["norm"] and rep.verified
     with torch.no_grad():
         assert torch.allclose(model.eval()(X), ref(X), atol=1e-5)  # eval: the same function

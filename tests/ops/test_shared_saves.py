@@ -199,3 +199,15 @@ def test_no_note_inside_other_hooks():
             note_identity(t)
             note(t * 1.0, lambda a: a, t)
         assert not region.notes
+
+
+def test_a_source_that_is_none_is_a_value_not_a_freed_tensor():
+    """The exact norm without β notes (x̂, w, None, ...): once, that None read as "a weak source was freed" and no
+    recipe was made (LLaMA kept y beside x̂ in every layer)."""
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 4, requires_grad=True)
+    with _Open() as region:
+        y = x * 3.0
+        note(y, lambda t, b: t * 3.0, x, None)
+        (y @ w).sum()
+        assert region.recipes == 1

@@ -264,7 +264,9 @@ def test_the_second_automatic_probe_starts_from_the_candidate_that_won_at_seed_0
     calls.clear()
     convert(model)  # trace: 2-D refused (trace + plain forward), 3-D traced; verification's forwards only after
     assert model.lmbp_report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
-    assert len(calls) == 3 + 1 + 2  # + seed 1 once (no refused 2-D candidate) + the converted model on both
+    # + seed 1 once (no refused 2-D candidate) + the converted model on both + the report's two measured training
+    # forwards (original, converted)
+    assert len(calls) == 3 + 1 + 2 + 2
 
 
 def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_order():
