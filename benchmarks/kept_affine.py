@@ -115,7 +115,8 @@ def rows(name: str, seq: int) -> list[dict]:
             base = base.to(torch.bfloat16)
         probe = make_probe(base, batch=2, seq=seq)[0]
         row = {"model": name, "mode": mode, "original": saved(base, probe, mode)}
-        for label, kw in (("old", dict(keep_affine=False)), ("new", {})):
+        # the fold's fallback is what this measures: the exact default replaces the kept-affine norm altogether
+        for label, kw in (("old", dict(keep_affine=False, fold_norms=True)), ("new", dict(fold_norms=True))):
             m = convert(copy.deepcopy(base), **kw)
             row[label] = saved(m, probe, mode)
             row[f"{label}_kept"] = len([it for it in m.lmbp_report.plan.items if it.tag == "norm_keeps"])

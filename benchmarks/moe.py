@@ -85,7 +85,7 @@ def measure(arch: str, mode: str, seq: int, experts: int | None = None, small: d
     t0 = time.perf_counter()
     before = saved(block, x, autocast)
     probe = x[:, : min(seq, 32)].detach().clone()
-    convert(block, probe=probe)  # outside autocast, as one converts before training (fp32 weights, then autocast)
+    convert(block, probe=probe, fold_norms=True)  # the folds into the experts are what this shows; outside autocast, as one converts before training (fp32 weights, then autocast)
     report = block.lmbp_report
     after = saved(block, x, autocast)
     row = {"model": arch, "mode": mode, "impl": impl, "seq": seq, "experts": experts or SHAPES[arch][EXPERTS_KEY[arch]],

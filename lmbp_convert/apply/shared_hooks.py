@@ -4,9 +4,9 @@ builders of the rewrites that rely on it (`NormExact`, `LoraInputShare`).
 The root module's forward pre-hook opens the region for the outermost call of this thread and its forward hook
 (``always_call``) closes it, so a call of the whole model shares every noted tensor with the consumers that save
 copies of it; a submodule called on its own runs without it (correct, eager autograd's bytes). Every unit that
-needs the region registers its own pre/post pair over the one `RegionHooks` object of the model (found among the
-root's hooks): the object counts nesting, so any number of pairs opens the region once, and rolling one unit back
-leaves the others working. Callable objects, so deepcopy and pickling carry them (a copy starts closed).
+needs the region is a user of the model's one `RegionHooks` object (found among the root's hooks): the first
+registers the root's pre/post pair, the last one rolled back removes it, so any number of units costs one pair.
+Callable objects, so deepcopy and pickling carry them (a copy starts closed).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from ..kinds import ConvertedHook, NormKind, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity
-from .rewrite import Unit, UnitBuilder, _Handles, builds
+from .rewrite import Unit, UnitBuilder, builds
 
 __all__ = ["RegionHooks", "NoteInput", "add_region"]
 
@@ -30,6 +30,8 @@ class RegionHooks(ConvertedHook):
 
     def __init__(self) -> None:
         self._local = threading.local()
+        self.handles: list = []
+        self.users = 0
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling():
@@ -55,10 +57,11 @@ class RegionHooks(ConvertedHook):
             loc.region = None
 
     def __getstate__(self) -> dict:
-        return {}
+        return {"users": self.users}
 
     def __setstate__(self, state: dict) -> None:
         self._local = threading.local()
+        self.handles, self.users = [], state.get("users", 0)
 
 
 class _Close(ConvertedHook):
@@ -83,23 +86,40 @@ class NoteInput(ConvertedHook):
         return None
 
 
-def _region_hooks(model: nn.Module) -> RegionHooks:
+def _region_hooks(model: nn.Module) -> RegionHooks | None:
     for h in model._forward_pre_hooks.values():
         if isinstance(h, RegionHooks):
             return h
-    return RegionHooks()
+    return None
+
+
+class _RegionUse:
+    """One unit's use of the model's region: the first use registers the root's pre/post pair, the last one
+    removed takes it away (one pair per model, however many units need it)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        hooks = _region_hooks(model)
+        if hooks is None:
+            hooks = RegionHooks()
+            hooks.handles = [model.register_forward_pre_hook(hooks, with_kwargs=True, prepend=True),
+                             model.register_forward_hook(_Close(hooks), with_kwargs=True, always_call=True)]
+            hooks.users = 0
+        hooks.users += 1
+        self.hooks = hooks
+
+    def remove(self) -> None:
+        hooks, self.hooks = self.hooks, None
+        if hooks is not None:
+            hooks.users -= 1
+            if hooks.users == 0:
+                for h in hooks.handles:
+                    h.remove()
 
 
 def add_region(builder: UnitBuilder, unit: Unit) -> None:
     """Make the unit open the model's region around every call of the root (see the module doc)."""
     model = builder.model
-
-    def register() -> _Handles:
-        hooks = _region_hooks(model)
-        return _Handles([model.register_forward_pre_hook(hooks, with_kwargs=True, prepend=True),
-                         model.register_forward_hook(_Close(hooks), with_kwargs=True, always_call=True)])
-
-    builder.add_hook(unit, register)
+    builder.add_hook(unit, lambda: _RegionUse(model))
 
 
 @builds(LoraInputShare)

@@ -6,9 +6,8 @@ One tiny GPT-2 (1 layer, dropout 0): LayerNorms with β folded into Conv1D, tanh
 The rewrite kinds beyond plain folds (kept-affine norms, functional-consumer and channel-first folds, MoE
 recompute regions) each compile with fullgraph=True on the fast aot_eager backend (inductor: slow).
 
-Exact norms (the default) compile and train like eager, but Dynamo does not trace saved-tensor hooks, so the
-shared-saves region stays closed under compile: their consumers keep the norm's output y beside x̂ (`EXACT_BYTES`,
-strict xfail until compiled exact norms share it; GPT-2's compiled step still keeps < 85 % of the original's).
+Exact norms (the default) compile and train like eager. Dynamo does not trace saved-tensor hooks, so under compile
+the exact norm makes y inside a checkpoint region instead, and the partitioner keeps x̂ and rebuilds y.
 """
 import copy
 
@@ -24,8 +23,6 @@ slow = pytest.mark.slow  # inductor compiles of whole models: minutes on 2 cores
 
 B, T, STEPS = 2, 16, 3
 GPT2 = dict(n_layer=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-EXACT_BYTES = pytest.mark.xfail(strict=True, reason="open: under torch.compile no shared-saves region opens, so an "
-                                                    "exact norm's consumers keep its output y beside x̂")
 
 
 def _steps(model, fwd, ids):
@@ -85,7 +82,7 @@ def test_compiled_converted_model_keeps_its_savings(runs):
 
 
 @slow
-@pytest.mark.parametrize("fold", [True, pytest.param(False, marks=EXACT_BYTES)], ids=["fold", "exact"])
+@pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 def test_compiled_gated_mlp_keeps_only_gate_and_up(fold):
     """LLaMA (1 layer): MS norms keep one storage each under compile, and MSGatedMLP should keep g and u only,
     as it does in eager mode. Inductor's partitioner sees through the autograd.Function and also keeps
