@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..memory import SavedTensorLedger
+from ..trace.device import training_mode
 from ..trace.tracer import call_model
 
 __all__ = ["Measured", "measure_saved"]
@@ -53,13 +54,12 @@ def measure_saved(model: nn.Module, probe: Any, autocast: Sequence[tuple[str, to
     """Exact saved-for-backward bytes of one training-mode forward of ``model`` on ``probe`` (parameters and
     autocast's weight casts excluded), leaving the model as it was; under ``autocast`` ((device type, dtype)
     pairs: what was active around convert(), which analyses outside it)."""
-    flags = {m: m.training for m in model.modules()}
     buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
     devices = sorted({b.device.index or 0 for b, _ in buffers if b.device.type == "cuda"} |
                      {p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
     try:
-        model.train()
-        with ExitStack() as amp, torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with training_mode(model, True), ExitStack() as amp, torch.random.fork_rng(devices=devices), \
+                torch.enable_grad():
             for dev, dtype in autocast:
                 amp.enter_context(torch.autocast(dev, dtype=dtype))
             mode = _mode(model)
@@ -68,8 +68,6 @@ def measure_saved(model: nn.Module, probe: Any, autocast: Sequence[tuple[str, to
             del out
         return Measured(led.bytes, mode)
     finally:
-        for m, flag in flags.items():
-            m.training = flag
         with torch.no_grad():
             for b, saved in buffers:
                 if b.shape == saved.shape:

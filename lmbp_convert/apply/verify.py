@@ -7,15 +7,15 @@ value is left there is nothing to compare, which is a verdict of its own ("canno
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..kinds import Verification
 from ..trace.containers import children
+from ..trace.device import training_mode
 from ..trace.tracer import call_model
 
 PASSED = Verification.PASSED
@@ -46,16 +46,9 @@ def default_rtol(model: nn.Module) -> float:
     return 1e-4
 
 
-@contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module):
     """Run in eval mode, then put every module's own training flag back."""
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, t in flags:
-            m.training = t
+    return training_mode(model, False)
 
 
 def run_probe(model: nn.Module, probe: Any) -> Any:

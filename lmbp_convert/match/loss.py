@@ -28,6 +28,7 @@ from torch import nn
 from ..catalogue import class_key
 from ..kinds import ConvertedCallable
 from ..trace.containers import children
+from ..trace.device import training_mode
 from .context import MatchContext
 from .plan import PlanItem, Skip, register_item
 
@@ -119,17 +120,6 @@ class _Recorder:
         return out
 
 
-@contextmanager
-def _eval(model: nn.Module) -> Iterator[None]:
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, t in flags:
-            m.training = t
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -139,7 +129,7 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _run_with_labels(model: nn.Module, probe: Any, labels: torch.Tensor) -> Any:
-    with torch.no_grad(), _eval(model):
+    with torch.no_grad(), training_mode(model, False):
         if isinstance(probe, dict):
             return model(**probe, labels=labels)
         if isinstance(probe, (list, tuple)):

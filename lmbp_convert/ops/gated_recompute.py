@@ -39,6 +39,19 @@ T = TypeVar("T")
 _top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
+class ChainedHooks:
+    """Saved-tensor hooks that hand what they do not replace to the enclosing pair (``outer``, from
+    `_top_hooks` when they open; None: no enclosing hooks)."""
+
+    outer = None
+
+    def _opack(self, t: torch.Tensor):
+        return self.outer[0](t) if self.outer is not None else t
+
+    def _ounpack(self, packed) -> torch.Tensor:
+        return self.outer[1](packed) if self.outer is not None else packed
+
+
 class _Recipe:
     """How to rebuild a saved tensor: recompute h from (packed) g and u, replay the dtype casts, then
     ``as_strided`` to the saved layout."""

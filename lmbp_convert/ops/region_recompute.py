@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .gated_recompute import _top_hooks, cast_chain
+from .gated_recompute import ChainedHooks, _top_hooks, cast_chain
 
 __all__ = ["Region"]
 
@@ -42,7 +42,7 @@ class _Recipe:
         self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
 
-class Region:
+class Region(ChainedHooks):
     """The saved-tensor hooks of one module call (see the module doc). ``enter(y)`` at the call's start (y: its
     input, or None), ``note_act(fn, g, a)`` for each activation call inside, ``exit()`` at its end (always)."""
 
@@ -85,12 +85,6 @@ class Region:
             self.acts[a.grad_fn] = (fn, g)
 
     # -- hooks -----------------------------------------------------------------------------------------------
-    def _opack(self, t: torch.Tensor):
-        return self.outer[0](t) if self.outer is not None else t
-
-    def _ounpack(self, packed) -> torch.Tensor:
-        return self.outer[1](packed) if self.outer is not None else packed
-
     def _pack(self, t: torch.Tensor):
         recipe = self._recipe(t)
         return recipe if recipe is not None else (self._opack(t),)

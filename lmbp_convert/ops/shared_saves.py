@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .gated_recompute import _Hooks as _GatedHooks
-from .gated_recompute import _top_hooks
+from .gated_recompute import ChainedHooks, _top_hooks
 
 __all__ = ["SharedSaves", "active", "note", "note_identity"]
 
@@ -193,7 +193,7 @@ class _Plain:
         self.value = value
 
 
-class SharedSaves:
+class SharedSaves(ChainedHooks):
     """The region's state for one call: the notes made during it and the recipes built from them."""
 
     def __init__(self) -> None:
@@ -253,12 +253,6 @@ class SharedSaves:
         return recipe if recipe is not None else _Weak(t)
 
     # -- packing ---------------------------------------------------------------------------------------------
-    def _opack(self, t: torch.Tensor):
-        return self.outer[0](t) if self.outer is not None else t
-
-    def _ounpack(self, packed) -> torch.Tensor:
-        return self.outer[1](packed) if self.outer is not None else packed
-
     def _pack(self, t: torch.Tensor):
         recipe = self._recipe(t)
         return recipe if recipe is not None else _Plain(self._opack(t))

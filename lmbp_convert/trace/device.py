@@ -75,3 +75,16 @@ def outside_autocast() -> Iterator[list[tuple[str, torch.dtype]]]:
                 active.append((dev, torch.get_autocast_dtype(dev)))
                 stack.enter_context(torch.autocast(dev, enabled=False))
         yield active
+
+
+@contextmanager
+def training_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Run ``model`` in train (True) or eval (False) mode, then put every module's own training flag back (a model
+    may hold modules in mixed modes)."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train(training)
+    try:
+        yield
+    finally:
+        for m, t in flags:
+            m.training = t
