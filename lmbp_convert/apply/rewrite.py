@@ -417,7 +417,20 @@ def _loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
         state.clear()
 
     unit.steps.append((do, undo))
+    if item.head:
+        _logits_head(unit, builder.modules[item.head])
     return unit
+
+
+def _logits_head(unit: Unit, head: nn.Module) -> None:
+    """The head's class set to `MSLogitsHead` (an nn.Linear subclass with the same forward), on the object itself:
+    its Parameters, ties, hooks and state-dict keys are untouched, whatever other units do to them."""
+    from ..nn.loss import MSLogitsHead
+
+    if type(head) is not nn.Linear:
+        raise ConversionError(f"the LM head is a {type(head).__name__}, not the plain nn.Linear the plan found")
+    unit.steps.append((lambda: setattr(head, "__class__", MSLogitsHead),
+                       lambda: setattr(head, "__class__", nn.Linear)))
 
 
 def loss_mismatch(orig, new, item: LossSwap, config) -> str | None:

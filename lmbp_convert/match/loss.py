@@ -57,14 +57,18 @@ class LossSwap(PlanItem):
     #: placeholders (`LOGITS`, `LABELS`, `CONFIG`), plain values as they were
     call: dict = field(default_factory=dict)
     predicted_saved_bytes: int = 0
+    #: the plain ``nn.Linear`` whose output is those logits (it becomes `lmbp_convert.nn.loss.MSLogitsHead`, whose
+    #: backward makes the loss's gradient by rows); "" when the logits are not a Linear's output as they are
+    head: str = ""
 
     def claims(self) -> set[str]:
         return set()  # sets an attribute; takes no module from other rewrites
 
     def describe(self) -> list[str]:
         form = "causal (labels shifted)" if self.shift else "flat"
+        head = f"; its gradient made by rows in {self.head}'s backward" if self.head else ""
         return [f"  {self.name or '<model>'} ({self.cls.split(':')[-1]}): {form} cross-entropy over {self.classes} "
-                f"classes on {self.logits_dtype} logits"]
+                f"classes on {self.logits_dtype} logits{head}"]
 
 
 def _settable_hook(mod: nn.Module) -> bool:
@@ -262,7 +266,7 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
     if isinstance(found, str):
         yield Skip("", root, found)
         return
-    name, call, logits, config = found
+    name, call, logits, config, head = found
     mod = hooks[name]
     shape, classes = list(logits.shape), int(logits.shape[-1])
     shift = semantics(mod.loss_function, call, shape, classes, config)
@@ -275,7 +279,7 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
     isz = _ITEMSIZE.get(dtype, 4)
     # HF keeps log_softmax's fp32 (rows, V); this keeps the logits themselves and an fp32 lse per row
     saved = rows * classes * (4 - isz) - 4 * rows
-    yield LossSwap(name, class_key(mod), shift, classes, dtype, call, saved)
+    yield LossSwap(name, class_key(mod), shift, classes, dtype, call, saved, head)
 
 
 def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
@@ -291,7 +295,7 @@ def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
     for shape, _ in candidates:
         gen = torch.Generator().manual_seed(0)
         labels = torch.randint(0, shape[-1], shape[:-1], generator=gen).to(dev)
-        with _recorders(hooks) as recs:
+        with _recorders(hooks) as recs, _head_outputs(ctx) as heads:
             try:
                 _run_with_labels(ctx.model, ctx.probe, labels)
             except torch.OutOfMemoryError:
@@ -315,8 +319,24 @@ def _labelled_call(ctx: MatchContext, hooks: dict[str, nn.Module]):
         if LOGITS not in call["args"] + list(call["kwargs"].values()) or \
                 LABELS not in call["args"] + list(call["kwargs"].values()):
             return "its forward does not pass loss_function the logits and the labels: left as it is"
-        return name, call, logits, config
+        head = next((n for n, out in heads if out is logits), "")
+        return name, call, logits, config, head
     return why
+
+
+@contextmanager
+def _head_outputs(ctx: MatchContext) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """(name, output) of every call of a selected plain ``nn.Linear`` (not a subclass: its forward is known to be
+    ``F.linear``) with real weights, recorded while the block runs."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: seen.append((n, out)))
+               for n, m in ctx.modules.items()
+               if type(m) is nn.Linear and ctx.opt.selected(n) and m.weight.device.type != "meta"]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _label(fn: Any) -> str:

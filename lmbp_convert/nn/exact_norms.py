@@ -7,17 +7,23 @@ x̂. A consumer that saves y (a Linear, a LoRA adapter's cast copy, an attention
 recipe instead: the pair keeps x̂ and rstd, the bytes of a fold, while every parameter (γ, β, W, b) stays the
 original one with the original gradient, and the state dict is the original's. Where no region is open (a
 submodule called on its own, torch.compile), y is saved as eager autograd saves it: correct, more bytes.
+
+Where no note can take (inside activation checkpointing, its recompute included; a submodule called on its own),
+a LayerNorm with γ = w runs as ``F.layer_norm``, which is what the replaced norm computed: it saves the input,
+which there is kept anyway (the checkpoint's input, the residual the block adds back), where x̂ would be a second
+tensor of that size beside the consumers' own copies of y.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
-from ..ops.shared_saves import note
+from ..ops.shared_saves import can_note, note
 
 __all__ = ["MSExactNorm"]
 
@@ -53,6 +59,9 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
             raise ValueError(f"MSExactNorm: normalized_shape {shape} does not match the trailing dims of the input "
                              f"of shape {tuple(x.shape)}")
+        if self._input_is_cheaper(x):
+            y = F.layer_norm(x, shape, self.weight, self.bias, self.eps)
+            return y if self.out_dtype is None else y.to(self.out_dtype)
         xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_kind is NormKind.RMS)
         w, b = self.weight, self.bias
         if len(shape) > 1:  # the affine op works on the last dim: view the trailing dims as one
@@ -67,6 +76,12 @@ class MSExactNorm(ConvertedModule, nn.Module):
             y = norm_affine(xhat, w, b, one_plus, out)
             note(y, affine_forward, xhat, w, b, one_plus, out)
         return y if len(shape) == 1 else y.view(x.shape[:-len(shape)] + shape)
+
+    def _input_is_cheaper(self, x: torch.Tensor) -> bool:
+        """Autograd will save here and no note can share y (see the module doc): the plain LayerNorm's saves."""
+        return (self.norm_kind is NormKind.LAYER and self.param is WeightParam.W and torch.is_grad_enabled()
+                and (x.requires_grad or self.weight.requires_grad) and not torch.compiler.is_compiling()
+                and not can_note())
 
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "

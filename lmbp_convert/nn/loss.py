@@ -13,11 +13,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from ..kinds import ConvertedCallable
+from ..kinds import ConvertedCallable, ConvertedModule
 from ..ops.cross_entropy import cross_entropy
+from ..ops.logits_head import fusable, logits_head
 
-__all__ = ["MSCrossEntropyLoss"]
+__all__ = ["MSCrossEntropyLoss", "MSLogitsHead"]
 
 
 class MSCrossEntropyLoss(ConvertedCallable):
@@ -58,3 +60,15 @@ def _classes(logits: torch.Tensor, given: Any) -> int:
         return given
     num = getattr(given, "num_labels", None)
     return num if isinstance(num, int) else logits.shape[-1]
+
+
+class MSLogitsHead(ConvertedModule, nn.Linear):
+    """The LM head whose backward makes the memory-sharing loss's gradient by rows (`lmbp_convert.ops.logits_head`):
+    the same ``F.linear`` forward, output and parameters. The rewrite sets it as the ``__class__`` of the model's
+    own ``nn.Linear`` head (and sets ``nn.Linear`` back on undo), so the object, its Parameters (tied or not),
+    hooks and state-dict keys stay what they were."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not fusable(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        return logits_head(x, self.weight, self.bias)

@@ -277,11 +277,25 @@ def _plain_cpu(t: torch.Tensor) -> bool:
             and not t.is_neg() and not torch._C._functorch.is_functorch_wrapped_tensor(t))
 
 
+#: A TorchDispatchMode class attribute: True says the mode only observes which storages exist (a memory tracker),
+#: so the kernels may run under it: they allocate every output with torch.empty, which the mode sees, and hold
+#: nothing else but one row of fp32 scratch per thread.
+OBSERVES_ALLOCATIONS_ONLY = "lmbp_observes_allocations_only"
+
+
+def _modes_observe_allocations_only() -> bool:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return all(getattr(m, OBSERVES_ALLOCATIONS_ONLY, False) for m in _get_current_dispatch_mode_stack())
+
+
 def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
     if _suspended or _state in ("off", "failed"):
         return None
-    if torch._C._len_torch_dispatch_stack() > 0 or not all(_plain_cpu(t) for t in ts):
+    if torch._C._len_torch_dispatch_stack() > 0 and not _modes_observe_allocations_only():
         return None  # a dispatch mode (tracer, FLOP counter, fake tensors) must see every op
+    if not all(_plain_cpu(t) for t in ts):
+        return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return None  # a result autograd must record (double backward): the PyTorch path's ops
     return _lib if _state == "ready" else _load()

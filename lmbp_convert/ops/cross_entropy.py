@@ -24,8 +24,11 @@ and the PyTorch path is traced by dynamo (its chunk loop unrolls over a static r
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from . import logits_head
 from ._common import HAS_TRITON, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, spec_key
 
@@ -228,6 +231,8 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss, lse = (_fwd_triton if triton_path else _fwd_torch)(x, t, ignore_index)
         ctx.save_for_backward(x, t, lse)
         ctx.spec = (ignore_index, triton_path)
+        head = logits_head.head_of(x)  # its rows are a LogitsHeadFunction's output: backward may hand off
+        ctx.head = None if head is None else (head[0], weakref.ref(head[1]))
         return loss
 
     @staticmethod
@@ -240,6 +245,12 @@ class CrossEntropyFunction(torch.autograd.Function):
 def _backward(ctx, g: torch.Tensor):
     x, t, lse = ctx.saved_tensors
     ignore_index, triton_path = ctx.spec
+    head, ctx.head = ctx.head, None  # the node and the logits are not held past the first backward
+    base = head[1]() if head is not None else None
+    if base is not None:
+        zero = logits_head.defer((head[0], base), x, t, lse, g, ignore_index, triton_path)
+        if zero is not None:  # the head's backward makes the gradient by rows (ops.logits_head)
+            return zero, None, None
     dx = (_bwd_triton if triton_path else _bwd_torch)(g, x, t, lse, ignore_index)
     return dx, None, None
 

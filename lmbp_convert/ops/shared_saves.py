@@ -35,7 +35,7 @@ import torch
 from .gated_recompute import _Hooks as _GatedHooks
 from .gated_recompute import ChainedHooks, _top_hooks
 
-__all__ = ["SharedSaves", "active", "note", "note_identity"]
+__all__ = ["SharedSaves", "active", "can_note", "note", "note_identity"]
 
 _FRIENDLY = (_GatedHooks,)  # recompute hooks whose recipes stay valid after their call returns
 _STATE = threading.local()  # the open regions of this thread (saved-tensor hooks are thread-local too)
@@ -45,6 +45,15 @@ def active() -> Optional["SharedSaves"]:
     """The innermost open region of this thread, or None."""
     stack = getattr(_STATE, "stack", None)
     return stack[-1] if stack else None
+
+
+def can_note() -> bool:
+    """A `note` made here would take: a region is open and its hooks (or friendly ones) are the innermost. False
+    inside activation checkpointing (its forward and its recompute), under torch.compile, or with no region."""
+    if torch.compiler.is_compiling():
+        return False
+    region = active()
+    return region is not None and region.inner_hooks() is not False
 
 
 def note(out: torch.Tensor, rebuild: Callable[..., torch.Tensor], *sources: Any, weak: tuple[int, ...] = ()) -> None:

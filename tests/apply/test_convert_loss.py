@@ -15,7 +15,7 @@ from lmbp_convert import convert, plan_conversion
 from lmbp_convert.apply.rewrite import UnitBuilder
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.plan import Plan
-from lmbp_convert.nn.loss import MSCrossEntropyLoss
+from lmbp_convert.nn.loss import MSCrossEntropyLoss, MSLogitsHead
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not isinstance(getattr(transformers.PreTrainedModel, "loss_function", None),
@@ -37,6 +37,10 @@ MODELS = {
                                vocab_size=128),
 }
 SHIFTED = {"llama", "llama_tied", "gpt2", "gemma2"}  # T5Gemma: labels are already the decoder targets
+#: the Linear whose output is the logits as they reach the loss (its backward makes the loss's gradient by
+#: rows); Gemma-2 and T5Gemma soft-cap the logits after their head, so theirs keep the plain path
+HEADS = {"llama": "lm_head", "llama_tied": "lm_head", "gpt2": "lm_head", "modernbert_mlm": "decoder",
+         "neox_token_cls": "classifier"}
 
 
 def _build(name, dtype=torch.float32):
@@ -76,7 +80,12 @@ def _loss_only(model):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_loss_and_every_gradient_match_the_unconverted_model(name, dtype):
+def test_loss_and_every_gradient_match_the_unconverted_model(name, dtype, monkeypatch):
+    from lmbp_convert.ops import logits_head
+
+    fused = []
+    real = logits_head._fused_backward
+    monkeypatch.setattr(logits_head, "_fused_backward", lambda *a: (fused.append(1), real(*a))[1])
     model = _build(name, dtype)
     ref = copy.deepcopy(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -84,6 +93,9 @@ def test_loss_and_every_gradient_match_the_unconverted_model(name, dtype):
     items = model.lmbp_report.plan.items
     assert [type(i) for i in items] == [LossSwap], model.lmbp_report.plan.skips
     assert items[0].shift is (name in SHIFTED)
+    assert items[0].head == HEADS.get(name, "")
+    if items[0].head:
+        assert type(model.get_submodule(items[0].head)) is MSLogitsHead
     assert isinstance(model.__dict__["_loss_function"], MSCrossEntropyLoss)
     assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
@@ -99,6 +111,7 @@ def test_loss_and_every_gradient_match_the_unconverted_model(name, dtype):
             g, g_r = grads[k].double(), grads_r[k].double()
             err = float((g - g_r).norm() / g_r.norm().clamp_min(1e-30))
             assert err <= (1e-4 if dtype == torch.float32 else 2e-2), (k, err)
+    assert len(fused) == (2 if name in HEADS else 0)  # each backward took the hand-off
 
 
 def test_gemma2_soft_capping_reaches_the_loss():
@@ -155,8 +168,9 @@ def test_undo_restores_the_attribute_absent_or_the_users_own():
             continue
         unit = plan.items[0].build_unit(UnitBuilder(model))
         unit.apply()
-        assert isinstance(model.loss_function, MSCrossEntropyLoss)
+        assert isinstance(model.loss_function, MSCrossEntropyLoss) and type(model.lm_head) is MSLogitsHead
         unit.undo()
+        assert type(model.lm_head) is torch.nn.Linear
         assert ("_loss_function" in model.__dict__) == ("_loss_function" in before)
         unit.undo()  # idempotent
         assert model.loss_function is not None and not isinstance(model.loss_function, MSCrossEntropyLoss)

@@ -69,8 +69,11 @@ def test_keeps_the_bytes_of_a_fold_inside_a_region(dtype):
     assert saved(new, True) == x_bytes + rows * 4
     # nn.LayerNorm keeps its input (and mean, rstd); the Linears keep its output
     assert saved(ref, False) - saved(new, True) >= x_bytes
-    # without a region y is kept as well: correct, more bytes
-    assert saved(new, False) == 2 * x_bytes + rows * 4
+    # where no note can take (no region; activation checkpointing), a LayerNorm saves what nn.LayerNorm saves: its
+    # input, mean and rstd, and the Linears keep y
+    # (mean, rstd per row: ATen's CPU kernel keeps them in the input's dtype for bf16)
+    stats = rows * 2 * (4 if dtype == torch.float32 else size)
+    assert saved(new, False) == saved(ref, False) == 2 * x_bytes + stats
 
 
 def test_one_plus_w_parameterisation():
@@ -80,3 +83,44 @@ def test_one_plus_w_parameterisation():
     x = torch.randn(5, 16)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
     assert torch.allclose(norm(x), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", (True, False))
+def test_inside_checkpointing_a_layer_norm_saves_its_input(bias):
+    """Inside activation checkpointing no note takes: the LayerNorm saves what nn.LayerNorm saves (its input,
+    kept there anyway), not an x̂ beside the Linear's copy of y; gradients stay the original's."""
+    from torch.utils.checkpoint import checkpoint
+
+    ref, new = _pair(NormKind.LAYER, torch.float32, bias)
+    lin = nn.Linear(48, 32)
+    x0 = torch.randn(3, 11, 48)
+
+    def packed(norm):
+        seen = []
+        region = SharedSaves()
+        assert region.enter()
+        try:  # other hooks innermost, as checkpointing's are
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+                x = x0.clone().requires_grad_()
+                lin(norm(x)).sum()
+        finally:
+            region.exit()
+        return x, seen
+
+    x, seen = packed(new)
+    assert any(t.data_ptr() == x.data_ptr() for t in seen)  # its input itself
+    assert sum(t.nbytes for t in seen) == sum(t.nbytes for t in packed(ref)[1])
+
+    grads = []
+    for norm in (ref, new):
+        x = x0.clone().requires_grad_()
+        region = SharedSaves()
+        assert region.enter()
+        try:
+            out = checkpoint(lambda t: lin(norm(t)), x, use_reentrant=False).pow(2).sum()
+        finally:
+            region.exit()
+        out.backward()
+        grads.append((x.grad, norm.weight.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

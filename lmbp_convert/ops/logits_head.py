@@ -1,0 +1,202 @@
+"""The LM head's backward fused with the memory-sharing cross-entropy: the logits' gradient is made one chunk of
+rows at a time and multiplied into the head's input (and weight) gradients at once, so backward never holds an
+(N, V) gradient beside the (N, V) logits.
+
+Why: with the loss's fp32 copy gone (`lmbp_convert.ops.cross_entropy`), the peak of a checkpointed LLM step is
+the logits plus their full gradient, made by the loss's backward only for the head's matmul to read it once.
+
+The hand-off, one backward pass at a time:
+
+- `LogitsHeadFunction` is ``F.linear`` whose node carries an empty hand-off list (``ctx.ce_handoff``).
+- The cross-entropy finds that node in its forward when its rows are exactly the head output's storage
+  (`head_of`). In its backward it appends its gradient's recipe (`_Pending`: the logits, targets, lse,
+  upstream per-row gradient) and returns a stride-0 zero instead of writing (N, V) values — but only when the
+  engine will run the head's node in this pass (``torch._C._will_engine_execute_node`` of the nodes it feeds),
+  no hook or ``retain_grad`` watches the logits, and no graph of the backward is being built (`defer`). Otherwise it
+  writes its gradient as before, and the head's backward is a plain Linear's.
+- The engine runs the head's node after every consumer of the logits (topological order). Its backward takes
+  the list and, per chunk of rows, makes the loss's gradient rows exactly as the loss's own backward would (in
+  the logits' dtype, rounded once), adds the rows of whatever other consumers of the logits sent (nothing when it
+  is the zero it handed over), and multiplies: ``dx[rows] = d @ W``, ``dW += dᵀ x[rows]`` (fp32 accumulation,
+  rounded once), ``db += Σ d``.
+
+Values equal the unfused path's up to the order of the weight gradient's sums. Nothing here runs under
+torch.compile or torch.func: the head module calls plain ``F.linear`` there (`fusable`). The one case it cannot
+see: ``torch.autograd.grad(loss, [logits, <anything before the head>])`` in one call captures the stride-0 zero
+as the logits' gradient (the engine does not tell a captured node that also runs from one that only runs).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import func_transforms
+from ._common import autocast_dtype_for
+
+__all__ = ["LogitsHeadFunction", "logits_head", "fusable", "head_of", "defer", "ROW_CHUNK_ELEMENTS"]
+
+#: elements of the logits' gradient made at a time (rows per chunk = this // V, at least 1)
+ROW_CHUNK_ELEMENTS = 1 << 21
+_HANDOFF = "ce_handoff"
+#: autograd nodes of pure views between the head's output and the loss's rows
+_VIEW_NODES = frozenset({"ViewBackward0", "ReshapeAliasBackward0", "AliasBackward0", "UnsafeViewBackward0"})
+_MAX_VIEWS = 4
+
+
+@dataclass
+class _Pending:
+    """What the cross-entropy's backward would have computed, left for the head's backward to compute by rows."""
+
+    logits: torch.Tensor  # (N, V), the head output's storage
+    targets: torch.Tensor  # (N,)
+    lse: torch.Tensor  # (N,) fp32
+    upstream: torch.Tensor  # (N,) the gradient of the per-row losses
+    ignore_index: int
+    triton_path: bool
+    zero: torch.Tensor  # the stride-0 zero returned in place of the gradient
+
+
+def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The head runs `LogitsHeadFunction`: eager autograd that will need a gradient, outside compile and torch.func."""
+    return (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and not torch.compiler.is_compiling() and not func_transforms.active())
+
+
+def logits_head(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through `LogitsHeadFunction`; under autocast the inputs are cast the way
+    autocast's linear casts them, outside the Function (their casts' backward returns each gradient in its
+    tensor's own dtype, as under autocast)."""
+    dtype = autocast_dtype_for(x)
+    dev = "cuda" if x.is_cuda else x.device.type
+    if dtype != x.dtype or torch.is_autocast_enabled(dev):
+        x, weight = _cast(x, dtype), _cast(weight, dtype)
+        bias = _cast(bias, dtype) if bias is not None else None
+        with torch.autocast(dev, enabled=False):
+            return _marked(LogitsHeadFunction.apply(x, weight, bias))
+    return _marked(LogitsHeadFunction.apply(x, weight, bias))
+
+
+def _marked(out: torch.Tensor) -> torch.Tensor:
+    """The output, known to its node (weakly: a node must not keep its output alive) so the loss can find it."""
+    if out.grad_fn is not None:
+        out.grad_fn.ce_out = weakref.ref(out)
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+
+class LogitsHeadFunction(torch.autograd.Function):
+    """``F.linear`` whose backward takes the hand-off of a cross-entropy on its output (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        setattr(ctx, _HANDOFF, [])
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        pending: list[_Pending] = getattr(ctx, _HANDOFF)
+        setattr(ctx, _HANDOFF, [])
+        need_x, need_w, need_b = ctx.needs_input_grad
+        if not pending:
+            return _plain_backward(g, x, weight, need_x, need_w, need_b and ctx.has_bias)
+        return _fused_backward(g, x, weight, pending, need_x, need_w, need_b and ctx.has_bias)
+
+
+def _plain_backward(g, x, weight, need_x, need_w, need_b):
+    gx = g.matmul(weight) if need_x else None
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+    gw = g2.t().matmul(x2) if need_w else None
+    gb = g2.sum(0) if need_b else None
+    return gx, gw, gb
+
+
+def _fused_backward(g, x, weight, pending: list[_Pending], need_x, need_w, need_b):
+    from .cross_entropy import _bwd_torch, _bwd_triton
+
+    v = g.shape[-1]
+    g2, x2 = g.reshape(-1, v), x.reshape(-1, x.shape[-1])
+    n = g2.shape[0]
+    handed = any(g2.untyped_storage().data_ptr() == p.zero.untyped_storage().data_ptr() for p in pending) \
+        and all(s == 0 for s in g2.stride())
+    gx = torch.empty_like(x2) if need_x else None
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+    gb = torch.zeros(v, dtype=torch.float32, device=g.device) if need_b else None
+    step = max(1, ROW_CHUNK_ELEMENTS // max(v, 1))
+    for i in range(0, n, step):
+        rows = slice(i, min(n, i + step))
+        d = None if handed else g2[rows]
+        for p in pending:
+            fn = _bwd_triton if p.triton_path else _bwd_torch
+            part = fn(p.upstream[rows], p.logits[rows], p.targets[rows], p.lse[rows], p.ignore_index)
+            d = part if d is None else d + part
+        if need_x:
+            gx[rows] = d.matmul(weight)
+        if need_w:
+            gw.addmm_(d.t().float(), x2[rows].float())
+        if need_b:
+            gb += d.float().sum(0)
+    return (gx.reshape(x.shape) if need_x else None,
+            gw.to(weight.dtype) if need_w else None,
+            gb.to(g.dtype) if need_b else None)
+
+
+def head_of(rows: torch.Tensor):
+    """(node, output) of the `LogitsHeadFunction` whose output ``rows`` (N, V) is, through views only (the
+    reshapes HF and the loss take), element for element in the same storage; else None (and always under
+    torch.compile, which runs the head as plain ``F.linear``)."""
+    if torch.compiler.is_compiling():
+        return None
+    node = rows.grad_fn
+    for _ in range(_MAX_VIEWS + 1):
+        if node is None:
+            return None
+        if isinstance(getattr(node, _HANDOFF, None), list):
+            break
+        if type(node).__name__ not in _VIEW_NODES:
+            return None
+        node = node.next_functions[0][0]
+    else:
+        return None
+    out = node.ce_out() if getattr(node, "ce_out", None) is not None else None
+    if out is None or not (out.is_contiguous() and rows.is_contiguous() and rows.dim() == 2
+                           and rows.data_ptr() == out.data_ptr() and rows.numel() == out.numel()):
+        return None
+    return node, out
+
+
+def _head_runs(node) -> bool:
+    """The engine will run ``node``'s backward in this pass: something it sends a gradient to will be run (or
+    accumulated). A node only captured (``torch.autograd.grad(loss, logits)``) has none. Under
+    ``autograd.grad`` the engine cannot say it of a leaf's accumulator: such an edge counts as not run."""
+    for fn, _ in node.next_functions:
+        if fn is None:
+            continue
+        try:
+            if torch._C._will_engine_execute_node(fn):
+                return True
+        except RuntimeError:  # a leaf's AccumulateGrad inside autograd.grad (not supported by the engine)
+            continue
+    return False
+
+
+def defer(head, logits, targets, lse, upstream, ignore_index: int, triton_path: bool) -> Optional[torch.Tensor]:
+    """From the cross-entropy's backward: hand its gradient to the head's node and return the zero to send in its
+    place, or None when the loss must write it itself (see the module doc)."""
+    if head is None or torch.is_grad_enabled() or func_transforms.active():
+        return None
+    node, base = head
+    if base._backward_hooks or base.retains_grad or not _head_runs(node):
+        return None
+    zero = logits.new_zeros(()).expand(logits.shape)
+    getattr(node, _HANDOFF).append(_Pending(logits, targets, lse, upstream, ignore_index, triton_path, zero))
+    return zero
