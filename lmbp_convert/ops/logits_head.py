@@ -17,10 +17,11 @@ The hand-off, one backward pass at a time:
 - The engine runs the head's node after every consumer of the logits (topological order). Its backward takes
   the list and, per chunk of rows, makes the loss's gradient rows exactly as the loss's own backward would (in
   the logits' dtype, rounded once), adds the rows of whatever other consumers of the logits sent (nothing when it
-  is the zero it handed over), and multiplies: ``dx[rows] = d @ W``, ``dW += dᵀ x[rows]`` (fp32 accumulation,
-  rounded once), ``db += Σ d``.
+  is the zero it handed over), and multiplies: ``dx[rows] = d @ W``. A weight (and bias) that trains takes its
+  gradient in a second pass by chunks of vocabulary columns, ``dW[cols] = d[:, cols]ᵀ x`` over all rows: one
+  matmul per element as unfused, at the cost of making the gradient's values twice.
 
-Values equal the unfused path's up to the order of the weight gradient's sums. Nothing here runs under
+Values equal the unfused path's up to the matmuls' blocking. Nothing here runs under
 torch.compile or torch.func: the head module calls plain ``F.linear`` there (`fusable`). The one case it cannot
 see: ``torch.autograd.grad(loss, [logits, <anything before the head>])`` in one call captures the stride-0 zero
 as the logits' gradient (the engine does not tell a captured node that also runs from one that only runs).
@@ -121,33 +122,65 @@ def _plain_backward(g, x, weight, need_x, need_w, need_b):
 
 
 def _fused_backward(g, x, weight, pending: list[_Pending], need_x, need_w, need_b):
-    from .cross_entropy import _bwd_torch, _bwd_triton
-
+    """dx by chunks of rows (each row's products are the unfused ones); dW and db by chunks of vocabulary columns
+    over all rows, in a second pass, so each is one matmul (one sum) in the weight's dtype as unfused, not a sum of
+    row chunks (which would need fp32 operands: several times slower on a CPU)."""
     v = g.shape[-1]
     g2, x2 = g.reshape(-1, v), x.reshape(-1, x.shape[-1])
     n = g2.shape[0]
-    handed = any(g2.untyped_storage().data_ptr() == p.zero.untyped_storage().data_ptr() for p in pending) \
-        and all(s == 0 for s in g2.stride())
+    other = None if _is_handed_zero(g2, pending) else g2  # what the logits' other consumers sent
     gx = torch.empty_like(x2) if need_x else None
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-    gb = torch.zeros(v, dtype=torch.float32, device=g.device) if need_b else None
-    step = max(1, ROW_CHUNK_ELEMENTS // max(v, 1))
-    for i in range(0, n, step):
-        rows = slice(i, min(n, i + step))
-        d = None if handed else g2[rows]
-        for p in pending:
-            fn = _bwd_triton if p.triton_path else _bwd_torch
-            part = fn(p.upstream[rows], p.logits[rows], p.targets[rows], p.lse[rows], p.ignore_index)
-            d = part if d is None else d + part
-        if need_x:
-            gx[rows] = d.matmul(weight)
-        if need_w:
-            gw.addmm_(d.t().float(), x2[rows].float())
-        if need_b:
-            gb += d.float().sum(0)
-    return (gx.reshape(x.shape) if need_x else None,
-            gw.to(weight.dtype) if need_w else None,
-            gb.to(g.dtype) if need_b else None)
+    if need_x:
+        step = max(1, ROW_CHUNK_ELEMENTS // max(v, 1))
+        for i in range(0, n, step):
+            rows = slice(i, min(n, i + step))
+            gx[rows] = _grad_rows(pending, other, rows).matmul(weight)
+    gw = torch.empty_like(weight) if need_w else None
+    gb = torch.empty(v, dtype=g.dtype, device=g.device) if need_b else None
+    if need_w or need_b:
+        step = max(1, ROW_CHUNK_ELEMENTS // max(n, 1))
+        for j in range(0, v, step):
+            cols = slice(j, min(v, j + step))
+            d = _grad_cols(pending, other, cols)
+            if need_w:
+                gw[cols] = d.t().matmul(x2)
+            if need_b:
+                gb[cols] = d.sum(0)
+    return gx.reshape(x.shape) if need_x else None, gw, gb
+
+
+def _is_handed_zero(g2: torch.Tensor, pending: list[_Pending]) -> bool:
+    ptr = g2.untyped_storage().data_ptr()
+    return all(s == 0 for s in g2.stride()) and any(ptr == p.zero.untyped_storage().data_ptr() for p in pending)
+
+
+def _grad_rows(pending: list[_Pending], other: Optional[torch.Tensor], rows: slice) -> torch.Tensor:
+    """The logits' gradient rows, as each loss's own backward makes them (its kernel or PyTorch path)."""
+    from .cross_entropy import _bwd_torch, _bwd_triton
+
+    d = None if other is None else other[rows]
+    for p in pending:
+        fn = _bwd_triton if p.triton_path else _bwd_torch
+        part = fn(p.upstream[rows], p.logits[rows], p.targets[rows], p.lse[rows], p.ignore_index)
+        d = part if d is None else d + part
+    return d
+
+
+def _grad_cols(pending: list[_Pending], other: Optional[torch.Tensor], cols: slice) -> torch.Tensor:
+    """The logits' gradient columns: ``(exp(x − lse) − [j = t]) · w`` in fp32 per element, rounded once to the
+    logits' dtype (the loss's own formula; w = 0 on ignored rows)."""
+    d = None if other is None else other[:, cols]
+    for p in pending:
+        cdt = p.lse.dtype
+        valid = p.targets != p.ignore_index
+        w = torch.where(valid, p.upstream.to(cdt), torch.zeros_like(p.lse)).unsqueeze(1)
+        q = p.logits[:, cols].to(cdt, copy=True)
+        q.sub_(p.lse.unsqueeze(1)).exp_()
+        index = torch.arange(cols.start, cols.stop, device=q.device)
+        q.sub_((index.unsqueeze(0) == p.targets.unsqueeze(1)).to(cdt))  # an ignored row's w is 0 anyway
+        part = q.mul_(w).to(p.logits.dtype)
+        d = part if d is None else d + part
+    return d
 
 
 def head_of(rows: torch.Tensor):

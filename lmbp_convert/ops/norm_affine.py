@@ -11,21 +11,47 @@ from typing import Optional
 
 import torch
 
+from . import func_transforms
+
 __all__ = ["affine_forward", "norm_affine"]
 
 
 def affine_forward(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], one_plus: bool,
-                   out_dtype: torch.dtype) -> torch.Tensor:
-    """The forward value (no graph). Same-dtype ``x̂·w`` is one multiply (bf16 rounds the exact fp32 product once,
-    as the fp32 route would); everything else runs in fp32 and rounds once."""
+                   out_dtype: torch.dtype, cast_to: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The forward value (no graph): fp32 math, ``x̂·γ`` then ``+ β``, each rounded to fp32, then one rounding to
+    ``out_dtype``. x̂ is read in its own dtype and the last op writes the result's dtype itself (type promotion
+    into an ``out=`` tensor), so no upcast copy of x̂ and no separate cast pass. Same-dtype ``x̂·w`` is one
+    multiply (bf16 rounds the exact fp32 product once, as the fp32 route would). ``cast_to``: the value
+    ``.to(cast_to)``, bitwise, written by that same last op where it can be (a shared-saves rebuild of a
+    consumer's cast copy, `fuses_cast`)."""
     if b is None and not one_plus and xhat.dtype == w.dtype == out_dtype:
-        return xhat * w
+        y = xhat * w
+        return y if cast_to is None else y.to(cast_to)
     acc = _acc(xhat)
     gamma = w.to(acc) + 1.0 if one_plus else w.to(acc)
-    y = xhat.to(acc) * gamma
-    if b is not None:
-        y = y + b.to(acc)
-    return y.to(out_dtype)
+    if not _may_write_out(xhat, gamma, b):  # a graph or a torch.func transform: plain ops
+        y = xhat.to(acc) * gamma
+        y = (y if b is None else y + b.to(acc)).to(out_dtype)
+        return y if cast_to is None else y.to(cast_to)
+    final = out_dtype if cast_to is None or out_dtype != acc else cast_to
+    if b is None:
+        y = torch.mul(xhat, gamma, out=torch.empty(xhat.shape, dtype=final, device=xhat.device))
+    else:
+        y = torch.mul(xhat, gamma, out=torch.empty(xhat.shape, dtype=acc, device=xhat.device))
+        y = torch.add(y, b.to(acc), out=y if final == acc else torch.empty(xhat.shape, dtype=final,
+                                                                           device=xhat.device))
+    return y if final == (cast_to or out_dtype) else y.to(cast_to)
+
+
+def _may_write_out(*ts: Optional[torch.Tensor]) -> bool:
+    """``out=`` ops may run: no tensor a graph records (double backward) and no torch.func transform."""
+    if func_transforms.active():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts))
+
+
+#: `lmbp_convert.ops.shared_saves` may call it with ``cast_to`` for a recipe that starts with a dtype cast
+affine_forward.fuses_cast = True
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
@@ -55,11 +81,16 @@ class _NormAffine(torch.autograd.Function):
     def backward(ctx, g):
         xhat, w = ctx.saved_tensors
         acc = torch.promote_types(_acc(xhat), g.dtype)
-        g32 = g.to(acc)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # one pass: g read in its dtype, fp32 product written in x̂'s dtype
             gamma = w.to(acc) + 1.0 if ctx.one_plus else w.to(acc)
-            dx = (g32 * gamma).to(xhat.dtype)
+            if _may_write_out(g, gamma):
+                dx = torch.mul(g, gamma, out=torch.empty(g.shape, dtype=xhat.dtype, device=g.device))
+            else:
+                dx = (g.to(acc) * gamma).to(xhat.dtype)
+        if not (ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])):
+            return dx, None, None, None, None
+        g32 = g.to(acc)
         if ctx.needs_input_grad[1]:
             dw = (_rows(g32) * _rows(xhat).to(acc)).sum(0).to(w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -12,7 +12,8 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
   packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
   so ``lora_A(dropout(y.float()))`` keeps x̂ and a bit mask.
 
-Rebuilding runs the producer's own ops on the same tensors, so the value is bitwise the forward's. One rebuild
+Rebuilding runs the producer's own ops on the same tensors, so the value is bitwise the forward's (a producer whose
+rebuild declares ``fuses_cast`` writes a recipe's leading dtype cast in the same pass, bitwise the same). One rebuild
 serves every recipe made of the same noted tensor and casts (q, k, v and their adapters all read one ``y``): the
 first unpack computes it, the others reuse it while any of them is alive. Each recipe records its sources'
 version counters and raises, as autograd does, if one was modified in place before backward.
@@ -180,8 +181,14 @@ class _Rebuild:
                                        "an inplace operation (a tensor lmbp-convert rebuilds a saved tensor from "
                                        f"is at version {a._version}, it was saved at version {v})")
             with torch.no_grad():
-                out = args[0] if self.rebuild is None else self.rebuild(*args)
-                for op in self.ops:
+                ops = self.ops
+                if self.rebuild is None:
+                    out = args[0]
+                elif ops and ops[0][0] == "to" and getattr(self.rebuild, "fuses_cast", False):
+                    out, ops = self.rebuild(*args, cast_to=ops[0][1]), ops[1:]  # the cast in the same pass
+                else:
+                    out = self.rebuild(*args)
+                for op in ops:
                     out = _replay(out, op)
             self.value = out
         return self.value

@@ -105,3 +105,32 @@ def test_command_line_scales_and_checks():
     assert cfgs[1].lora_dropout == 0.05 and a.convert_kwargs == {"norms": False}
     with pytest.raises(SystemExit):
         SP.parse_args(["--variants", "nope"])
+
+
+def test_native_cpu_kernels_run_under_the_tracker_only():
+    """The tracker observes allocations only, so the package's C++ CPU kernels (what a CPU run takes) run under it
+    and their outputs are tracked; any other dispatch mode still sees the PyTorch path's every op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.approx_act import _CONSTANTS
+
+    if cpu_native.build_info().get("error") or cpu_native._state != "ready":
+        pytest.skip("the native CPU kernels are not built here")
+    x = torch.randn(4096)
+    thr = _CONSTANTS[("gelu", 2)].c_f32
+    with LiveTensorTracker() as tr:
+        out = cpu_native.act_fwd(x, "gelu", 2, thr)
+        assert out is not None
+        y, codes = out
+        assert tr.live_bytes == y.nbytes + codes.nbytes
+    with TorchDispatchMode():
+        assert cpu_native.act_fwd(x, "gelu", 2, thr) is None
+
+
+def test_step_time_runs_interleaved_rounds_on_a_tiny_config():
+    from benchmarks import step_time
+
+    row = step_time.run(SP.TINY["a"], ["original", "converted"], rounds=2, convert_kwargs={}, log=lambda *_: None)
+    assert row["ratio"]["original"] == 1.0 and row["ratio"]["converted"] > 0
+    assert all(len(ts) == 2 for ts in row["times_s"].values())

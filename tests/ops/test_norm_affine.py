@@ -49,3 +49,18 @@ def test_same_dtype_product_is_the_plain_multiply():
     x = torch.randn(64, 128).bfloat16()
     w = torch.randn(128).bfloat16()
     assert torch.equal(affine_forward(x, w, None, False, torch.bfloat16), w * x)
+
+
+@pytest.mark.parametrize("dtype,out", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                       (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("bias,one_plus", [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize("cast", (torch.bfloat16, torch.float16, torch.float32))
+def test_cast_in_the_same_pass_is_bitwise_the_cast_value(dtype, out, bias, one_plus, cast):
+    """A shared-saves rebuild of a consumer's cast copy (``fuses_cast``) equals the value cast afterwards."""
+    torch.manual_seed(3)
+    x = torch.randn(5, 64).to(dtype)
+    w, b = (torch.rand(64) + 0.5).to(dtype), torch.randn(64).to(dtype) if bias else None
+    want = affine_forward(x, w, b, one_plus, out).to(cast)
+    got = affine_forward(x, w, b, one_plus, out, cast_to=cast)
+    assert got.dtype == cast and torch.equal(got, want)
+    assert torch.equal(affine_forward(x, w, b, one_plus, out), _ref(x, w, b, one_plus, out))
