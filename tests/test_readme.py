@@ -129,3 +129,25 @@ def test_recipe_runs(doc, heading, blocks, llama_dir, tmp_path, monkeypatch):
             exec(compile(_with_overrides(block), f"{doc}::{heading}", "exec"), ns)
     if heading in CHECKS:
         CHECKS[heading](ns, llama_dir)
+
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+ ([^\n]+)$", re.sub(r"^```.*?^```", "", md.read_text(), flags=re.S | re.M), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("doc", [*DOCS, "docs/usage.md"])
+def test_links_resolve(doc):
+    src = ROOT / doc
+    for target in _LINK.findall(src.read_text()):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (src.parent / path).resolve() if path else src
+        assert dest.exists(), f"{doc}: {target}"
+        if anchor:
+            assert anchor in _anchors(dest), f"{doc}: {target}"
