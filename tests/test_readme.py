@@ -3,7 +3,8 @@
 Each section (the text under one heading) runs its fenced blocks in order in a fresh folder holding a tiny LLaMA
 checkpoint at ``./llama``: ``python`` blocks are executed, ``bash`` blocks' ``lmbp-convert`` lines go to the CLI's
 ``main``. A line marked ``# test: EXPR`` runs as written, then ``<its names> = EXPR`` (a local model for a hub
-name). A section importing an optional package that is not installed (trl, datasets) is skipped, saying which.
+name). A block that uses ``model`` without building it (the README's one-liner) gets the tiny LLaMA. A section importing
+an optional package that is not installed (trl, datasets) is skipped, saying which.
 """
 from __future__ import annotations
 
@@ -83,11 +84,29 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
+def _tiny_tokenizer():
+    """A word-level tokenizer built here (no download), for the recipes that load one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = "the sky is blue grass green".split()
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{w: i + 4 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "llama"
     _tiny_llama().save_pretrained(path)
+    _tiny_tokenizer().save_pretrained(path)
     return path
+
+
+def _builds_model(code: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == "model" and isinstance(n.ctx, ast.Store)
+               for n in ast.walk(ast.parse(code)))
 
 
 def _same_as_saved(ns: dict, llama_dir: Path) -> None:
@@ -125,7 +144,9 @@ def test_recipe_runs(doc, heading, blocks, llama_dir, tmp_path, monkeypatch):
         if lang == "bash":
             _run_bash(block)
         else:
-            ns = {"__name__": "__recipe__", "CUDA_BNB": cuda_bnb, "model": _tiny_llama()}
+            ns = {"__name__": "__recipe__", "CUDA_BNB": cuda_bnb}
+            if not _builds_model(block):  # the one-liner: `convert(model)` on a model of yours
+                ns["model"] = _tiny_llama()
             exec(compile(_with_overrides(block), f"{doc}::{heading}", "exec"), ns)
     if heading in CHECKS:
         CHECKS[heading](ns, llama_dir)
