@@ -98,8 +98,11 @@ def run(op, x, g):
     dx = None
     if x.requires_grad:  # backward() as in training: every leaf that requires grad gets one
         x.grad = None
+        flowed = []  # the gradient the backward kernel wrote, before AccumulateGrad steals or clones it (which
+        handle = x.register_hook(lambda t: flowed.append(t))  # depends on who else holds it at that moment)
         y.backward(g)
-        dx = x.grad
+        handle.remove()
+        dx = flowed[0]
     names = {x.data_ptr(): "x", y.data_ptr(): "y"}  # what the forward launch can point at
     names.update({t.data_ptr(): f"saved{i}" for i, t in enumerate(saved)})
     names_bwd = dict(names)
