@@ -5,8 +5,8 @@ rewrite that cannot be exact (a norm folded into its consumers' weights: channel
 consumers) must be named by the report's ``inexact_training``, and only its own tensors may differ.
 
 Tolerance: ‖Δg‖ ≤ 1e-4·‖g‖ per parameter (the rewrites reorder fp32 sums: measured worst 1.9e-6 over the
-matrix), with a floor of 1e-6 × the largest gradient norm of the model for gradients that are zero in exact
-arithmetic (attention key biases: softmax is shift-invariant, so both runs give rounding noise of ~1e-8 there).
+matrix), with a floor of 1e-5 × the largest gradient norm of the model for gradients that are zero in exact
+arithmetic (attention key biases: softmax is shift-invariant, so both runs give rounding noise there, which scales with the cancelling terms, not with the zero).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import registry
 
 RTOL = 1e-4
-FLOOR = 1e-6
+FLOOR = 1e-5
 FAMILIES = registry()
 
 
