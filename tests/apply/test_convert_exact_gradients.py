@@ -130,3 +130,45 @@ def test_exact_gradients_without_lora(family):
 def test_exact_gradients_with_lora(family):
     pytest.importorskip("peft")
     check_exact(family, lora=True)
+
+
+@pytest.mark.parametrize("family", ["bert", "vit", "clip_vision"])
+def test_exact_norms_under_trained_adapters_with_dropout(family):
+    """Adapter dropout and a trained B stop only a fold (the norm's β would have to enter the adapter); exact norms
+    leave the adapter alone, so LayerNorms feeding such LoRA layers convert, and training (train mode, the same
+    dropout draws) gives the original's gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from lmbp_convert.match.norm_exact import NormExact
+
+    model = _nonzero_init(FAMILIES[family]())
+    targets = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1))
+    _train_adapters(model)
+    ref = copy.deepcopy(model)
+    probe = make_probe(ref)[0]
+    report = convert(model, activations=False, measure=False).lmbp_report
+    assert len(report.plan.of(NormExact)) >= 4 and not report.inexact_training, str(report)
+    assert not any("lora_dropout" in s.reason or "already trained" in s.reason for s in report.plan.skips), str(report)
+    model.train(), ref.train()
+    torch.manual_seed(5)
+    loss, got = _loss_and_grads(model, probe)
+    torch.manual_seed(5)
+    ref_loss, want = _loss_and_grads(ref, probe)
+    assert float((loss - ref_loss).abs()) <= 1e-6 * float(ref_loss.abs()), (float(loss), float(ref_loss))
+    assert set(got) == set(want) and want
+    scale = max(float(g.double().norm()) for g in want.values())
+    for name, g in want.items():
+        err = float((got[name].double() - g.double()).norm())
+        assert err <= RTOL * float(g.double().norm()) or err <= FLOOR * scale, (name, err, float(g.norm()))
+
+
+def test_a_fold_still_refuses_adapter_dropout():
+    """With fold_norms=True the β-into-adapter refusal stands."""
+    from peft import LoraConfig, get_peft_model
+
+    model = FAMILIES["vit"]()
+    targets = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, lora_dropout=0.1))
+    report = convert(model, fold_norms=True, activations=False, measure=False).lmbp_report
+    assert any("lora_dropout=0.1" in s.reason for s in report.plan.skips), str(report)
