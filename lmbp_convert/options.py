@@ -32,7 +32,9 @@ class ConvertOptions:
     probe: deprecated here (it is input data, not an option): pass ``convert(model, probe=...)``.
     verify: check the rewritten model's outputs on the probe against the original's and roll back rewrites
         that change them (real weights only; meta models are planned but not verified).
-    rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None picks by dtype.
+    rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None: 1e-4 for fp32 models, and
+        for bf16/fp16 ones 4× the model's own rounding noise (its outputs against the same forwards in fp32,
+        measured before any rewrite; `lmbp_convert.apply.verify.calibrated_rtol`).
     untie: allow folding into a Linear whose weight is tied to another module by giving it its own copy; the
         model's config then says ``tie_word_embeddings=False``, so transformers' ``tie_weights()`` (and
         ``resize_token_embeddings``) does not tie the unfolded embedding back under the folded head.

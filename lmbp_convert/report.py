@@ -39,6 +39,13 @@ class ConversionReport:
         return [it.name for kind in self.plan.kinds() for it in self.plan.of(kind)]
 
     @property
+    def inexact_training(self) -> dict[str, str]:
+        """Rewritten module → why its training differs from the original's (`PlanItem.inexact_training`); the
+        rewrites not named here keep the original parameters and their gradients."""
+        return {it.name: kind.inexact_training for kind in self.plan.kinds() if kind.inexact_training
+                for it in self.plan.of(kind)}
+
+    @property
     def predicted_saved_bytes_per_unit(self) -> float:
         return self.plan.predicted_saved_bytes / max(1, self.plan.probe_tokens)
 
@@ -96,6 +103,10 @@ class ConversionReport:
             lines.append("skipped:")
             for s in p.skips:
                 lines.append(f"  {s.name} ({s.cls.split(':')[-1]}): {s.reason}")
+        for kind in p.kinds():
+            if kind.inexact_training and p.of(kind):
+                names = ", ".join(it.name for it in p.of(kind))
+                lines.append(f"training not exact ({kind.inexact_training}): {names}")
         if p.already_converted:
             lines.append(f"already converted: {len(p.already_converted)} modules")
         for label, err in self.rolled_back:

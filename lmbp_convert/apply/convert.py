@@ -26,8 +26,8 @@ from .measure import measure_saved
 from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
-from .verify import (CANNOT_VERIFY, FAILED, PASSED, Comparison, compare_outputs, default_rtol, eval_mode,
-                     float_tensors, run_probe)
+from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
+                     default_rtol, eval_mode, float_tensors, half_precision, run_probe)
 
 __all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
 
@@ -142,6 +142,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     checks = [Check(probe, reference, "the traced probe")]
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
+    rtol = _budget(model, checks, opt, report)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
     ties = TieRecord(model)
@@ -151,7 +152,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
-        _verify(model, checks, units, opt, report)
+        _verify(model, checks, units, opt, report, rtol)
         untie = ties.untie_unit()  # what a fold untied stays untied: tie_weights() must not re-tie it
         units.append((untie, None))
         untie.apply()
@@ -235,15 +236,32 @@ def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
     return Comparison(max(c.error for c in cmps), sum(c.compared for c in cmps))
 
 
+def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: ConversionReport) -> float:
+    """Verification's tolerance: the user's ``rtol``; else 1e-4 in fp32; else, for a half-precision model, the
+    budget calibrated on its own rounding noise (`verify.calibrated_rtol`), measured before any rewrite."""
+    if opt.rtol is not None or not opt.verify or _is_meta(model) or not half_precision(model):
+        return opt.rtol if opt.rtol is not None else default_rtol(model)
+    try:
+        rtol, noise = calibrated_rtol(model, [(c.probe, c.reference) for c in checks])
+    except OUT_OF_MEMORY:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model refuses fp32: the fixed budget, said so
+        report.notes.append(f"verification tolerance: the fixed {default_rtol(model):.0e} (the model's fp32 forward, "
+                            f"to measure its rounding noise, failed: {type(exc).__name__}: {exc})")
+        return default_rtol(model)
+    report.notes.append(f"verification tolerance {rtol:.1e}: {NOISE_FACTOR:g}× the model's own rounding noise "
+                        f"({noise:.1e}, its half-precision outputs against the same forwards in fp32)")
+    return rtol
+
+
 def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOptions,
-            report: ConversionReport) -> None:
-    """Compare the converted outputs with the original's on every input; roll back what changes them. A NaN is
-    never a pass."""
+            report: ConversionReport, rtol: float) -> None:
+    """Compare the converted outputs with the original's on every input, within ``rtol`` (`_budget`); roll back
+    what changes them. A NaN is never a pass."""
     if _is_meta(model) or not opt.verify:
         report.notes.append("meta device: planned and swapped, no weights to verify" if _is_meta(model)
                             else "verify=False")
         return
-    rtol = opt.rtol if opt.rtol is not None else default_rtol(model)
     report.rtol = rtol
     cmp = _check_all(model, checks)
     if cmp.verdict(rtol) == FAILED:

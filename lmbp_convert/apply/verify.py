@@ -7,6 +7,7 @@ value is left there is nothing to compare, which is a verdict of its own ("canno
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,11 +40,63 @@ def float_tensors(obj: Any) -> list[torch.Tensor]:
     return _float_tensors(obj, [])
 
 
+HALF = (torch.float16, torch.bfloat16)
+#: the budget of a half-precision model: this many times its own rounding noise (a correct rewrite rounds
+#: differently, not more: its error against the half-precision original is at most about twice the noise)
+NOISE_FACTOR = 4.0
+FP32_RTOL = 1e-4
+
+
 def default_rtol(model: nn.Module) -> float:
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes & {torch.float16, torch.bfloat16}:
-        return 5e-2
-    return 1e-4
+    """The fixed budget: 1e-4 for fp32/fp64 models; for half-precision ones the calibrated budget
+    (`calibrated_rtol`) applies, this fixed 5e-2 only where it cannot be measured."""
+    return 5e-2 if half_precision(model) else FP32_RTOL
+
+
+def half_precision(model: nn.Module) -> bool:
+    return any(p.dtype in HALF for p in model.parameters())
+
+
+@contextmanager
+def _in_fp32(model: nn.Module):
+    """The model's half-precision parameters and buffers as fp32 copies, put back (the same tensors) on exit."""
+    params = [p for p in model.parameters() if p.dtype in HALF]
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items()
+               if b is not None and b.dtype in HALF]
+    originals = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.float()
+        for m, n, b in buffers:
+            m._buffers[n] = b.float()
+        yield
+    finally:
+        for p, d in zip(params, originals):
+            p.data = d
+        for m, n, b in buffers:
+            m._buffers[n] = b
+
+
+def _fp32_input(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype in HALF else obj
+    if isinstance(obj, dict):
+        return {k: _fp32_input(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_fp32_input(v) for v in obj)
+    return obj
+
+
+def calibrated_rtol(model: nn.Module, runs: list[tuple[Any, Any]]) -> tuple[float, float]:
+    """Budget for a half-precision model, from its own rounding noise: the relative error of its outputs
+    (``runs``: (probe, the original's output) pairs, taken before any rewrite) against the same forwards in fp32
+    (parameters and buffers upcast in place, for these forwards only: the model's memory in fp32 for a moment),
+    times `NOISE_FACTOR`, and at least `FP32_RTOL`. A fixed budget (5e-2 was) lets through any error below it,
+    such as a rewrite 1 % off in a model whose own noise is 0.3 %. Returns (budget, noise); raises whatever the
+    model's fp32 forward raises (the caller falls back to the fixed budget)."""
+    with _in_fp32(model):
+        noise = max(compare_outputs(ref, run_probe(model, _fp32_input(probe))).error for probe, ref in runs)
+    return max(NOISE_FACTOR * noise, FP32_RTOL), noise
 
 
 def eval_mode(model: nn.Module):

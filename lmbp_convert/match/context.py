@@ -56,6 +56,9 @@ class MatchContext:
     projection_checked: dict[str, bool] = field(default_factory=dict, init=False)
     #: module calls whose module carries a user's hook (`norm._hooked_calls`), found once per graph
     hooked_calls: list | None = field(default=None, init=False)
+    #: LoRA Linear → why the norm's β cannot be folded into it (adapter dropout, a trained adapter): a problem of
+    #: folds only, so under exact norms (``fold_norms=False``) it refuses only a norm that stays a fold
+    beta_fold_problems: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

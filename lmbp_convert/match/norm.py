@@ -149,6 +149,10 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: 
         if walk.opaque:
             raise Refused("; ".join(dict.fromkeys(walk.opaque)) + f" (and: {why})") from None
         raise
+    if walk.params:  # a ConsumerFold: folded even with exact norms
+        beta_problem = next((ctx.beta_fold_problems[t] for t in walk.targets if t in ctx.beta_fold_problems), None)
+        if beta_problem:
+            raise Refused(beta_problem)
     watched = _watched_by_user_hooks(ctx, name, walk.seen, sites)
     if watched:
         raise Refused(f"{watched}, which would see the normalised tensor without its affine (folded into the "
@@ -419,9 +423,14 @@ def module_problem(ctx: MatchContext, name: str, has_beta: bool) -> str | None:
         return (f"{name} has forward pre-hooks registered, which would see its input without the norm's "
                 "affine (folded into its weight)")
     if lora is not None:
-        problem = lora_problem(name, mod, lora, has_beta)
+        problem = lora_problem(name, mod, lora, False)
         if problem:
             return problem
+        beta_problem = lora_problem(name, mod, lora, has_beta)
+        if beta_problem and ctx.opt.fold_norms:
+            return beta_problem
+        if beta_problem:  # exact norms leave the adapter alone: only a norm that stays a fold is refused
+            ctx.beta_fold_problems[name] = beta_problem
         mod = getattr(mod, lora["base"])
     return _weight_problem(ctx, name, mod)
 

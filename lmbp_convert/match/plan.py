@@ -52,6 +52,9 @@ class PlanItem:
     noun: ClassVar[str] = ""  # plural for the report's summary line ("norms")
     heading: ClassVar[str] = ""  # first line of its report section
     counted_when_none: ClassVar[bool] = True  # the report's summary line says "0 <noun>" (False: only if any)
+    #: why training through this rewrite differs from the original's ("": the original parameters get the original
+    #: gradients, up to rounding). The report names every such rewrite, so an inexact one is never silent.
+    inexact_training: ClassVar[str] = ""
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
@@ -174,6 +177,7 @@ class ActSwap(PlanItem):
     tag = "act_swaps"
     noun = "activations"
     heading = "activations → approx-BP"
+    inexact_training = "approximate backward: the derivative is a step function of the input"
 
     kind: str  # activation kind: an open set, the ops layer's table (lmbp_convert.ops.activations)
     bits: int
@@ -216,6 +220,8 @@ class NormFold(PlanItem):
     tag = "norm_folds"
     noun = "norms"
     heading = "norms → memory-sharing (affine folded into)"
+    inexact_training = ("affine folded: the optimiser trains the folded weights W·diag(γ) and W·β + b, not the norm's "
+                        "γ, β and the original W, b")
 
     kind: NormKind
     param: WeightParam

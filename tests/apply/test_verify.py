@@ -1,6 +1,7 @@
 """Verification cannot be fooled by non-finite values: NaN never passes, inf positions must match exactly."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -123,3 +124,66 @@ def test_nan_appearing_only_after_a_rewrite_is_rolled_back(monkeypatch):
     report = convert(model, fold_norms=True).lmbp_report  # a wrong fold to catch
     assert [label for label, _ in report.rolled_back] == ["norm model.layers.1.post_attention_layernorm"]
     assert report.verification == PASSED and math.isinf(report.rolled_back[0][1])
+
+
+# ------------------------------------------------------------------------------ half precision: a calibrated budget
+def _bf16(family):
+    from benchmarks.families import registry
+
+    return registry()[family]().to(torch.bfloat16).eval()
+
+
+def _noise_note(report):
+    return next(n for n in report.notes if n.startswith("verification tolerance"))
+
+
+def test_bf16_fold_with_a_few_percent_error_is_rolled_back(monkeypatch):
+    """The q/k/v weights of one fold 6 % off change LLaMA's bf16 logits by ~3 %: within the old fixed budget
+    (5e-2), above this model's calibrated one (4× its own 0.5 % rounding noise): rolled back, with its error."""
+    real = rewrite_mod.fold_affine
+    calls = []
+
+    def corrupt(weight, bias, gamma, beta, layout="out_in"):  # the first norm's three Linears folded 6 % off
+        w, b = real(weight, bias, gamma, beta, layout)
+        calls.append(1)
+        return (w * 1.06 if len(calls) <= 3 else w), b
+
+    monkeypatch.setattr(rewrite_mod, "fold_affine", corrupt)
+    model = _bf16("llama")
+    report = convert(model, fold_norms=True, measure=False).lmbp_report
+    assert [label for label, _ in report.rolled_back] == ["norm model.layers.0.input_layernorm"], str(report)
+    err = report.rolled_back[0][1]
+    assert report.rtol < err < 5e-2, (report.rtol, err)  # the fixed budget would have let it through
+    assert report.verified and report.relative_error <= report.rtol, str(report)
+    assert any(s.name == "model.layers.0.input_layernorm" and "rolled back" in s.reason for s in report.plan.skips)
+    assert "4× the model's own rounding noise" in _noise_note(report)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5", "vit"])
+def test_correct_bf16_conversion_passes_the_calibrated_budget(family):
+    """A correct bf16 conversion passes, and independently of the library's verdict: its outputs are as close to
+    the fp32 model's as the bf16 original's are (ratio measured ≤ 1.9 over 12 families, budget 4)."""
+    from lmbp_convert.apply.verify import NOISE_FACTOR, _fp32_input, run_probe
+    from lmbp_convert.trace.probe import make_probe
+
+    model = _bf16(family)
+    fp32 = copy.deepcopy(model).float()  # bf16 → fp32 is exact: the same weights
+    probe = make_probe(model)[0]
+    ref16, ref32 = run_probe(model, probe), run_probe(fp32, _fp32_input(probe))
+    report = convert(model, measure=False).lmbp_report
+    assert report.verification == PASSED and not report.rolled_back, str(report)
+    noise = compare_outputs(ref16, ref32).error
+    assert 1e-4 < noise < 5e-2
+    assert NOISE_FACTOR * noise * (1 - 1e-9) <= report.rtol < 5e-2  # the worst input's noise; this is one of them
+    got = run_probe(model, probe)
+    assert compare_outputs(got, ref32).error <= 2.5 * noise, (compare_outputs(got, ref32).error, noise)
+    assert compare_outputs(got, ref16).error <= report.rtol
+
+
+def test_user_rtol_wins_and_fp32_keeps_the_fixed_budget():
+    model = _bf16("llama")
+    report = convert(model, rtol=0.3, measure=False).lmbp_report
+    assert report.rtol == 0.3 and not any(n.startswith("verification tolerance") for n in report.notes)
+    from benchmarks.families import FAMILIES
+
+    assert convert(FAMILIES["llama"](), measure=False).lmbp_report.rtol == 1e-4

@@ -134,15 +134,20 @@ def test_convert_after_get_peft_model_folds_beta_into_base_only():
 
 
 def test_convert_after_get_peft_model_blocks_beta_with_lora_dropout():
+    """A fold cannot put β into an adapter with dropout; exact norms (the default) leave the adapter alone."""
     base = hf("bert", head="cls", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     pm = get_peft_model(base, _lora(BERT_TARGETS, dropout=0.1))
+    exact = copy.deepcopy(pm)
     ids = _ids()
     ref = _logits(pm.eval(), ids)
-    report = convert(pm).lmbp_report
+    report = convert(pm, fold_norms=True).lmbp_report
     assert not _lora_folded_targets(report), str(report)
     reasons = " ".join(s.reason for s in report.plan.skips)
     assert "lora_dropout" in reasons, str(report)
     assert _rel(_logits(pm, ids), ref) < 1e-5
+    report = convert(exact).lmbp_report
+    assert len(report.plan.of(NormExact)) == 5 and "lora_dropout" not in str(report), str(report)
+    assert _rel(_logits(exact, ids), ref) < 1e-5
 
 
 def test_convert_before_get_peft_model_trains_and_keeps_function():

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from approx_reference import step_derivative
 from tolerances import tol
 from torch import nn
 
@@ -47,16 +48,6 @@ def _inputs(shape, dtype, scale=4.0):
     if x.numel() > 3:
         x.view(-1)[1] = 0.0
     return x
-
-
-def _step_derivative(x: torch.Tensor, kind: str, bits: int) -> torch.Tensor:
-    """f'(x) = sum of a_i over thresholds c_i < x, in float64, straight from the constants."""
-    const = get_constants(kind, bits)
-    xd = x.double()
-    d = torch.zeros_like(xd)
-    for a, c in zip(const.a, const.c):
-        d = d + a * (xd > c).double()
-    return d
 
 
 # ------------------------------------------------------------------------------------------ constants & layout
@@ -122,11 +113,11 @@ def test_forward_without_grad_matches_and_saves_nothing(kind):
 @pytest.mark.parametrize("kind", ACT_KINDS)
 @pytest.mark.parametrize("bits", (1, 2, 3, 4))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_backward_is_grad_times_step_derivative(kind, bits, dtype):
+def test_backward_is_grad_timesstep_derivative(kind, bits, dtype):
     x = _inputs((3, 29), dtype).requires_grad_()
     g = torch.randn(3, 29, dtype=dtype)
     approx_act(x, kind, bits).backward(g)
-    expected = (g.double() * _step_derivative(x.detach(), kind, bits)).to(dtype)
+    expected = (g.double() * step_derivative(x.detach(), kind, bits)).to(dtype)
     assert x.grad.dtype == dtype
     torch.testing.assert_close(x.grad, expected, **tol(dtype, "bwd"))
 
@@ -145,7 +136,7 @@ def test_double_backward_through_torch_path():
     y = approx_act(x, "silu", 2)
     (dx,) = torch.autograd.grad(y, x, g, create_graph=True)
     (dg,) = torch.autograd.grad(dx.sum(), g)
-    torch.testing.assert_close(dg, _step_derivative(x.detach(), "silu", 2))
+    torch.testing.assert_close(dg, step_derivative(x.detach(), "silu", 2))
 
 
 # ------------------------------------------------------------------------------------------ memory
@@ -340,7 +331,7 @@ def test_triton_backward_falls_back_for_create_graph():
     g = torch.randn(3, 5, requires_grad=True)
     (dx,) = torch.autograd.grad(approx_act(x, "gelu", 2, backend="triton"), x, g, create_graph=True)
     (dg,) = torch.autograd.grad(dx.sum(), g)
-    torch.testing.assert_close(dg, _step_derivative(x.detach(), "gelu", 2).float())
+    torch.testing.assert_close(dg, step_derivative(x.detach(), "gelu", 2).float())
 
 
 # ------------------------------------------------------------------------------------------ torch.compile
