@@ -136,7 +136,9 @@ def test_gpu_mode_code_on_cpu():
     s = S.llama_slice("cpu", True, ["bf16"], 1, 0, budget, compile_=False, log=lambda *a: None)
     rows = {r["variant"]: r for r in s["rows"]}
     assert rows[S.V_CONV]["block_bytes"] < rows[S.V_ORIG]["block_bytes"]
-    assert "error" in rows[S.V_LIGER] or "block_bytes" in rows[S.V_LIGER]
+    liger = rows[S.V_LIGER]  # a measured row, or one that says why not (Liger-Kernel missing here, CUDA-only ops)
+    assert (isinstance(liger.get("error"), str) and ":" in liger["error"]) if "error" in liger else \
+        liger["block_bytes"] > 0, liger
     md = S.gpu_tables({"machine": "test", "vit_lora": v, "llama_slice": s})
     assert "ViT-B/16 LoRA" in md and "3827" in md and "LLaMA-7B-shaped slice" in md
 
