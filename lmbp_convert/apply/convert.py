@@ -27,7 +27,8 @@ from . import shared_hooks  # noqa: F401  (registers the builders of the kinds t
 from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
-                     default_rtol, eval_mode, float_tensors, half_precision, run_probe)
+                     default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
+                     run_probe)
 
 __all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
 
@@ -241,13 +242,24 @@ def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: 
     budget calibrated on its own rounding noise (`verify.calibrated_rtol`), measured before any rewrite."""
     if opt.rtol is not None or not opt.verify or _is_meta(model) or not half_precision(model):
         return opt.rtol if opt.rtol is not None else default_rtol(model)
+    fixed = f"verification tolerance: the fixed {default_rtol(model):.0e}"
+    need = fp32_copy_bytes(model)
+    devices = {p.device for p in model.parameters()}
+    free = free_bytes(next(iter(devices))) if len(devices) == 1 else None
+    if free is None or 2 * need > free:  # twice: the copies, and the fp32 forward's own activations
+        why = "free memory cannot be read here" if free is None else "more than half the memory free now"
+        report.notes.append(f"{fixed} (measuring the model's rounding noise needs fp32 copies of its weights, "
+                            f"{need / 2**30:.2f} GiB: {why})")
+        return default_rtol(model)
     try:
         rtol, noise = calibrated_rtol(model, [(c.probe, c.reference) for c in checks])
-    except OUT_OF_MEMORY:
-        raise
+    except OUT_OF_MEMORY as exc:  # the copies did not fit after all: put back (calibrated_rtol did), fixed budget
+        report.notes.append(f"{fixed} (the fp32 forward that measures the model's rounding noise ran out of "
+                            f"memory: {type(exc).__name__})")
+        return default_rtol(model)
     except Exception as exc:  # noqa: BLE001 - the model refuses fp32: the fixed budget, said so
-        report.notes.append(f"verification tolerance: the fixed {default_rtol(model):.0e} (the model's fp32 forward, "
-                            f"to measure its rounding noise, failed: {type(exc).__name__}: {exc})")
+        report.notes.append(f"{fixed} (the model's fp32 forward, to measure its rounding noise, failed: "
+                            f"{type(exc).__name__}: {exc})")
         return default_rtol(model)
     report.notes.append(f"verification tolerance {rtol:.1e}: {NOISE_FACTOR:g}× the model's own rounding noise "
                         f"({noise:.1e}, its half-precision outputs against the same forwards in fp32)")

@@ -7,6 +7,7 @@ value is left there is nothing to compare, which is a verdict of its own ("canno
 from __future__ import annotations
 
 import math
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,25 @@ def _fp32_input(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_fp32_input(v) for v in obj)
     return obj
+
+
+def fp32_copy_bytes(model: nn.Module) -> int:
+    """Bytes the fp32 copies of the model's half-precision parameters and buffers take (`calibrated_rtol`)."""
+    tensors = [p for p in model.parameters()] + [b for b in model.buffers()]
+    return sum(4 * t.numel() for t in tensors if t.dtype in HALF)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device`` now (CUDA: the driver's figure; CPU: available physical pages), None where it
+    cannot be read."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        return None
+    return None
 
 
 def calibrated_rtol(model: nn.Module, runs: list[tuple[Any, Any]]) -> tuple[float, float]:

@@ -187,3 +187,27 @@ def test_user_rtol_wins_and_fp32_keeps_the_fixed_budget():
     from benchmarks.families import FAMILIES
 
     assert convert(FAMILIES["llama"](), measure=False).lmbp_report.rtol == 1e-4
+
+
+def test_calibration_that_does_not_fit_keeps_the_fixed_budget(monkeypatch):
+    """Measuring the noise needs fp32 copies of the weights: where twice that is more than the memory free, or an
+    out-of-memory stops it, convert() keeps the fixed budget and says why; the weights are back in bf16."""
+    import lmbp_convert.apply.convert as conv
+    import lmbp_convert.apply.verify as ver
+
+    model = _bf16("llama")
+    need = ver.fp32_copy_bytes(model)
+    assert need == 4 * sum(p.numel() for p in model.parameters() if p.dtype == torch.bfloat16) + \
+        4 * sum(b.numel() for b in model.buffers() if b.dtype == torch.bfloat16)
+    monkeypatch.setattr(conv, "free_bytes", lambda device: 2 * need - 1)
+    report = convert(model, measure=False).lmbp_report
+    assert report.rtol == 5e-2 and any("more than half the memory free now" in n for n in report.notes), report.notes
+
+    model = _bf16("llama")
+    buffers = {n: b.dtype for n, b in model.named_buffers()}
+    monkeypatch.setattr(conv, "free_bytes", lambda device: 2 * need)
+    monkeypatch.setattr(ver, "run_probe", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("fp32")))
+    report = convert(model, measure=False).lmbp_report
+    assert report.rtol == 5e-2 and any("ran out of memory" in n for n in report.notes), report.notes
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert {n: b.dtype for n, b in model.named_buffers()} == buffers
