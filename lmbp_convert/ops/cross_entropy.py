@@ -165,19 +165,39 @@ def _bwd_torch(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Ten
                chunk: int | None = None) -> torch.Tensor:
     """PyTorch backward, `_bwd_triton`'s contract: one (N, V) result in x's dtype, written chunk by chunk."""
     n, v = x.shape
-    cdt = lse.dtype
-    valid = t != ignore_index
-    w = torch.where(valid, g.to(cdt), torch.zeros_like(lse)).unsqueeze(1)
-    safe = torch.where(valid, t, torch.zeros_like(t)).unsqueeze(1)
+    w = row_weights(g, t, lse, ignore_index)
+    index, hit = target_columns(t, ignore_index, 0, v)
     step = _rows_per_chunk(n, v, chunk)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    minus_one = torch.full_like(w, -1.0)
     for i in range(0, n, step):  # one fp32 chunk of scratch, rounded into dx before the next one is made
-        p = x[i:i + step].to(cdt, copy=True)
-        p.sub_(lse[i:i + step].unsqueeze(1)).exp_()
-        p.scatter_add_(1, safe[i:i + step], minus_one[i:i + step])
-        dx[i:i + step] = p.mul_(w[i:i + step])
+        r = slice(i, i + step)
+        dx[r] = grad_block(x[r], lse[r], w[r], index[r], hit[r])
     return dx
+
+
+def row_weights(g: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """(N, 1) upstream gradient per row in the statistics' dtype, 0 where the target is ignored."""
+    return torch.where(t != ignore_index, g.to(lse.dtype), torch.zeros_like(lse)).unsqueeze(1)
+
+
+def target_columns(t: torch.Tensor, ignore_index: int, start: int, stop: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index, value) (N, 1) each, for ``scatter_add_`` on a block of columns [start, stop): −1 at each row's
+    target column where it lies in the block (and is not ignored), 0 (at column 0) elsewhere."""
+    hit = (t != ignore_index) & (t >= start) & (t < stop)
+    index = torch.where(hit, t - start, torch.zeros_like(t)).unsqueeze(1)
+    return index, torch.where(hit, -1.0, 0.0).unsqueeze(1)
+
+
+def grad_block(x: torch.Tensor, lse: torch.Tensor, w: torch.Tensor, index: torch.Tensor, value: torch.Tensor
+               ) -> torch.Tensor:
+    """The gradient of a block of logits (rows × columns), ``(exp(x − lse) − [j = t]) · w`` in the statistics'
+    dtype per element, rounded once to x's dtype: the one formula the loss's backward and the head's fused
+    backward (`lmbp_convert.ops.logits_head`) both use."""
+    p = x.to(lse.dtype, copy=True)
+    p.sub_(lse.unsqueeze(1)).exp_()
+    p.scatter_add_(1, index, value.to(lse.dtype).expand(index.shape))
+    return p.mul_(w).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -248,7 +268,7 @@ def _backward(ctx, g: torch.Tensor):
     head, ctx.head = ctx.head, None  # the node and the logits are not held past the first backward
     base = head[1]() if head is not None else None
     if base is not None:
-        zero = logits_head.defer((head[0], base), x, t, lse, g, ignore_index, triton_path)
+        zero = logits_head.defer(head[0], base, x, t, lse, g, ignore_index, triton_path)
         if zero is not None:  # the head's backward makes the gradient by rows (ops.logits_head)
             return zero, None, None
     dx = (_bwd_triton if triton_path else _bwd_torch)(g, x, t, lse, ignore_index)

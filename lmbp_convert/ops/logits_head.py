@@ -167,18 +167,14 @@ def _grad_rows(pending: list[_Pending], other: Optional[torch.Tensor], rows: sli
 
 
 def _grad_cols(pending: list[_Pending], other: Optional[torch.Tensor], cols: slice) -> torch.Tensor:
-    """The logits' gradient columns: ``(exp(x − lse) − [j = t]) · w`` in fp32 per element, rounded once to the
-    logits' dtype (the loss's own formula; w = 0 on ignored rows)."""
+    """The logits' gradient columns, by the loss's own formula (`cross_entropy.grad_block`)."""
+    from .cross_entropy import grad_block, row_weights, target_columns
+
     d = None if other is None else other[:, cols]
     for p in pending:
-        cdt = p.lse.dtype
-        valid = p.targets != p.ignore_index
-        w = torch.where(valid, p.upstream.to(cdt), torch.zeros_like(p.lse)).unsqueeze(1)
-        q = p.logits[:, cols].to(cdt, copy=True)
-        q.sub_(p.lse.unsqueeze(1)).exp_()
-        index = torch.arange(cols.start, cols.stop, device=q.device)
-        q.sub_((index.unsqueeze(0) == p.targets.unsqueeze(1)).to(cdt))  # an ignored row's w is 0 anyway
-        part = q.mul_(w).to(p.logits.dtype)
+        w = row_weights(p.upstream, p.targets, p.lse, p.ignore_index)
+        index, value = target_columns(p.targets, p.ignore_index, cols.start, cols.stop)
+        part = grad_block(p.logits[:, cols], p.lse, w, index, value)
         d = part if d is None else d + part
     return d
 
@@ -222,12 +218,12 @@ def _head_runs(node) -> bool:
     return False
 
 
-def defer(head, logits, targets, lse, upstream, ignore_index: int, triton_path: bool) -> Optional[torch.Tensor]:
-    """From the cross-entropy's backward: hand its gradient to the head's node and return the zero to send in its
-    place, or None when the loss must write it itself (see the module doc)."""
-    if head is None or torch.is_grad_enabled() or func_transforms.active():
+def defer(node, base: torch.Tensor, logits, targets, lse, upstream, ignore_index: int,
+          triton_path: bool) -> Optional[torch.Tensor]:
+    """From the cross-entropy's backward: hand its gradient to the head's ``node`` (whose output is ``base``) and
+    return the zero to send in its place, or None when the loss must write it itself (see the module doc)."""
+    if torch.is_grad_enabled() or func_transforms.active():
         return None
-    node, base = head
     if base._backward_hooks or base.retains_grad or not _head_runs(node):
         return None
     zero = logits.new_zeros(()).expand(logits.shape)
