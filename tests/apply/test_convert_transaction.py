@@ -160,7 +160,8 @@ def test_exception_while_applying_a_unit_restores_the_model(monkeypatch):
 @pytest.mark.parametrize("family, include", [
     ("bert", ["bert.encoder.layer.0.attention.output.LayerNorm",  # swap, fold, re-apply hook, carried hooks
               "bert.encoder.layer.0.intermediate.intermediate_act_fn"]),
-    ("gpt2", ["transformer.ln_f"]),  # untied head: new weight Parameter, and a bias in its `bias=None` slot
+    ("gpt2", ["transformer.ln_f"]),  # folded into the untied head: a new weight Parameter there, and β/γ a new
+    # Parameter of the norm (the head has no bias: `BetaMode.SHIFT`); test_rewrite.py covers a `bias=None` slot filled
     ("llama", ["model.layers.0.mlp"]),  # gated MLP
 ])
 def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, include, monkeypatch):
@@ -183,10 +184,13 @@ def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, inclu
     monkeypatch.setattr(rewrite_mod.Unit, "apply", apply)
     probe = {"input_ids": torch.tensor([[3, 17, 42, 9]])}
     twin = hf(family, head="cls") if family == "bert" else hf(family)
-    kwargs = {"untie": True} if family == "gpt2" else {}
+    kwargs = {"untie": True, "fold_norms": True} if family == "gpt2" else {}
     report = convert(twin, include=include, probe=probe, **kwargs).lmbp_report
     total = steps_done[0]
     assert report.verified and sorted(report.swapped) == sorted(include) and total >= len(include)
+    if family == "gpt2":  # the fold's new Parameters were made, so their undo is what the loop below interrupts
+        assert twin.lm_head.weight is not twin.transformer.wte.weight
+        assert isinstance(twin.transformer.ln_f.bias, nn.Parameter) and "bias" not in twin.transformer.ln_f._buffers
     for k in range(1, total + 1):
         steps_done[0], fail_at[0] = 0, k
         with pytest.raises(KeyboardInterrupt):
