@@ -26,6 +26,8 @@ class ConversionReport:
     rtol: float | None = None
     #: the inputs verification compared on: the traced probe, then those the trace did not see
     verified_on: list[str] = field(default_factory=list)
+    #: train-mode draws (RNG seeds) of the traced probe verification also compared on (`verify.TRAIN_DRAWS`)
+    train_draws: int = 0
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -74,6 +76,8 @@ class ConversionReport:
             on = f" on {len(self.verified_on)} inputs ({'; '.join(self.verified_on)})"
         elif self.verified_on:
             on = " on the traced probe only"
+        if self.train_draws:
+            on += f", in train mode too ({self.train_draws} RNG draw{'s' if self.train_draws > 1 else ''})"
         line = (f"verification: {'passed' if passed else 'FAILED'}{on}; relative output error "
                 f"{err} (tolerance {self.rtol:.0e})")
         diff = next((n for n in self.notes if n.startswith("converted outputs differ")), None)

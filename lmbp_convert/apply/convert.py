@@ -28,7 +28,7 @@ from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
-                     run_probe)
+                     rng_kept, run_probe, run_probe_train, TRAIN_DRAWS)
 
 __all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
 
@@ -109,7 +109,8 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
     # Under torch.autocast, verification would compare rounding, not the rewrite: see `outside_autocast`.
-    with torch.inference_mode(False), outside_autocast() as amp:
+    # Its probes and checks draw random numbers: the caller's RNG stream is left where it was (`rng_kept`).
+    with torch.inference_mode(False), outside_autocast() as amp, rng_kept(model):
         return _convert(model, options, probe, return_report, overrides, amp)
 
 
@@ -144,6 +145,8 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
     rtol = _budget(model, checks, opt, report)
+    if opt.verify and not _is_meta(model):
+        checks += _train_checks(model, probe, report)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
     ties = TieRecord(model)
@@ -180,6 +183,33 @@ class Check:
     probe: Any
     reference: Any
     how: str  # where the input came from, for the report
+    train_seed: int | None = None  # run in train mode on this RNG seed (`verify.run_probe_train`), else eval mode
+
+    def run(self, model: nn.Module) -> Any:
+        return run_probe(model, self.probe) if self.train_seed is None else run_probe_train(model, self.probe,
+                                                                                              self.train_seed)
+
+
+def _train_checks(model: nn.Module, probe: Any, report: ConversionReport) -> list[Check]:
+    """The traced probe in train mode, on `TRAIN_DRAWS` RNG seeds (one where the output does not depend on the
+    seed), with the original's outputs: branches only training takes (dropout, LayerDrop, code under
+    ``if self.training``) are verified too. A model whose training forward fails on the probe gets a note."""
+    def check(seed: int, out: Any) -> Check:
+        return Check(probe, out, f"the traced probe in train mode (RNG seed {seed})", seed)
+
+    try:
+        first, second = run_probe_train(model, probe, 0), run_probe_train(model, probe, 1)
+        again = compare_outputs(second, first)
+        if again.mismatch is None and again.error == 0.0:  # nothing random in training: one draw says it all
+            return [check(0, first)]
+        return [check(0, first), check(1, second)] + [check(s, run_probe_train(model, probe, s))
+                                                      for s in range(2, TRAIN_DRAWS)]
+    except OUT_OF_MEMORY:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the model's own training forward refuses the probe: said, not fatal
+        report.notes.append(f"verified in eval mode only: the original's training forward on the probe failed "
+                            f"({type(exc).__name__}: {exc})")
+        return []
 
 
 def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport, index: int = 0
@@ -230,7 +260,7 @@ def _reference(model: nn.Module, probe: Any, number: int) -> Any:
 
 def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
     """The converted model against the original on every input: the worst of them (a mismatch first)."""
-    cmps = [compare_outputs(run_probe(model, c.probe), c.reference) for c in checks]
+    cmps = [compare_outputs(c.run(model), c.reference) for c in checks]
     bad = next((c for c in cmps if c.mismatch is not None), None)
     if bad is not None:
         return bad
@@ -281,7 +311,8 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
     report.verification = cmp.verdict(rtol)
     report.verified = {PASSED: True, FAILED: False}.get(report.verification)
     report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
-    report.verified_on = [c.how for c in checks]
+    report.verified_on = [c.how for c in checks if c.train_seed is None]
+    report.train_draws = sum(c.train_seed is not None for c in checks)
     if cmp.mismatch:
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
     reference = checks[0].reference
@@ -304,10 +335,11 @@ def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
         u.apply()
         cmp = _check_all(model, checks)
         if cmp.verdict(rtol) == FAILED:
+            where = next((c.how for c in checks if compare_outputs(c.run(model), c.reference).verdict(rtol) == FAILED),
+                         "the verification inputs")
             u.undo()
             report.rolled_back.append((u.label, cmp.error))
-            report.plan.drop(item, "rolled back: changed the outputs beyond tolerance on "
-                                   + ("the probe" if len(checks) == 1 else "the verification inputs"))
+            report.plan.drop(item, f"rolled back: changed the outputs beyond tolerance on {where}")
     return _check_all(model, checks)
 
 

@@ -129,6 +129,50 @@ def run_probe(model: nn.Module, probe: Any) -> Any:
         return call_model(model, probe)
 
 
+#: Train-mode draws verification compares (RNG seeds 0, 1, ...): the original and the converted model take the
+#: same dropout masks, LayerDrop skips and router noise on each, so a rewrite wrong only on a branch training takes
+#: shows. A model whose train-mode output does not depend on the seed is checked on one draw.
+TRAIN_DRAWS = 4
+
+
+@contextmanager
+def rng_kept(model: Any):
+    """The default generators' states (CPU, and CUDA for the model's devices) put back afterwards: convert()'s
+    probes and checks draw nothing from the caller's stream, so a run takes the same draws converted or not."""
+    tensors = [*model.parameters(), *model.buffers()] if isinstance(model, nn.Module) else []
+    cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda):
+        yield
+
+
+@contextmanager
+def _seeded(model: nn.Module, seed: int):
+    with rng_kept(model):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextmanager
+def _buffers_kept(model: nn.Module):
+    """A training forward may update buffers (BatchNorm's running statistics, counters): put back what changed
+    (compared by value: ATen's batch norm updates its statistics without moving their version counters)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, old in saved:
+                if not torch.equal(b, old):
+                    b.copy_(old)
+
+
+def run_probe_train(model: nn.Module, probe: Any, seed: int) -> Any:
+    """The model's output on ``probe`` in train mode (no grad), on RNG seed ``seed``; model state and the caller's
+    RNG state unchanged."""
+    with training_mode(model, True), torch.no_grad(), _seeded(model, seed), _buffers_kept(model):
+        return call_model(model, probe)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Outputs vs reference. ``error`` is never NaN: inf when the outputs differ in structure or in their
