@@ -128,10 +128,15 @@ def test_exception_in_verification_restores_new_and_replaced_parameters(build, k
     model = build()
     before = snapshot(model)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    inj = Injector(model, {"input_ids": torch.tensor([[3, 17, 42, 9]])})
-    # forward 2 is the loss matcher's probe with labels, 3 the original on the second verification input, 4 its
-    # measured training forward; 5 the first verification forward
-    for target, exc in [(("model", 5), KeyboardInterrupt()), (("inside", 5), RuntimeError("CUDA out of memory"))]:
+    probe = {"input_ids": torch.tensor([[3, 17, 42, 9]])}
+    counter = Injector(build(), probe)  # the first forward that calls converted modules is verification's first
+    counter.run_kwargs = kwargs
+    counter.run()
+    first = min(counter.converted_calls)
+    assert first > 4  # after the trace, the loss matcher's probe, the original on the other inputs, its measurement
+    inj = Injector(model, probe)
+    for target, exc in [(("model", first), KeyboardInterrupt()),
+                        (("inside", first), RuntimeError("CUDA out of memory"))]:
         inj.run_kwargs = kwargs
         with pytest.raises(type(exc)):
             inj.run(target, exc)

@@ -6,6 +6,7 @@ from torch import nn
 
 from lmbp_convert import ProbeError, convert
 from lmbp_convert import plan_conversion
+from lmbp_convert.apply.verify import TRAIN_DRAWS
 from lmbp_convert.trace.probe import find_probe, make_probe, search_probe
 from lmbp_convert.trace.tracer import call_model
 from benchmarks.families import PROBE_FAMILIES
@@ -265,8 +266,10 @@ def test_the_second_automatic_probe_starts_from_the_candidate_that_won_at_seed_0
     convert(model)  # trace: 2-D refused (trace + plain forward), 3-D traced; verification's forwards only after
     assert model.lmbp_report.verified_on == ["the traced probe", "a second automatic probe (seed 1)"]
     # + seed 1 once (no refused 2-D candidate) + the converted model on both + the report's two measured training
-    # forwards (original, converted)
-    assert len(calls) == 3 + 1 + 2 + 2
+    # forwards (original, converted) + train-mode verification: the original and the converted on each RNG draw
+    # (dropout is on in this config, so every draw counts)
+    assert model.lmbp_report.train_draws == TRAIN_DRAWS
+    assert len(calls) == 3 + 1 + 2 + 2 + 2 * TRAIN_DRAWS
 
 
 def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_order():
