@@ -17,6 +17,7 @@ from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
+from ..reasons import Reason, ReasonCode
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
@@ -283,6 +284,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
     report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
     report.verified_on = [c.how for c in checks]
     if cmp.mismatch:
+        report.mismatch = cmp.mismatch
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
     reference = checks[0].reference
     if report.verification == CANNOT_VERIFY:
@@ -291,6 +293,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
         if not float_tensors(reference):
             why = (f"the model's output ({type(reference).__name__}) holds no floating-point tensor in a tensor, "
                    "dict, list, tuple or dataclass: nothing to compare, the rewrites are unchecked")
+        report.unverified_why = why
         report.notes.append(why)
         warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 
@@ -306,8 +309,8 @@ def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
         if cmp.verdict(rtol) == FAILED:
             u.undo()
             report.rolled_back.append((u.label, cmp.error))
-            report.plan.drop(item, "rolled back: changed the outputs beyond tolerance on "
-                                   + ("the probe" if len(checks) == 1 else "the verification inputs"))
+            report.plan.drop(item, Reason(ReasonCode.ROLLED_BACK, "rolled back: changed the outputs beyond tolerance on "
+                                          + ("the probe" if len(checks) == 1 else "the verification inputs")))
     return _check_all(model, checks)
 
 

@@ -221,7 +221,7 @@ class UnitBuilder:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
         cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
-        if getattr(fold, "channel_dim", -1) != -1:  # a channel-first norm (match/consumers.py)
+        if fold.channel_axis() != -1:  # a channel-first norm (match/consumers.py)
             from ..nn.channel_first import channel_first_class
 
             cls = channel_first_class(cls)

@@ -11,13 +11,14 @@ import copy
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..apply.convert import CONFIG_KEY
 from ..kinds import Layout, StrChoice, WeightParam
 from ..match.consumers import ConsumerFold
 from ..match.plan import LinearTarget, NormFold, Plan, PlanItem, Skip
+from ..reasons import Reason, ReasonCode
 from ..report import fmt_bytes
 from .errors import CheckpointError
 from .models import KeyMap, ModelSource, ModelView, map_keys
@@ -103,7 +104,7 @@ class DiskPlan:
         return {
             "architecture": self.view.arch,
             "folds": [DISK_RULES[type(f)].summary(f) for f in self.folds],
-            "skips": [asdict(s) for s in self.skips],
+            "skips": [s.to_dict() for s in self.skips],
             "untied": list(self.untied),
             "predicted_saved_bytes_per_" + self.plan.probe_unit: self.saved_per_unit,
             "activation_dtype": self.dtype,
@@ -144,14 +145,18 @@ def _untie_config(raw: dict) -> dict:
     return out
 
 
+def _on_disk(text: str) -> Reason:
+    return Reason(ReasonCode.ON_DISK, text)
+
+
 class _Planner:
     def __init__(self, src: Source, view: ModelView, plan: Plan, untie: bool, raw: dict | None,
                  make_view: Callable[[dict], ModelView] | None, out_name: Callable[[str], str],
                  options: dict) -> None:
         self.src, self.view, self.plan, self.untie, self.raw = src, view, plan, untie, raw
         self.make_view, self.out_name, self.options = make_view, out_name, options
-        # the walker's reasons speak of convert()'s options; here the same switch is the --untie flag
-        self.skips = [Skip(s.name, s.cls, s.reason.replace("untie=True", "--untie")) for s in plan.skips]
+        # the walker's reasons name the CLI's flags: `plan_checkpoint` plans under `reasons.cli_spelling`
+        self.skips = list(plan.skips)
         self.km: KeyMap = map_keys(view, list(src.infos), lambda k: src.infos[k].shard)
         self.stored = self.km.stored()
         for k, m in self.km.plain.items():
@@ -218,7 +223,7 @@ class _Planner:
             acts = rule.actions(self, item)
             problem = self._claim_problem(item, rule.targets(item), acts, dst_view, claims)
             if problem:
-                self.skips.append(Skip(item.name, item.cls, problem))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(problem)))
                 continue
             claims.update(acts)
             written.append(item)
@@ -234,7 +239,7 @@ class _Planner:
                 continue  # a module swap only: convert() makes it when it loads the checkpoint
             reason, needs_untie = rule.problem(self, item)
             if reason:
-                self.skips.append(Skip(item.name, item.cls, reason))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(reason)))
             else:
                 cands.append((item, needs_untie))
         return cands
@@ -249,11 +254,12 @@ class _Planner:
             tied = [f"{t}.weight" for t in DISK_RULES[type(item)].targets(item)
                     if len(dst_view.group(f"{t}.weight")) > 1]
             if u and why:
-                self.skips.append(Skip(item.name, item.cls, why))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(why)))
             elif u and tied:
-                self.skips.append(Skip(item.name, item.cls, f"{tied[0]} stays tied to "
-                                       f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
-                                       "tie_word_embeddings=false"))
+                self.skips.append(Skip(item.name, item.cls, Reason(
+                    ReasonCode.TIED_WEIGHT, f"{tied[0]} stays tied to "
+                    f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with tie_word_embeddings=false",
+                    tied[0])))
             else:
                 keep.append((item, u))
         if not any(u for _, u in keep):

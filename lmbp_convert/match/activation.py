@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..catalogue import class_key
+from ..reasons import Reason, ReasonCode
 from .context import MatchContext, code_bytes, tensor_bytes
 from .plan import ActSwap, OutputActSwap, Skip
 from .roles import RoleKind, behaviour_key
@@ -34,15 +35,15 @@ def match_activations(ctx: MatchContext) -> Iterator[ActSwap | Skip]:
             if kind is not None:
                 changed = _modified_in_place(ctx, name)
                 if changed:
-                    yield Skip(name, class_key(mod), f"{kind}: its output is modified in place by {changed}, so a "
-                                                     "backward computed from that output cannot keep it (left as it "
-                                                     "is)")
+                    yield Skip(name, class_key(mod), Reason(
+                        ReasonCode.IN_PLACE, f"{kind}: its output is modified in place by {changed}, so a backward "
+                        "computed from that output cannot keep it (left as it is)", changed))
                 else:
                     yield OutputActSwap(name, class_key(mod), kind, predicted_output_act_bytes(ctx, name))
                 continue
             why = unconverted_activation(mod)
             if why is not None:
-                yield Skip(name, class_key(mod), why)
+                yield Skip(name, class_key(mod), Reason(ReasonCode.ACTIVATION, why))
 
 
 #: activations whose derivative is a function of their output, by the kind the ops layer knows them as: the

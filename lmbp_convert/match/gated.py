@@ -18,6 +18,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..catalogue import class_key
+from ..reasons import Reason, ReasonCode
 from ..kinds import GATED_ACT_KINDS, Layout
 from ..trace.graph import Node, NodeKind, ScopeCall
 from .commute import is_metadata, op_short
@@ -63,7 +64,7 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
         if not acts:
             reason = _unknown_gate(ctx, sc, nodes, mods, children.get(sc.idx, []))
             if reason:
-                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), reason)
+                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), Reason(ReasonCode.GATED_MLP, reason))
             continue
         if len(acts) != 1:
             continue
@@ -71,7 +72,8 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
         if isinstance(swap_or_reason, GatedMLPSwap):
             yield swap_or_reason, None
         elif swap_or_reason:
-            yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
+            yield None, Skip(sc.module, class_key(ctx.modules[sc.module]),
+                             Reason(ReasonCode.GATED_MLP, swap_or_reason))
 
 
 def _unknown_gate(ctx, sc, nodes, mods, kids: list[ScopeCall]) -> str | None:

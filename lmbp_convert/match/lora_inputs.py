@@ -68,7 +68,7 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
         tid = nodes[0].inputs[0]
         numel, in_bytes = tensor_bytes(ctx.g, tid)
         in_size = in_bytes // max(numel, 1)
-        adapters_a, drops = getattr(mod, lora["adapters_A"]), getattr(mod, lora["dropout"])
+        adapters_a, drops = getattr(mod, lora.adapters_a), getattr(mod, lora.dropout)
         adapters, dropouts, saved = [], [], 0
         for adapter, a in adapters_a.items():
             w = getattr(a, "weight", None)
@@ -87,4 +87,4 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
             adapters.append(adapter)
         if not adapters:
             continue
-        yield LoraInputShare(name, class_key(mod), adapters, dropouts, lora["dropout"], saved)
+        yield LoraInputShare(name, class_key(mod), adapters, dropouts, lora.dropout, saved)

@@ -15,6 +15,7 @@ from torch import nn
 from ..catalogue import class_key
 from ..fold import unreliable_channels
 from ..kinds import NormKind, WeightParam
+from ..reasons import Reason, ReasonCode
 from ..trace.graph import Node, NodeKind
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
@@ -70,14 +71,14 @@ def match_kept_affine_norms(ctx: MatchContext) -> Iterator[NormKeep]:
         return
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
-        if (mod is None or name in ctx.claimed or role.kind is not RoleKind.NORM or role.problem
+        if (mod is None or name in ctx.claimed or role.kind is not RoleKind.NORM or role.why
                 or not role.norm.affine or not ctx.opt.selected(name) or name in ctx.prefolded):
             continue
         try:
             plan_norm(ctx, name, mod, role.norm)
             continue  # foldable: the norm matcher's business (it was dropped there for another reason)
         except Refused as why:
-            refused = str(why)
+            refused = why.reason.text
         try:
             yield plan_kept(ctx, name, mod, role.norm, refused)
         except Refused:
@@ -86,30 +87,30 @@ def match_kept_affine_norms(ctx: MatchContext) -> Iterator[NormKeep]:
 
 def plan_kept(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, refused: str) -> NormKeep:
     if user_hooks(mod):
-        raise Refused("has hooks registered")
+        raise Refused(Reason(ReasonCode.HOOKED, "has hooks registered"))
     if ctx.g.module_calls.get(name, 0) != 1:
-        raise Refused("not called exactly once")
+        raise Refused(Reason(ReasonCode.SHARED_CALL, "not called exactly once"))
     (node,) = ctx.g.module_nodes(name)
     if len(node.inputs) != 1 or len(node.outputs) != 1:
-        raise Refused("takes or returns more than one tensor")
+        raise Refused(Reason(ReasonCode.SIGNATURE, "takes or returns more than one tensor"))
     x, y = ctx.g.tensors[node.inputs[0]], ctx.g.tensors[node.outputs[0]]
     w, b = getattr(mod, "weight", None), getattr(mod, "bias", None) if nr.has_bias else None
     if not isinstance(w, nn.Parameter) or w.dim() != 1 or (b is not None and not isinstance(b, nn.Parameter)):
-        raise Refused("its affine is not a pair of 1-D Parameters")
+        raise Refused(Reason(ReasonCode.WEIGHTS, "its affine is not a pair of 1-D Parameters"))
     d = w.numel()
     if x.shape != y.shape or not x.shape or x.shape[-1] != d or tuple(nr.shape) not in ((), (d,)):
-        raise Refused("does not normalise the last dim of one tensor")
+        raise Refused(Reason(ReasonCode.SIGNATURE, "does not normalise the last dim of one tensor"))
     if w.device.type == "meta":
-        raise Refused("its parameters are on the meta device")
+        raise Refused(Reason(ReasonCode.WEIGHTS, "its parameters are on the meta device"))
     keepers = output_keepers(ctx, node.outputs[0])
     if not keepers:
-        raise Refused("no consumer keeps its output for backward")
+        raise Refused(Reason(ReasonCode.NO_CONSUMER, "no consumer keeps its output for backward"))
     other = input_kept_elsewhere(ctx, node.inputs[0], node)
     if other:
-        raise Refused(f"its input stays kept anyway ({other})")
+        raise Refused(Reason(ReasonCode.NO_GAIN, f"its input stays kept anyway ({other})"))
     saved = kept_bytes_saved(ctx, node, nr, w, b)
     if saved <= 0:
-        raise Refused("keeping the channels γ cannot invert would cost what it saves")
+        raise Refused(Reason(ReasonCode.NO_GAIN, "keeping the channels γ cannot invert would cost what it saves"))
     return NormKeep(name, class_key(mod), nr.kind, nr.param, nr.eps, [d], b is not None, keepers, refused,
                     _unreliable_count(w, b, nr.param), saved, emitted_dtype(ctx, node))
 
@@ -169,11 +170,11 @@ def _basic_getitem(c: Node) -> bool:
 def _keeps_input(ctx: MatchContext, name: str, role: Role) -> bool:
     mod = ctx.modules[name]
     if role.lora:
-        drops = dict(getattr(mod, role.lora["dropout"], {}).items())
-        for adapter, a in getattr(mod, role.lora["adapters_A"]).items():
+        drops = dict(getattr(mod, role.lora.dropout, {}).items())
+        for adapter, a in getattr(mod, role.lora.adapters_a).items():
             if a.weight.requires_grad and not float(getattr(drops.get(adapter), "p", 0.0) or 0.0):
                 return True
-        mod = getattr(mod, role.lora["base"])
+        mod = getattr(mod, role.lora.base)
     if quantized_linear(mod):
         return False  # what a quantized kernel keeps is its own business
     w = getattr(mod, "weight", None)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
 from ..kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from ..reasons import Reason
 
 if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
     from ..apply.rewrite import Unit, UnitBuilder
@@ -239,11 +240,30 @@ class NormFold(PlanItem):
     def __post_init__(self) -> None:
         self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
 
-    def describe(self) -> list[str]:
+    # what a subclass that folds into more than Linears (`match.consumers.ConsumerFold`) overrides
+    def param_targets(self) -> list[ParamTarget]:
+        """Rows of parameters that functional ops apply, which take the fold too (none here)."""
+        return []
+
+    def channel_axis(self) -> int:
+        """Where the norm's channels are (-1: last; 1: a channel-first norm on NCHW)."""
+        return -1
+
+    def buffer_notes(self) -> list[str]:
+        """Buffers no state dict holds that take a part of β (a plain checkpoint cannot hold the fold)."""
+        return []
+
+    def _bracket(self) -> str:
+        return f"{self.kind}, {self.param}"
+
+    def _head(self) -> str:
         into = ", ".join(t.label + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
                          for t in self.targets) or "nothing to fold"
         tag = " [weights already folded]" if self.prefolded else ""
-        lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]
+        return f"  {self.name} [{self._bracket()}] → {into}{tag}"
+
+    def describe(self) -> list[str]:
+        lines = [self._head()]
         lines += [f"      affine re-applied at {r.describe()}" for r in self.reapply]
         return lines + [f"      note: {c}" for c in self.caveats]
 
@@ -313,9 +333,23 @@ class GatedMLPSwap(PlanItem):
 
 @dataclass
 class Skip:
+    """A module a matcher looked at and left as it is, and why (`Reason`: code, subject, sentence)."""
+
     name: str
     cls: str
-    reason: str
+    why: Reason
+
+    @property
+    def reason(self) -> str:
+        """The sentence the report prints."""
+        return self.why.text
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "cls": self.cls, "reason": self.why.text, **self.why.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Skip":
+        return cls(data["name"], data["cls"], Reason.from_dict(data["reason"], data))
 
 
 #: fields of a serialised plan that are not item sections
@@ -372,7 +406,7 @@ class Plan:
     def predicted_saved_bytes(self) -> int:
         return sum(it.predicted_saved_bytes for it in self.items)
 
-    def drop(self, item: PlanItem, reason: str) -> None:
+    def drop(self, item: PlanItem, reason: Reason) -> None:
         """Take ``item`` out of the plan and record why (a rewrite rolled back after verification)."""
         self.items = [it for it in self.items if it is not item]
         self.skips.append(Skip(item.name, item.cls, reason))
@@ -385,7 +419,7 @@ class Plan:
             out.setdefault(it.tag, []).append(it.to_dict())
         for kind in item_kinds():
             out.setdefault(kind.tag, [])
-        out["skips"] = [asdict(s) for s in self.skips]
+        out["skips"] = [s.to_dict() for s in self.skips]
         out.update(already_converted=list(self.already_converted), probe_tokens=self.probe_tokens,
                    probe_unit=self.probe_unit, options=dict(self.options))
         return out
@@ -403,7 +437,7 @@ class Plan:
             items += [kind.from_dict(d) for d in entries]
         return cls(
             items=items,
-            skips=[Skip(**s) for s in data.get("skips", [])],
+            skips=[Skip.from_dict(s) for s in data.get("skips", [])],
             already_converted=list(data.get("already_converted", [])),
             probe_tokens=data.get("probe_tokens", 0),
             probe_unit=data.get("probe_unit", "token"),

@@ -67,7 +67,7 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
             res = step(c, ctx.g.tensors, t, ax, ctx.g.tensors[t].shape[ax])
             if not isinstance(res, Pass):
                 hops += 1
-                why = why or (res.reason if isinstance(res, Block) else f"{op_short(c)} in {ctx.scope_name(c)}")
+                why = why or (res.reason.text if isinstance(res, Block) else f"{op_short(c)} in {ctx.scope_name(c)}")
         for o, oax in outs:
             if o in seen:
                 continue

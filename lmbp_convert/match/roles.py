@@ -15,9 +15,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..catalogue import Catalogue, class_key
+from ..catalogue import Catalogue, LoraLayout, class_key
 from ..fold import norm_scale
 from ..kinds import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
+from ..reasons import Reason, ReasonCode
 
 
 class RoleKind(StrChoice):
@@ -52,8 +53,8 @@ class Role:
     norm: NormRole | None = None
     layout: Layout | None = None  # linear weight layout
     p: float | None = None  # dropout probability
-    lora: dict | None = None  # for LoRA-wrapped Linears: catalogue entry (base layer / adapter attributes)
-    problem: str | None = None  # why a would-be norm cannot be used
+    lora: LoraLayout | None = None  # for LoRA-wrapped Linears: where its base layer and adapters are
+    why: Reason | None = None  # why a would-be norm cannot be used
     probe_norm: bool = False  # acts as a norm on the probe but not beyond it: reported whatever its name
 
     def __post_init__(self) -> None:
@@ -134,11 +135,6 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat(rows, dim=1)
 
 
-class BeyondProbe(str):
-    """Why a module that acts as a norm on the behaviour probe is still not one: it differs in train mode, on
-    non-finite or on extreme input (code the probe does not run). Reported whatever the class's name."""
-
-
 #: rows beyond the probe: magnitudes at the ends of the fp32 range a norm's maths still holds in (squares stay
 #: finite), one outlier among ordinary values, and rows holding NaN, +inf or -inf (the norm gives NaN there)
 _EXTREME_SCALES = (1e15, 1e-15)
@@ -165,7 +161,7 @@ def _same_values(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
 
 
 def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, reference, channel_dim: int,
-                    what: str) -> BeyondProbe | None:
+                    what: str) -> Reason | None:
     """Why ``probe`` (eval mode), which matched the norm ``reference(x)`` on the probe ``x``, is not that norm
     beyond it: on non-finite rows, on extreme rows (eval mode), or on all of them in train mode (a noise term, a
     dropout, a branch on ``self.training``). The train-mode forward draws from its own RNG stream."""
@@ -181,8 +177,8 @@ def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, ref
         finally:
             probe.eval()
         if isinstance(y, str) or not _same_values(y, reference(t), 1e-4):
-            return BeyondProbe(f"acts as {what} on the probe but not {where} (its forward runs code the probe "
-                               "does not reach)")
+            return Reason(ReasonCode.BEYOND_PROBE, f"acts as {what} on the probe but not {where} (its forward "
+                          "runs code the probe does not reach)")
     return None
 
 
@@ -194,15 +190,21 @@ def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyond: bool = True
-                  ) -> NormRole | str:
-    """Return the norm's role, or a string saying why it is not a usable norm.
+                  ) -> NormRole | Reason:
+    """Return the norm's role, or why it is not a usable norm (code ``BEYOND_PROBE``: it acts as one on the probe
+    only; ``BEHAVIOUR``: it does not).
 
     By behaviour: a copy of the module, with random γ, β, runs on a probe tensor and must match LayerNorm or
     RMSNorm over the last dim, with scale w, 1 + w or none (no weight), ± bias. ``entry`` (a catalogue entry)
     may fix the kind and parameterisation; ``eps`` (an attribute value) is tried first, then eps is fitted from
     the output. The module must also return bf16 for bf16 input, as the memory-sharing norm does, and (unless
     ``beyond`` is False) act as that norm beyond the probe too: in train mode, on non-finite and on extreme
-    input (a `BeyondProbe` reason otherwise)."""
+    input (a ``BEYOND_PROBE`` reason otherwise)."""
+    found = _identify(module, entry, eps, beyond)
+    return Reason(ReasonCode.BEHAVIOUR, found) if isinstance(found, str) else found
+
+
+def _identify(module: nn.Module, entry: dict | None, eps: float | None, beyond: bool) -> NormRole | Reason | str:
     w = getattr(module, "weight", None)
     b = getattr(module, "bias", None)
     w = w if isinstance(w, torch.Tensor) else None
@@ -253,7 +255,7 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyo
                     if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
                         role = NormRole(kind, param, e, shape, b is not None, affine=w is not None,
                                         channel_dim=channel_dim)
-                        problem = _dtype_problem(module, x, channel_dim)
+                        problem: Reason | str | None = _dtype_problem(module, x, channel_dim)
                         if problem is None and beyond:
                             problem = _beyond_problem(
                                 probe, x, gen, lambda t, k=kind, p=param, e=e: _reference(k, p, t, pw, pb, e),
@@ -345,7 +347,7 @@ def is_scripted(mod: nn.Module) -> bool:
 
 def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -> dict[str, Role]:
     """Role of every named module (first name of shared modules). ``accept``: norm classes (``module:QualName``
-    or the class name) taken on the probe's word alone, without the checks beyond it (`BeyondProbe`)."""
+    or the class name) taken on the probe's word alone, without the checks beyond it (a ``BEYOND_PROBE`` reason)."""
     roles: dict[str, Role] = {}
     seen: dict[int, Role] = {}
     checked: dict[tuple, Role] = {}  # behaviour checks, by what decides them (one per kind of norm, not per layer)
@@ -358,7 +360,7 @@ def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -
         if is_scripted(mod):  # said once, for the outermost one
             inside = any(not p or name.startswith(p + ".") for p in scripted)
             scripted.append(name)
-            role = Role(RoleKind.OTHER, problem=None if inside else SCRIPTED_WHY)
+            role = Role(RoleKind.OTHER, why=None if inside else Reason(ReasonCode.SCRIPTED, SCRIPTED_WHY))
         else:
             role = _role_of(mod, cat, checked, accepted)
         seen[id(mod)] = roles[name] = role
@@ -383,12 +385,12 @@ def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role], accepte
         return Role(RoleKind.QUANTIZED_LINEAR)
     lora = cat.lora_entry(mod)
     if lora is not None:
-        base = getattr(mod, lora["base"], None)
+        base = getattr(mod, lora.base, None)
         base_layout = cat.linear_layout(base) if base is not None else None
         if base_layout is not None:
             return Role(RoleKind.LINEAR, layout=base_layout, lora=lora)
-        return Role(RoleKind.OTHER,
-                    problem=f"{class_key(mod)}: LoRA over {class_key(base)} (not a Linear the fold knows)")
+        return Role(RoleKind.OTHER, why=Reason(ReasonCode.LORA_STATE, f"{class_key(mod)}: LoRA over {class_key(base)} "
+                                                                      "(not a Linear the fold knows)"))
     p = cat.dropout_p(mod)
     if p is not None:
         return Role(RoleKind.DROPOUT, p=p)
@@ -412,11 +414,11 @@ def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict
     found = identify_norm(mod, entry, eps, beyond=not accepted & {cls, type(mod).__name__})
     if isinstance(found, NormRole):
         role = Role(RoleKind.NORM, norm=found)
-    elif isinstance(found, BeyondProbe):
-        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] swaps it "
-                                            "anyway)", probe_norm=True)
+    elif found.code is ReasonCode.BEYOND_PROBE:
+        role = Role(RoleKind.OTHER, why=Reason(found.code, f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] "
+                                                           "swaps it anyway)"), probe_norm=True)
     else:
-        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}")
+        role = Role(RoleKind.OTHER, why=Reason(found.code, f"{cls}: {found}"))
     if key is not None:
         checked[key] = role
     return role

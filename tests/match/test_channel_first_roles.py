@@ -7,6 +7,7 @@ from torch import nn
 
 from lmbp_convert.kinds import NormKind, WeightParam
 from lmbp_convert.match.roles import NormRole, identify_norm
+from lmbp_convert.reasons import Reason
 
 C = 16
 
@@ -44,4 +45,4 @@ def test_last_dim_norms_stay_last_dim():
 
 @pytest.mark.parametrize("make", [lambda: nn.GroupNorm(4, C), lambda: nn.GroupNorm(C, C), lambda: nn.GroupNorm(1, C)])
 def test_norms_over_other_dims_are_not_channel_first_norms(make):
-    assert isinstance(identify_norm(make(), None, None), str)
+    assert isinstance(identify_norm(make(), None, None), Reason)

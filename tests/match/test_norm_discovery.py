@@ -13,6 +13,7 @@ from lmbp_convert.kinds import NormKind, WeightParam
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
 from lmbp_convert.match.roles import NormRole, RoleKind, assign_roles, identify_norm
+from lmbp_convert.reasons import ReasonCode
 
 D = 16
 
@@ -128,7 +129,7 @@ def test_behaviour_identifies_kind_parameterisation_and_eps(module, kind, param,
 ])
 def test_modules_that_do_not_act_as_last_dim_norms_are_not_norms(module, why):
     found = identify_norm(module, None, None)
-    assert isinstance(found, str) and why in found
+    assert found.code is ReasonCode.BEHAVIOUR and why in found.text
 
 
 def test_a_norm_that_returns_another_dtype_is_refused():
@@ -137,15 +138,15 @@ def test_a_norm_that_returns_another_dtype_is_refused():
             return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
 
     found = identify_norm(Upcasting(D), None, None)
-    assert isinstance(found, str) and "returns torch.float32 for bfloat16 input" in found
+    assert found.code is ReasonCode.BEHAVIOUR and "returns torch.float32 for bfloat16 input" in found.text
 
 
 def test_roles_find_norms_by_behaviour_and_never_containers():
     roles = assign_roles(_net(), load_catalogue())
     assert [roles[f"norms.{i}"].kind for i in range(4)] == [RoleKind.NORM] * 4
-    assert roles["box"].kind is RoleKind.OTHER and roles["box"].problem is None  # container: not a candidate
+    assert roles["box"].kind is RoleKind.OTHER and roles["box"].why is None  # container: not a candidate
     assert roles["box.norm"].kind is RoleKind.NORM
-    assert roles["decoy"].kind is RoleKind.OTHER and "behaviour does not match" in roles["decoy"].problem
+    assert roles["decoy"].kind is RoleKind.OTHER and "behaviour does not match" in roles["decoy"].why.text
     assert roles["inp"].kind is RoleKind.LINEAR
 
 

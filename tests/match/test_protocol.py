@@ -14,6 +14,7 @@ import lmbp_convert.match.planner as planner
 from lmbp_convert import convert, plan_conversion
 import lmbp_convert.apply.rewrite as rewrite
 from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
+from lmbp_convert.reasons import Reason, ReasonCode
 from lmbp_convert.catalogue import class_key
 from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
@@ -140,7 +141,7 @@ def _every_kind() -> Plan:
                     ["a caveat"], 1234, beta="shift")
     return Plan(items=[GatedMLPSwap("mlp", "x:MLP", "silu", "mlp.act", "gate", "up", None, "down", True, 99), fold,
                        ActSwap("act", "torch.nn:GELU", "gelu", 2, 77)],
-                skips=[Skip("n2", "torch.nn:LayerNorm", "why")], already_converted=["old"], probe_tokens=8,
+                skips=[Skip("n2", "torch.nn:LayerNorm", Reason(ReasonCode.EXCLUDED, "why", "n2"))], already_converted=["old"], probe_tokens=8,
                 probe_unit="token", options={"bits": 2})
 
 
