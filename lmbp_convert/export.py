@@ -31,7 +31,7 @@ from torch import nn
 from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
-from .kinds import AffineState, ConvertedModule
+from .enums import AffineState, ConvertedModule
 from .match.plan import NormFold
 from .report import ConversionReport
 

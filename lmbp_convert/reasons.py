@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-from .kinds import StrChoice
+from .enums import StrChoice
 
 
 class ReasonCode(StrChoice):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .kinds import Verification
+from .enums import Verification
 from .match.plan import Plan
 
 

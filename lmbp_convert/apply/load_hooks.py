@@ -34,7 +34,7 @@ from torch import nn
 
 from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value, remove_shift,
                     shift_is_expressible, shift_through_scale, unfold_scale)
-from ..kinds import ConvertedHook
+from ..enums import ConvertedHook
 from ..match.plan import NormFold
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
-from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, NormKind, ReapplyKind, WeightParam
 from ..errors import ConversionError
 from ..match.consumers import ConsumerFold
 from ..match.loss import LossSwap
@@ -183,14 +183,14 @@ class UnitBuilder:
         from ..nn.activations import ApproxActivation
 
         unit = Unit(f"activation {swap.name}")
-        self.swap_module(unit, swap.name, ApproxActivation(swap.kind, swap.bits))
+        self.swap_module(unit, swap.name, ApproxActivation(swap.act, swap.bits))
         return unit
 
     def output_activation(self, swap: OutputActSwap) -> Unit:
         from ..nn.activations import OUTPUT_KINDS
 
         unit = Unit(f"activation {swap.name}")
-        self.swap_module(unit, swap.name, OUTPUT_KINDS[swap.kind]())
+        self.swap_module(unit, swap.name, OUTPUT_KINDS[swap.act]())
         return unit
 
     def norm(self, fold: NormFold) -> Unit:

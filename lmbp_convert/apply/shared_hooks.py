@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import ConvertedHook, NormKind, WeightParam
+from ..enums import ConvertedHook, NormKind, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..apply.convert import CONFIG_KEY
-from ..kinds import Layout, StrChoice, WeightParam
+from ..enums import Layout, StrChoice, WeightParam
 from ..match.consumers import ConsumerFold
 from ..match.plan import LinearTarget, NormFold, Plan, PlanItem, Skip
 from ..reasons import Reason, ReasonCode

@@ -1,6 +1,6 @@
 """Functional consumers: ops that apply a model *parameter* to a norm's output themselves, not an nn.Linear module.
-One table (`KINDS`) says, per op, what the fold can go into; the norm walker (`match.norm`) asks it for every op
-reading the norm's channels, and the first kind that recognises the op answers (`read_by`):
+One table (`CONSUMERS`) says, per op, what the fold can go into; the norm walker (`match.norm`) asks it for every op
+reading the norm's channels, and the first rule that recognises the op answers (`read_by`):
 
 - **whole parameter** (``linear``, ``mm``/``bmm``/``matmul``, ``grouped_mm``): an MoE router's
   ``F.linear(x, self.weight)``; experts stored as one parameter per projection (transformers ≥ 5: ``gate_up_proj``
@@ -18,9 +18,9 @@ reading the norm's channels, and the first kind that recognises the op answers (
   a concatenation of such along the output dim (each piece takes its rows of W·β). These are `ParamTarget`s,
   which make the norm a `ConsumerFold` (`match.consumers`); the walk takes them only when that matcher asks.
 
-A kind answers with its targets, with why the fold cannot go into the op (a `Reason`), or None: not its op. A
-whole-parameter kind's reasons also block the way in (the norm's skip names them first). A new functional consumer
-is one more `Kind` in the table (`register_kind`).
+A rule answers with its targets, with why the fold cannot go into the op (a `Reason`), or None: not its op. A
+whole-parameter rule's reasons also block the way in (the norm's skip names them first). A new functional consumer
+is one more `ConsumerRule` in the table (`register_consumer`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kinds import Layout
+from ..enums import Layout
 from ..reasons import Reason, ReasonCode
 from ..trace.graph import Graph, Node, NodeKind
 from .commute import is_metadata, node_arg, op_short
@@ -54,7 +54,7 @@ class Reading:
     axis: int
     d: int  # the norm's channels
     has_beta: bool  # the norm has a shift
-    beta: torch.Tensor | None  # ... and its value, where the walk knows it (the row/bias kinds need it)
+    beta: torch.Tensor | None  # ... and its value, where the walk knows it (the row/bias rules need it)
     via: list[str]  # the commuting ops on the way
 
 
@@ -78,8 +78,8 @@ Found = ParamUse | list[ParamTarget] | Reason | None
 
 
 @dataclass(frozen=True)
-class Kind:
-    """One kind of functional consumer: the ops it recognises, and what it makes of one (`Found`). ``rows``: its
+class ConsumerRule:
+    """One rule of the consumer table, for a family of functional consumers: the ops it recognises, and what it makes of one (`Found`). ``rows``: its
     targets are `ParamTarget`s (a `ConsumerFold`); else a whole parameter (`ParamUse`, a plain `NormFold`), whose
     reasons block the way (the op applies the parameter the fold would have to enter)."""
 
@@ -89,19 +89,19 @@ class Kind:
     rows: bool
 
 
-#: the consumer table, in the order its kinds are tried
-KINDS: list[Kind] = []
+#: the consumer table, in the order its rules are tried
+CONSUMERS: list[ConsumerRule] = []
 
 
-def register_kind(kind: Kind) -> Kind:
-    KINDS.append(kind)
-    return kind
+def register_consumer(rule: ConsumerRule) -> ConsumerRule:
+    CONSUMERS.append(rule)
+    return rule
 
 
 @dataclass
 class Verdict:
-    """What the table says about one op: a whole-parameter use, parameter rows, or the reasons of the kinds that
-    recognised it (none: no functional consumer) — ``blocked`` those of whole-parameter kinds, ``problems`` the
+    """What the table says about one op: a whole-parameter use, parameter rows, or the reasons of the rules that
+    recognised it (none: no functional consumer) — ``blocked`` those of whole-parameter rules, ``problems`` the
     others'."""
 
     use: ParamUse | None = None
@@ -111,19 +111,19 @@ class Verdict:
 
 
 def read_by(reading: Reading, rows: bool) -> Verdict:
-    """Ask the table's kinds in order (``rows``: the row/bias kinds too); the first that takes the op answers."""
+    """Ask the table's rules in order (``rows``: the row/bias rules too); the first that takes the op answers."""
     verdict = Verdict()
     short = op_short(reading.node)
-    for kind in KINDS:
-        if short not in kind.ops or (kind.rows and not rows):
+    for rule in CONSUMERS:
+        if short not in rule.ops or (rule.rows and not rows):
             continue
-        got = kind.find(reading)
+        got = rule.find(reading)
         if isinstance(got, ParamUse):
             return Verdict(use=got)
         if isinstance(got, list):
             return Verdict(params=got)
         if got is not None:
-            (verdict.problems if kind.rows else verdict.blocked).append(got)
+            (verdict.problems if rule.rows else verdict.blocked).append(got)
     return verdict
 
 
@@ -447,8 +447,8 @@ def _pieces(ctx: "MatchContext", node: Node, tid: int) -> list[tuple[str, int]] 
 
 
 # -- the table ---------------------------------------------------------------------------------------------------
-register_kind(Kind("whole parameter (MoE routers and experts)", WEIGHT_OPERAND_OPS, _whole_parameter, rows=False))
-register_kind(Kind("F.linear rows and bias pieces", frozenset({"linear"}), _linear_rows, rows=True))
-register_kind(Kind("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
-register_kind(Kind("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,
+register_consumer(ConsumerRule("whole parameter (MoE routers and experts)", WEIGHT_OPERAND_OPS, _whole_parameter, rows=False))
+register_consumer(ConsumerRule("F.linear rows and bias pieces", frozenset({"linear"}), _linear_rows, rows=True))
+register_consumer(ConsumerRule("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
+register_consumer(ConsumerRule("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,
                    rows=True))

@@ -19,7 +19,7 @@ import torch
 
 from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode
-from ..kinds import GATED_ACT_KINDS, Layout
+from ..enums import GATED_ACT_KINDS, Layout
 from ..trace.graph import Node, NodeKind, ScopeCall
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes

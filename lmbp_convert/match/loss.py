@@ -27,7 +27,7 @@ from torch import nn
 
 from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode
-from ..kinds import ConvertedCallable
+from ..enums import ConvertedCallable
 from ..trace.containers import children
 from ..trace.device import training_mode
 from .context import MatchContext

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..catalogue import LoraLayout, class_key
 from ..fold import effective_scale, shift_is_expressible
-from ..kinds import BetaMode, ConvertedHook, NormKind, ReapplyKind
+from ..enums import BetaMode, ConvertedHook, NormKind, ReapplyKind
 from ..reasons import Reason, ReasonCode, option, then
 from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kinds import NormKind, WeightParam
+from ..enums import NormKind, WeightParam
 from .norm_kept import NormKeep
 from .plan import NormFold, PlanItem, register_item
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..catalogue import class_key
 from ..fold import unreliable_channels
-from ..kinds import NormKind, WeightParam
+from ..enums import NormKind, WeightParam
 from ..reasons import Reason, ReasonCode
 from ..trace.graph import Node, NodeKind
 from .commute import is_metadata, op_short

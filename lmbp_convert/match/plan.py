@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
-from ..kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from ..reasons import Reason
 
 if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
@@ -56,6 +56,8 @@ class PlanItem:
     #: why training through this rewrite differs from the original's ("": the original parameters get the original
     #: gradients, up to rounding). The report names every such rewrite, so an inexact one is never silent.
     inexact_training: ClassVar[str] = ""
+    #: serialised field names this kind's plans were written with before a rename → today's (read by `from_dict`)
+    former_fields: ClassVar[dict[str, str]] = {}
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
@@ -78,13 +80,18 @@ class PlanItem:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanItem":
-        return cls(**data)
+        return cls(**renamed(cls, data))
 
     def build_unit(self, builder: "UnitBuilder") -> "Unit":
         """The reversible rewrite of a live model (`lmbp_convert.apply.rewrite.Unit`). The builder finds the
         function registered for this class (``lmbp_convert.apply.rewrite.builds``), since this layer cannot
         import modules or kernels; an item defined outside the package may override this method instead."""
         return builder.build(self)
+
+
+def renamed(cls: type[PlanItem], data: dict) -> dict:
+    """``data`` with the field names ``cls`` used to write (`PlanItem.former_fields`) under today's names."""
+    return {cls.former_fields.get(k, k): v for k, v in data.items()}
 
 
 @dataclass
@@ -180,17 +187,19 @@ class ActSwap(PlanItem):
     heading = "activations → approx-BP"
     inexact_training = "approximate backward: the derivative is a step function of the input"
 
-    kind: str  # activation kind: an open set, the ops layer's table (lmbp_convert.ops.activations)
+    former_fields = {"kind": "act"}
+
+    act: str  # the activation: an open set, the ops layer's table (lmbp_convert.ops.activations)
     bits: int
     predicted_saved_bytes: int = 0
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, {self.bits} bits)"]
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.act}, {self.bits} bits)"]
 
     @classmethod
     def report_lines(cls, items: list["ActSwap"]) -> list[str]:
-        kinds = Counter(f"{a.kind}/{a.bits}-bit" for a in items)
-        summary = f"{cls.heading}: " + ", ".join(f"{v}× {k}" for k, v in kinds.items())
+        counts = Counter(f"{a.act}/{a.bits}-bit" for a in items)
+        summary = f"{cls.heading}: " + ", ".join(f"{v}× {k}" for k, v in counts.items())
         return [summary] + [line for a in items for line in a.describe()]
 
 
@@ -205,11 +214,13 @@ class OutputActSwap(PlanItem):
     heading = "activations → memory-sharing (backward from the output)"
     counted_when_none = False
 
-    kind: str  # the ops layer's name of the activation (lmbp_convert.nn.activations.OUTPUT_KINDS)
+    former_fields = {"kind": "act"}
+
+    act: str  # the ops layer's name of the activation (lmbp_convert.nn.activations.OUTPUT_KINDS)
     predicted_saved_bytes: int = 0
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, keeps only its output)"]
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.act}, keeps only its output)"]
 
 
 @register_item

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 
 from torch import nn
 
-from ..kinds import ConvertedModule
+from ..enums import ConvertedModule
 from ..options import ConvertOptions
 from ..trace.graph import Graph
 from .activation import match_activations

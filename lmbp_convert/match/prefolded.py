@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..catalogue import class_key
-from ..kinds import BetaMode
+from ..enums import BetaMode
 from ..reasons import Reason, ReasonCode
 from .context import MatchContext
 from .norm import Refused, _single_call, emitted_dtype, inplace_reason, predicted_norm_bytes, walk_readers

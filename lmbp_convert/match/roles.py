@@ -17,7 +17,7 @@ from torch import nn
 
 from ..catalogue import Catalogue, LoraLayout, class_key
 from ..fold import norm_scale
-from ..kinds import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
+from ..enums import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
 from ..reasons import Reason, ReasonCode
 
 

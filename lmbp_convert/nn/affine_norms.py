@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops import func_transforms
 from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
 

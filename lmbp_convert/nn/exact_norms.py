@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
 from ..ops.shared_saves import can_note, note

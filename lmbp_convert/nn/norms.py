@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormKind, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 
 __all__ = ["MSLayerNorm", "MSRMSNorm"]

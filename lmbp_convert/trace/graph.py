@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kinds import StrChoice
+from ..enums import StrChoice
 
 
 @dataclass

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmbp_convert import SavedTensorLedger, convert
-from lmbp_convert.kinds import WeightParam
+from lmbp_convert.enums import WeightParam
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap, OutputActSwap
 from lmbp_convert.trace.probe import make_probe
@@ -66,7 +66,7 @@ def test_nemotron_layernorm1p_folds_as_one_plus_w(mode):
     assert len(folds) == 5 and not rep.plan.norm_folds, str(rep)  # was NothingToConvertError
     # its squared-ReLU activations (relu2) keep only their output, which the down projection keeps anyway
     assert not rep.plan.skips, str(rep)
-    assert [a.kind for a in rep.plan.of(OutputActSwap)] == ["relu2", "relu2"], str(rep)
+    assert [a.act for a in rep.plan.of(OutputActSwap)] == ["relu2", "relu2"], str(rep)
     assert all(f.param is WeightParam.ONE_PLUS_W and f.has_bias for f in folds)
     assert after < before
     assert type(model.model.layers[0].mlp.act_fn).__name__ == "MSReLUSquared"

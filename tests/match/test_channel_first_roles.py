@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormKind, WeightParam
 from lmbp_convert.match.roles import NormRole, identify_norm
 from lmbp_convert.reasons import Reason
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.catalogue import load_catalogue
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormKind, WeightParam
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
 from lmbp_convert.match.roles import NormRole, RoleKind, assign_roles, identify_norm

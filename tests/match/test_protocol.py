@@ -16,7 +16,7 @@ import lmbp_convert.apply.rewrite as rewrite
 from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
 from lmbp_convert.reasons import Reason, ReasonCode
 from lmbp_convert.catalogue import class_key
-from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from lmbp_convert.enums import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.norm_exact import NormExact

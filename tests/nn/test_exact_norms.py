@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import SavedTensorLedger
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormKind, WeightParam
 from lmbp_convert.nn.exact_norms import MSExactNorm
 from lmbp_convert.ops.shared_saves import SharedSaves
 

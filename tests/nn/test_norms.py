@@ -83,7 +83,7 @@ def test_autocast_output_dtype(cls):
 @pytest.mark.parametrize("cls", (MSLayerNorm, MSRMSNorm))
 def test_declared_affine_state(cls):
     """Where the affine lives is a field (folded / re-applied), not an attribute read with a default."""
-    from lmbp_convert.kinds import AffineState, ConvertedModule, WeightParam
+    from lmbp_convert.enums import AffineState, ConvertedModule, WeightParam
 
     folded = cls(8, identity_affine="zero")
     assert isinstance(folded, ConvertedModule)
@@ -100,7 +100,7 @@ def test_declared_affine_state(cls):
 def test_modules_pickled_before_the_declared_state_still_load():
     import pickle
 
-    from lmbp_convert.kinds import AffineState, WeightParam
+    from lmbp_convert.enums import AffineState, WeightParam
 
     old = MSRMSNorm(8)
     old.register_parameter("weight", nn.Parameter(torch.rand(8)))

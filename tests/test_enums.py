@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from lmbp_convert.kinds import (GATED_ACT_KINDS, AffineState, BetaMode, ConvertedHook, ConvertedModule, NormKind,
+from lmbp_convert.enums import (GATED_ACT_KINDS, AffineState, BetaMode, ConvertedHook, ConvertedModule, NormKind,
                                 Verification, WeightParam)
 
 
