@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
-from ..enums import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, NormType, ReapplyKind, WeightParam
 from ..errors import ConversionError
 from ..match.consumers import ConsumerFold
 from ..match.loss import LossSwap
@@ -220,7 +220,7 @@ class UnitBuilder:
     def _ms_norm_for(fold: NormFold, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
-        cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
+        cls = MSLayerNorm if fold.norm_type is NormType.LAYER else MSRMSNorm
         if fold.channel_axis() != -1:  # a channel-first norm (match/consumers.py)
             from ..nn.channel_first import channel_first_class
 
@@ -229,7 +229,7 @@ class UnitBuilder:
             return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
         ident = WeightParam(fold.param).identity_fill
         new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
-        if fold.kind is NormKind.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
+        if fold.norm_type is NormType.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
             del new._buffers["bias"]
         if fold.beta is BetaMode.SHIFT:  # the norm keeps β/γ as its own parameter (same key); see AddShift
             shift = shift_through_scale(bias, effective_scale(weight, fold.param))
@@ -316,7 +316,7 @@ def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     from ..nn.norms import MSLayerNorm, MSRMSNorm
 
     unit = Unit(f"affine-free norm {swap.name}")
-    cls = MSLayerNorm if swap.kind is NormKind.LAYER else MSRMSNorm
+    cls = MSLayerNorm if swap.norm_type is NormType.LAYER else MSRMSNorm
     builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
     return unit
 
@@ -330,7 +330,7 @@ def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
     unit = Unit(f"norm {keep.name} (affine kept)")
     old = builder.modules[keep.name]
     out = getattr(torch, keep.out_dtype.rsplit(".", 1)[-1]) if keep.out_dtype else None
-    new = MSAffineNorm(keep.kind, keep.shape[0], keep.eps, old.weight, old.bias if keep.has_bias else None,
+    new = MSAffineNorm(keep.norm_type, keep.shape[0], keep.eps, old.weight, old.bias if keep.has_bias else None,
                        keep.param, out_dtype=out)
     builder.swap_module(unit, keep.name, new)
     return unit

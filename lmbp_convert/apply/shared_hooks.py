@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..enums import ConvertedHook, NormKind, WeightParam
+from ..enums import ConvertedHook, NormType, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity
@@ -143,7 +143,7 @@ def _exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
     unit = Unit(f"norm {item.name} (exact)")
     old = builder.modules[item.name]
     out = getattr(torch, item.out_dtype.rsplit(".", 1)[-1]) if item.out_dtype else None
-    new = MSExactNorm(NormKind(item.kind), tuple(item.shape), item.eps, old.weight,
+    new = MSExactNorm(NormType(item.norm_type), tuple(item.shape), item.eps, old.weight,
                       old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out)
     builder.swap_module(unit, item.name, new)
     add_region(builder, unit)

@@ -478,10 +478,10 @@ class FoldOnDisk:
         return [t.name for t in f.targets]
 
     def summary(self, f: NormFold) -> dict:
-        return {"norm": f.name, "kind": f.kind, "param": f.param, "into": [t.label for t in f.targets]}
+        return {"norm": f.name, "norm_type": f.norm_type, "param": f.param, "into": [t.label for t in f.targets]}
 
     def describe(self, f: NormFold) -> str:
-        kind = f"{f.kind}, {f.param}" + (", +bias" if f.has_bias else "")
+        kind = f"{f.norm_type}, {f.param}" + (", +bias" if f.has_bias else "")
         return f"  fold {f.name} [{kind}] -> {', '.join(t.label for t in f.targets)}"
 
 

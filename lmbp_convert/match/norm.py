@@ -16,7 +16,7 @@ from torch import nn
 
 from ..catalogue import LoraLayout, class_key
 from ..fold import effective_scale, shift_is_expressible
-from ..enums import BetaMode, ConvertedHook, NormKind, ReapplyKind
+from ..enums import BetaMode, ConvertedHook, NormType, ReapplyKind
 from ..reasons import Reason, ReasonCode, option, then
 from ..trace.graph import Node, NodeKind
 from .commute import Block, Pass, is_metadata, op_short, step
@@ -162,7 +162,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: 
         raise Refused(Reason(ReasonCode.HOOKED, f"{watched}, which would see the normalised tensor without its "
                              "affine (folded into the next Linears); remove the hook or exclude this norm"))
     beta = _beta_mode(mod, nr, walk)
-    return NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias,
+    return NormFold(name, class_key(mod), nr.norm_type, nr.param, nr.eps, list(nr.shape), nr.has_bias,
                     list(walk.targets.values()), sites, sorted(set(walk.caveats)),
                     predicted_norm_bytes(ctx, node, nr), beta=beta, out_dtype=emitted_dtype(ctx, node))
 
@@ -249,7 +249,7 @@ def predicted_norm_bytes(ctx: MatchContext, node: Node, nr: NormRole) -> int:
     per-row mean goes too (4 bytes a row)."""
     n, nbytes = tensor_bytes(ctx.g, node.inputs[0])
     rows = n // nr.shape[0]
-    return nbytes + (rows * 4 if nr.kind is NormKind.LAYER else 0)
+    return nbytes + (rows * 4 if nr.norm_type is NormType.LAYER else 0)
 
 
 def _beta_mode(mod: nn.Module, nr: NormRole, walk: Walk) -> BetaMode:

@@ -58,5 +58,5 @@ def plan_affine_free(ctx: MatchContext, name: str, nr: NormRole) -> NormSwap:
     if not readers:
         raise Refused(Reason(ReasonCode.NO_CONSUMER, "no Linear reads its output, so a memory-sharing norm would keep "
                              "its output instead of its input and save nothing"))
-    return NormSwap(name, class_key(ctx.modules[name]), nr.kind, nr.eps, [d], sorted(set(readers)),
+    return NormSwap(name, class_key(ctx.modules[name]), nr.norm_type, nr.eps, [d], sorted(set(readers)),
                     predicted_norm_bytes(ctx, node, nr))

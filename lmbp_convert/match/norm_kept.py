@@ -14,7 +14,7 @@ from torch import nn
 
 from ..catalogue import class_key
 from ..fold import unreliable_channels
-from ..enums import NormKind, WeightParam
+from ..enums import NormType, WeightParam
 from ..reasons import Reason, ReasonCode
 from ..trace.graph import Node, NodeKind
 from .commute import is_metadata, op_short
@@ -43,7 +43,9 @@ class NormKeep(PlanItem):
     heading = "norms → memory-sharing (affine kept, backward from the output)"
     counted_when_none = False
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: list[int]
@@ -55,12 +57,12 @@ class NormKeep(PlanItem):
     out_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        self.kind, self.param = NormKind(self.kind), WeightParam(self.param)
+        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
         kept = f"; {self.kept_channels} channel(s) keep their input (γ too small to invert)" if self.kept_channels \
             else ""
-        return [f"  {self.name} [{self.kind}, {self.param}] → output shared with {', '.join(self.keepers)}{kept}",
+        return [f"  {self.name} [{self.norm_type}, {self.param}] → output shared with {', '.join(self.keepers)}{kept}",
                 f"      fold refused: {self.fold_refused}"]
 
 
@@ -111,7 +113,7 @@ def plan_kept(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, refuse
     saved = kept_bytes_saved(ctx, node, nr, w, b)
     if saved <= 0:
         raise Refused(Reason(ReasonCode.NO_GAIN, "keeping the channels γ cannot invert would cost what it saves"))
-    return NormKeep(name, class_key(mod), nr.kind, nr.param, nr.eps, [d], b is not None, keepers, refused,
+    return NormKeep(name, class_key(mod), nr.norm_type, nr.param, nr.eps, [d], b is not None, keepers, refused,
                     _unreliable_count(w, b, nr.param), saved, emitted_dtype(ctx, node))
 
 
@@ -128,8 +130,8 @@ def kept_bytes_saved(ctx: MatchContext, node: Node, nr: NormRole, w: torch.Tenso
     k = _unreliable_count(w, b, nr.param)
     if k > d // 2:
         return 0  # the module runs the plain norm
-    mean = rows * 4 if nr.kind is NormKind.LAYER else 0
-    side = (nbytes // n) * rows * k + (rows * 4 if nr.kind is NormKind.LAYER else 0) + k * 8 if k else 0
+    mean = rows * 4 if nr.norm_type is NormType.LAYER else 0
+    side = (nbytes // n) * rows * k + (rows * 4 if nr.norm_type is NormType.LAYER else 0) + k * 8 if k else 0
     return nbytes + mean - side
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
-from ..enums import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from ..reasons import Reason
 
 if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
@@ -235,7 +235,9 @@ class NormFold(PlanItem):
     inexact_training = ("affine folded: the optimiser trains the folded weights W·diag(γ) and W·β + b, not the norm's "
                         "γ, β and the original W, b")
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: list[int]
@@ -249,7 +251,7 @@ class NormFold(PlanItem):
     out_dtype: str | None = None  # what the original cast its output to when unlike its input ("bfloat16")
 
     def __post_init__(self) -> None:
-        self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
+        self.norm_type, self.param, self.beta = NormType(self.norm_type), WeightParam(self.param), BetaMode(self.beta)
 
     # what a subclass that folds into more than Linears (`match.consumers.ConsumerFold`) overrides
     def param_targets(self) -> list[ParamTarget]:
@@ -265,7 +267,7 @@ class NormFold(PlanItem):
         return []
 
     def _bracket(self) -> str:
-        return f"{self.kind}, {self.param}"
+        return f"{self.norm_type}, {self.param}"
 
     def _head(self) -> str:
         into = ", ".join(t.label + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
@@ -280,7 +282,7 @@ class NormFold(PlanItem):
 
     @classmethod
     def from_dict(cls, data: dict) -> "NormFold":
-        d = dict(data)
+        d = renamed(cls, data)
         d["targets"] = [LinearTarget(**t) for t in d.get("targets", [])]
         d["reapply"] = [ReapplySite(**r) for r in d.get("reapply", [])]
         return cls(**d)
@@ -297,17 +299,19 @@ class NormSwap(PlanItem):
     heading = "affine-free norms → memory-sharing (nothing to fold)"
     counted_when_none = False  # rare (OLMo v1): not a "0 affine-free norms" in every report
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     eps: float
     shape: list[int]
     readers: list[str] = field(default_factory=list)  # Linears that keep the same output for their backward
     predicted_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
-        self.kind = NormKind(self.kind)
+        self.norm_type = NormType(self.norm_type)
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} [{self.kind}, no affine, eps={self.eps:g}] → output shared with "
+        return [f"  {self.name} [{self.norm_type}, no affine, eps={self.eps:g}] → output shared with "
                 f"{', '.join(self.readers)}"]
 
 

@@ -45,7 +45,7 @@ def plan_prefolded_swap(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRo
                                        if r.node is not None and is_projection_node(ctx, r.node))})
     if not readers:
         raise Refused(Reason(ReasonCode.NO_CONSUMER, "no Linear or projection-like module reads its output"))
-    fold = NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias, [], [],
+    fold = NormFold(name, class_key(mod), nr.norm_type, nr.param, nr.eps, list(nr.shape), nr.has_bias, [], [],
                     [f"output read by {', '.join(readers)} (weights not rewritten: the affine is the identity)"],
                     predicted_norm_bytes(ctx, node, nr), prefolded=True,
                     beta=BetaMode.FOLD if nr.has_bias else BetaMode.NONE, out_dtype=emitted_dtype(ctx, node))

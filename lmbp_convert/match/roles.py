@@ -17,7 +17,7 @@ from torch import nn
 
 from ..catalogue import Catalogue, LoraLayout, class_key
 from ..fold import norm_scale
-from ..enums import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
+from ..enums import ConvertedModule, Layout, NormType, StrChoice, WeightParam
 from ..reasons import Reason, ReasonCode
 
 
@@ -33,7 +33,7 @@ class RoleKind(StrChoice):
 
 @dataclass(frozen=True)
 class NormRole:
-    kind: NormKind
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: tuple[int, ...]  # () for a norm without weight or size attribute: any size (taken from the trace)
@@ -42,7 +42,7 @@ class NormRole:
     channel_dim: int = -1  # where the channels are: -1 (LayerNorm), 1 (channel-first: timm LayerNorm2d on NCHW)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", NormKind(self.kind))
+        object.__setattr__(self, "norm_type", NormType(self.norm_type))
         object.__setattr__(self, "param", WeightParam(self.param))
 
 
@@ -63,7 +63,7 @@ class Role:
             object.__setattr__(self, "layout", Layout(self.layout))
 
 
-def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+def _reference(kind: NormType, param: WeightParam, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                eps: float) -> torch.Tensor:
     """The norm's maths in fp64 (``w`` None: no scale)."""
     y = normalized(kind, x.double(), eps)
@@ -71,17 +71,17 @@ def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Ten
     return y + b.double() if b is not None else y
 
 
-def normalized(kind: NormKind, x: torch.Tensor, eps: float) -> torch.Tensor:
+def normalized(kind: NormType, x: torch.Tensor, eps: float) -> torch.Tensor:
     return _centered(kind, x) * torch.rsqrt(_spread(kind, x) + eps)
 
 
-def _centered(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
-    return x - x.mean(-1, keepdim=True) if kind is NormKind.LAYER else x
+def _centered(kind: NormType, x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True) if kind is NormType.LAYER else x
 
 
-def _spread(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
+def _spread(kind: NormType, x: torch.Tensor) -> torch.Tensor:
     """What the norm divides by (before eps): the variance (LayerNorm) or the mean square (RMSNorm)."""
-    return x.var(-1, unbiased=False, keepdim=True) if kind is NormKind.LAYER else x.pow(2).mean(-1, keepdim=True)
+    return x.var(-1, unbiased=False, keepdim=True) if kind is NormType.LAYER else x.pow(2).mean(-1, keepdim=True)
 
 
 #: attributes that may hold the normalised size of a norm without weight (else: any size)
@@ -105,7 +105,7 @@ def norm_size(module: nn.Module) -> tuple[int, ...] | str:
     return ()
 
 
-def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> list[float]:
+def fit_eps(kind: NormType, x: torch.Tensor, z: torch.Tensor) -> list[float]:
     """Values of eps that explain ``z`` = normalised ``x`` (affine removed), one per row, smallest-scale rows
     first (there eps matters most; z = c·(v + eps)^-1/2, so eps = mean(c²)/mean(z²) − v). Rows where a bias
     swamps the normalised part give wrong values: the caller checks each against every row."""
@@ -236,7 +236,7 @@ def _identify(module: nn.Module, entry: dict | None, eps: float | None, beyond: 
         x = _probe_input(d, gen)
     pw = probe.weight.detach() if w is not None else None
     pb = probe.bias.detach() if b is not None else None
-    kinds = [NormKind(entry["kind"])] if entry and entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
+    kinds = [NormType(entry["kind"])] if entry and entry.get("kind") else [NormType.RMS, NormType.LAYER]
     params = [WeightParam(entry["param"])] if entry and entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
     if w is None:
         params = [WeightParam.W]

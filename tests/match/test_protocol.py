@@ -16,7 +16,7 @@ import lmbp_convert.apply.rewrite as rewrite
 from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
 from lmbp_convert.reasons import Reason, ReasonCode
 from lmbp_convert.catalogue import class_key
-from lmbp_convert.enums import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from lmbp_convert.enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.norm_exact import NormExact
@@ -152,8 +152,8 @@ def test_every_builtin_kind_round_trips_through_json_with_its_types():
     again = Plan.from_dict(data)
     assert again == plan and [type(i) for i in again.items] == [GatedMLPSwap, NormFold, ActSwap]
     fold = again.items[1]
-    assert (fold.kind, fold.param, fold.beta) == (NormKind.LAYER, WeightParam.ONE_PLUS_W, BetaMode.SHIFT)
-    assert fold.kind is NormKind.LAYER and fold.targets[0].layout is Layout.OUT_IN
+    assert (fold.norm_type, fold.param, fold.beta) == (NormType.LAYER, WeightParam.ONE_PLUS_W, BetaMode.SHIFT)
+    assert fold.norm_type is NormType.LAYER and fold.targets[0].layout is Layout.OUT_IN
     assert [r.kind for r in fold.reapply] == [ReapplyKind.ROOT_OUTPUT, ReapplyKind.MODULE_INPUT]
     assert data["norm_folds"][0]["param"] == "1+w" and data["norm_folds"][0]["beta"] == "shift"
 

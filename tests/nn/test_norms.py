@@ -67,9 +67,9 @@ def test_bad_arguments(cls):
 
 def test_extra_repr():
     r = repr(MSLayerNorm(16))
-    assert r == "MSLayerNorm(kind=layer_norm, normalized_shape=(16,), eps=1e-05)"
+    assert r == "MSLayerNorm(norm_type=layer, normalized_shape=(16,), eps=1e-05)"
     r = repr(MSRMSNorm((2, 8), eps=1e-5, identity_affine="zero"))
-    assert r == "MSRMSNorm(kind=rms_norm, normalized_shape=(2, 8), eps=1e-05, identity_affine='zero')"
+    assert r == "MSRMSNorm(norm_type=rms, normalized_shape=(2, 8), eps=1e-05, identity_affine='zero')"
 
 
 @pytest.mark.parametrize("cls", (MSLayerNorm, MSRMSNorm))
