@@ -7,7 +7,7 @@ tensors are kept until the conversion is accepted).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from ..match.consumers import ConsumerFold
 from ..match.loss import LossSwap
 from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
+from ..match.kinds import declared
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, OutputActSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad, FoldParamsOnLoad
@@ -69,21 +70,6 @@ class Unit:
             for _, undo in reversed(self.steps):
                 undo()
             self.applied = False
-
-
-ItemT = TypeVar("ItemT", bound=PlanItem)
-BuildFn = Callable[["UnitBuilder", ItemT], "Unit"]
-#: plan item class → the function that builds its unit (the match layer cannot import modules, so the
-#: item's ``build_unit`` finds its builder here)
-BUILDERS: dict[type, Callable[["UnitBuilder", PlanItem], Unit]] = {}
-
-
-def builds(item_cls: type[ItemT]) -> Callable[[BuildFn], BuildFn]:
-    """Decorator: register ``fn(builder, item) -> Unit`` as the unit builder of ``item_cls`` (and subclasses)."""
-    def register(fn: BuildFn) -> BuildFn:
-        BUILDERS[item_cls] = fn
-        return fn
-    return register
 
 
 class UnitBuilder:
@@ -172,12 +158,13 @@ class UnitBuilder:
 
     # -- units ----------------------------------------------------------------------------------
     def build(self, item: PlanItem) -> Unit:
-        """The unit of any plan item, by the builder registered for its class (`builds`)."""
-        for cls in type(item).__mro__:
-            if cls in BUILDERS:
-                return BUILDERS[cls](self, item)
-        raise TypeError(f"no unit builder for plan item {type(item).__qualname__}: register one with "
-                        "lmbp_convert.apply.rewrite.builds, or override its build_unit()")
+        """The unit of any plan item, by the builder its kind declares (`match.kinds.RewriteKind.build`; a subclass
+        of a registered item class gets its base's)."""
+        kind = declared(type(item))
+        if kind is None:
+            raise TypeError(f"no unit builder for plan item {type(item).__qualname__}: declare its kind with "
+                            "lmbp_convert.match.kinds.register_kind, or override its build_unit()")
+        return kind.build(self, item)
 
     def activation(self, swap: ActSwap) -> Unit:
         from ..nn.activations import ApproxActivation
@@ -306,12 +293,7 @@ class UnitBuilder:
         return unit
 
 
-BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp,
-                 OutputActSwap: UnitBuilder.output_activation})
-
-
-@builds(NormSwap)
-def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
+def affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     """The memory-sharing norm with no affine at all: same maths, same (empty) state dict."""
     from ..nn.norms import MSLayerNorm, MSRMSNorm
 
@@ -321,8 +303,7 @@ def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     return unit
 
 
-@builds(NormKeep)
-def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
+def kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
     """The memory-sharing norm that applies γ, β itself: the same Parameters under the same keys, no weight
     rewritten (so no load hook and no disk rule)."""
     from ..nn.affine_norms import MSAffineNorm
@@ -336,8 +317,7 @@ def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
     return unit
 
 
-@builds(ConsumerFold)
-def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
+def consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     """The norm fold of `UnitBuilder.norm` (MS norm, Linear targets, re-apply hooks), plus γ (and β) folded into the
     parameter rows that functional ops apply to the norm's output. Its load hook comes first, so it reads an
     arriving original γ, β before the norm's own hook puts the identity in their place."""
@@ -364,8 +344,7 @@ def _tensor(builder: UnitBuilder, name: str) -> torch.Tensor:
     return getattr(builder.modules[owner], attr)
 
 
-@builds(RecomputeRegion)
-def _recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
+def recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
     """Hooks on the module and its activations (`region_hooks`): nothing swapped, the state dict unchanged."""
     from .region_hooks import register_region
 
@@ -386,8 +365,7 @@ class _Handles:
             h.remove()
 
 
-@builds(LossSwap)
-def _loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
+def loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
     """``loss_function`` set on the instance (the property transformers provides stores ``_loss_function``); undo
     puts the attribute back as it was (absent, or the user's own). Before anything changes, the memory-sharing
     loss is checked against the original on the matcher's calls: loss and logits gradient, fp32 and the model's

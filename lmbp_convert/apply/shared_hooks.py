@@ -20,7 +20,7 @@ from ..enums import ConvertedHook, NormType, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity
-from .rewrite import Unit, UnitBuilder, builds
+from .rewrite import Unit, UnitBuilder
 
 __all__ = ["RegionHooks", "NoteInput", "add_region"]
 
@@ -122,8 +122,7 @@ def add_region(builder: UnitBuilder, unit: Unit) -> None:
     builder.add_hook(unit, lambda: _RegionUse(model))
 
 
-@builds(LoraInputShare)
-def _lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
+def lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
     from ..nn.dropout import BitDropout
 
     unit = Unit(f"LoRA inputs {item.name}")
@@ -136,8 +135,7 @@ def _lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
     return unit
 
 
-@builds(NormExact)
-def _exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
+def exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
     from ..nn.exact_norms import MSExactNorm
 
     unit = Unit(f"norm {item.name} (exact)")

@@ -1,7 +1,7 @@
 """From the walker's plan to what happens on disk: which rewrites a plain checkpoint can hold, and what each
 output tensor is made of. Pure decisions, no tensor data read.
 
-The planner loops over the plan's items and asks each kind's `DiskRule` (`DISK_RULES`) whether and how the item
+The planner loops over the plan's items and asks each kind's `DiskRule` (`RewriteKind.disk`) whether and how the item
 rewrites stored tensors. A kind without a rule is a module swap only, which ``convert()`` makes when it loads
 the written checkpoint; today only norm folds change weights.
 """
@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 from ..apply.convert import CONFIG_KEY
 from ..enums import Layout, StrChoice, WeightParam
 from ..match.consumers import ConsumerFold
+from ..match.kinds import declared
 from ..match.plan import LinearTarget, NormFold, Plan, PlanItem, Skip
 from ..reasons import Reason, ReasonCode
 from ..report import fmt_bytes
@@ -103,7 +104,7 @@ class DiskPlan:
     def to_dict(self) -> dict:
         return {
             "architecture": self.view.arch,
-            "folds": [DISK_RULES[type(f)].summary(f) for f in self.folds],
+            "folds": [_rule(f).summary(f) for f in self.folds],
             "skips": [s.to_dict() for s in self.skips],
             "untied": list(self.untied),
             "predicted_saved_bytes_per_" + self.plan.probe_unit: self.saved_per_unit,
@@ -119,7 +120,7 @@ class DiskPlan:
     def describe(self) -> str:
         lines = [f"lmbp-convert plan for {self.view.arch}: {len(self.folds)} norm(s) folded into the following "
                  f"Linear layers, {len(self.skips)} skipped"]
-        lines += [DISK_RULES[type(f)].describe(f) for f in self.folds]
+        lines += [_rule(f).describe(f) for f in self.folds]
         for s in self.skips:
             lines.append(f"  skip {s.name}: {s.reason}")
         for u in self.untied:
@@ -219,7 +220,7 @@ class _Planner:
         claims: dict[str, Action] = {}
         written: list[PlanItem] = []
         for item, _ in cands:
-            rule = DISK_RULES[type(item)]
+            rule = _rule(item)
             acts = rule.actions(self, item)
             problem = self._claim_problem(item, rule.targets(item), acts, dst_view, claims)
             if problem:
@@ -234,7 +235,7 @@ class _Planner:
         a skip with its reason for the others."""
         cands = []
         for item in self.plan.items:
-            rule = DISK_RULES.get(type(item))
+            rule = _rule(item)
             if rule is None:
                 continue  # a module swap only: convert() makes it when it loads the checkpoint
             reason, needs_untie = rule.problem(self, item)
@@ -251,7 +252,7 @@ class _Planner:
         dst_raw, dst_view, why = self._untied_view()
         keep = []
         for item, u in cands:
-            tied = [f"{t}.weight" for t in DISK_RULES[type(item)].targets(item)
+            tied = [f"{t}.weight" for t in _rule(item).targets(item)
                     if len(dst_view.group(f"{t}.weight")) > 1]
             if u and why:
                 self.skips.append(Skip(item.name, item.cls, _on_disk(why)))
@@ -570,7 +571,10 @@ class ConsumerFoldOnDisk(FoldOnDisk):
 
 
 #: plan item class → how its items go on disk (kinds not listed are module swaps only)
-DISK_RULES: dict[type, DiskRule] = {NormFold: FoldOnDisk(), ConsumerFold: ConsumerFoldOnDisk()}
+def _rule(item: PlanItem) -> DiskRule | None:
+    """The disk rule the item's kind declares (`match.kinds.RewriteKind.disk`; exactly its class's)."""
+    kind = declared(type(item), exact=True)
+    return kind.disk if kind is not None else None
 
 
 def plan_disk(src: Source, view: ModelView, plan: Plan, *, untie: bool, raw_config: dict | None,

@@ -57,7 +57,7 @@ def op_short(node: Node) -> str:
 
 
 def is_metadata(node: Node) -> bool:
-    return node.kind == "op" and (op_short(node) in METADATA_OPS or node.target.endswith(".__get__"))
+    return node.callee == "op" and (op_short(node) in METADATA_OPS or node.target.endswith(".__get__"))
 
 
 def node_arg(node: Node, pos: int, name: str, default=None):
@@ -292,7 +292,7 @@ RULES: dict[str, Rule] = {
 def step(node: Node, tensors: dict[int, TensorInfo], tid: int, axis: int, d: int,
          dropout_p: float | None = None) -> Step:
     """Follow the channels of tensor ``tid`` through op ``node`` (see module doc)."""
-    if node.kind == "module" or not node.outputs or node.info.get("inplace"):
+    if node.callee == "module" or not node.outputs or node.info.get("inplace"):
         return None
     rule = RULES.get(op_short(node))
     if rule is None:

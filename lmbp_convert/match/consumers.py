@@ -19,13 +19,12 @@ from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode, joined
 from .context import MatchContext
 from .norm import Refused, Walk, _adopt_prefolded, plan_norm
-from .plan import NormFold, ParamTarget, Skip, register_item
-from .roles import RoleKind
+from .plan import NormFold, ParamTarget, Skip
+from .roles import ModuleRole
 
 __all__ = ["ConsumerFold", "match_consumer_folds"]
 
 
-@register_item
 @dataclass
 class ConsumerFold(NormFold):
     """A norm fold some of whose consumers are functional ops on parameters (`ParamTarget`), besides any Linear
@@ -79,7 +78,7 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
         if (mod is None or name in ctx.claimed or not ctx.opt.selected(name) or role.why
-                or role.kind is not RoleKind.NORM or not role.norm.affine):
+                or role.plays is not ModuleRole.NORM or not role.norm.affine):
             continue
         nr = role.norm
         walk = Walk()

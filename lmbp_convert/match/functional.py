@@ -34,11 +34,11 @@ from torch import nn
 
 from ..enums import Layout
 from ..reasons import Reason, ReasonCode
-from ..trace.graph import Graph, Node, NodeKind
+from ..trace.graph import Graph, Node, Callee
 from .commute import is_metadata, node_arg, op_short
 from .plan import BiasPart, LinearTarget, ParamTarget
 from .readers import At, end_readers
-from .roles import Role, RoleKind
+from .roles import Role, ModuleRole
 
 if TYPE_CHECKING:
     from .context import MatchContext
@@ -192,7 +192,7 @@ def trace_to_param(g: Graph, wt: int, contracted: int) -> tuple[int, int] | None
         node = g.nodes[info.producer]
         op, args = op_short(node), node.info.get("args", ())
         src = _tid(args[0]) if args else None
-        if node.kind is not NodeKind.OP or src is None or len(node.outputs) != 1:
+        if node.callee is not Callee.OP or src is None or len(node.outputs) != 1:
             return None
         ndim = len(info.shape)
         if op in _CASTS:
@@ -271,7 +271,7 @@ def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> Reason | Non
         def through(c: Node, at: At, known: set[int] = known) -> list[At] | None:
             if c.idx in known:
                 return []
-            if c.kind is NodeKind.OP and _tid(node_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
+            if c.callee is Callee.OP and _tid(node_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
                 return [(o, None) for o in c.outputs]
             return None
 
@@ -385,8 +385,8 @@ def _other_uses(ctx: "MatchContext", node: Node, tid: int, name: str, where: str
     if others:
         return f"{where}: {name} is also used by {op_short(others[0])} in {ctx.scope_name(others[0])}"
     owner = name.rsplit(".", 1)[0] if "." in name else ""
-    role = ctx.roles.get(owner, Role(RoleKind.OTHER))
-    if role.kind is not RoleKind.OTHER and ctx.g.module_calls.get(owner, 0):
+    role = ctx.roles.get(owner, Role(ModuleRole.OTHER))
+    if role.plays is not ModuleRole.OTHER and ctx.g.module_calls.get(owner, 0):
         return f"{where}: {name} is also used by its module {owner}, which runs in the forward"
     return None
 

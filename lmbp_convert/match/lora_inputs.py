@@ -19,12 +19,11 @@ from torch import nn
 
 from ..catalogue import class_key, load_catalogue
 from .context import MatchContext, tensor_bytes
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 
 __all__ = ["LoraInputShare", "match_lora_inputs"]
 
 
-@register_item
 @dataclass
 class LoraInputShare(PlanItem):
     """A LoRA layer whose adapters rebuild their (cast, dropped) input from the layer's input in backward."""

@@ -31,7 +31,7 @@ from ..enums import ConvertedCallable
 from ..trace.containers import children
 from ..trace.device import training_mode
 from .context import MatchContext
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 #: the placeholders a recorded call keeps in place of the tensors and the config it was given
@@ -39,7 +39,6 @@ LOGITS, LABELS, CONFIG = "@logits", "@labels", "@config"
 _RTOL = 1e-5  # fp32 against fp32: only the order of the sums differs
 
 
-@register_item
 @dataclass
 class LossSwap(PlanItem):
     """A module whose forward computes cross-entropy on its head's logits through ``loss_function``: that instance
@@ -247,7 +246,7 @@ def _loss_reason(text: str) -> Reason:
 
 
 def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
-    """The matcher (`lmbp_convert.match.planner.MATCHERS`): at most one item per module whose forward called its
+    """The matcher (declared in `lmbp_convert.rewrites`): at most one item per module whose forward called its
     ``loss_function`` on the labelled probe."""
     model = ctx.model
     takes = _takes_labels(model)

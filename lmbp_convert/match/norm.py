@@ -18,12 +18,12 @@ from ..catalogue import LoraLayout, class_key
 from ..fold import effective_scale, shift_is_expressible
 from ..enums import BetaMode, ConvertedHook, NormType, ReapplyKind
 from ..reasons import Reason, ReasonCode, option, then
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, Callee
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .plan import LinearTarget, NormFold, ParamTarget, ReapplySite, Skip
 from .reach import follow
-from .roles import NormRole, Role, RoleKind, is_scripted, quantized_linear, user_hooks
+from .roles import NormRole, Role, ModuleRole, is_scripted, quantized_linear, user_hooks
 
 #: config attribute written by the checkpoint CLI: norms whose affine is already folded on disk
 CONFIG_KEY = "lmbp_convert"
@@ -89,7 +89,7 @@ def match_norms(ctx: MatchContext) -> Iterator[NormFold | Skip]:
             continue
         if role.why:
             yield Skip(name, class_key(mod), role.why)
-        elif role.kind is RoleKind.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
+        elif role.plays is ModuleRole.NORM and role.norm.affine:  # affine-free ones: match/norm_free.py
             if role.norm.channel_dim != -1:  # channel-first norms: match/consumers.py (it claims the ones it takes)
                 yield Skip(name, class_key(mod), Reason(ReasonCode.NO_CONSUMER, "channel-first norm whose output "
                                                         "reaches no consumer the fold can go into"))
@@ -212,7 +212,7 @@ def no_target_reason(ctx: MatchContext, walk: Walk) -> Reason:
     blocks, behind, ends = [], {}, []
     for r in walk.others:
         reach = follow(ctx, r.node, r.tid, r.axis)
-        is_linear = r.node is not None and ctx.roles.get(r.node.target, Role(RoleKind.OTHER)).kind is RoleKind.LINEAR
+        is_linear = r.node is not None and ctx.roles.get(r.node.target, Role(ModuleRole.OTHER)).plays is ModuleRole.LINEAR
         if r.block and (is_linear or reach.linears or r.block.code is ReasonCode.QUANTIZED_LINEAR):
             blocks.append(r.block)
             continue
@@ -304,7 +304,7 @@ class _Walker:
                     continue
                 if c.info.get("inplace"):
                     w.inplace.append(f"{op_short(c)} in {self.ctx.scope_name(c)}")
-                elif c.kind is NodeKind.MODULE:
+                elif c.callee is Callee.MODULE:
                     self._module(c, tid, axis, via)
                 elif not (c.inputs and c.inputs[0] != tid and op_short(c).endswith("_as")):  # else: shape only
                     self._op(c, tid, axis, via)
@@ -312,15 +312,15 @@ class _Walker:
 
     def _module(self, c: Node, tid: int, axis: int, via: list[str]) -> None:
         w = self.walk
-        r = self.ctx.roles.get(c.target, Role(RoleKind.OTHER))
+        r = self.ctx.roles.get(c.target, Role(ModuleRole.OTHER))
         last = axis == len(self.g.tensors[tid].shape) - 1
-        if r.kind is RoleKind.LINEAR and last:
+        if r.plays is ModuleRole.LINEAR and last:
             return self._linear(c, r, tid, axis, via)
         block = None
-        if r.kind is RoleKind.DROPOUT and r.p:
+        if r.plays is ModuleRole.DROPOUT and r.p:
             block = Reason(ReasonCode.BLOCKING_OP, f"dropout (p={r.p}) at {c.target} between norm and Linear", c.target)
             w.blocks.append(block)
-        elif r.kind in (RoleKind.DROPOUT, RoleKind.IDENTITY):
+        elif r.plays in (ModuleRole.DROPOUT, ModuleRole.IDENTITY):
             w.active_scopes.update(c.scopes)
             self.frontier.extend((o, axis, via + [c.target]) for o in c.outputs)
             return
@@ -546,7 +546,7 @@ def site_for(ctx: MatchContext, reader: Reader, active: set[int]) -> ReapplySite
     if consumer is None:  # escapes as a model output
         return ReapplySite(ReapplyKind.ROOT_OUTPUT, "", paths=[list(p) for p in g.root_outputs[tid]],
                            consumer="model output")
-    if consumer.kind is NodeKind.MODULE and not is_scripted(ctx.modules.get(consumer.target)):  # (takes no hook)
+    if consumer.callee is Callee.MODULE and not is_scripted(ctx.modules.get(consumer.target)):  # (takes no hook)
         slots = consumer.info["slots"].get(tid, [])
         if len(slots) == 1 and g.module_calls.get(consumer.target) == 1:
             pos, kw = slots[0]
@@ -590,7 +590,7 @@ def _hooked_calls(ctx: MatchContext) -> list[tuple[str, dict, list[int], bool, l
     every module call whose module has a user's hook, found once per graph: each norm checks only these (most
     models have none), not every call of the model again."""
     if ctx.hooked_calls is None:
-        calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.kind is NodeKind.MODULE]
+        calls = [(n.target, n.info["slots"], n.outputs) for n in ctx.g.nodes if n.callee is Callee.MODULE]
         calls += [(sc.module, {t: [(a.position, a.keyword) for a in sl] for t, sl in sc.args.items()}, sc.outputs)
                   for sc in ctx.g.scopes if sc.module]
         found = []

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 
 from ..enums import NormType, WeightParam
 from .norm_kept import NormKeep
-from .plan import NormFold, PlanItem, register_item
+from .plan import NormFold, PlanItem
 
 __all__ = ["NormExact", "exact_items"]
 
 
-@register_item
 @dataclass
 class NormExact(PlanItem):
     """A norm swapped for `MSExactNorm`: γ, β kept, the output rebuilt from x̂ for the consumers that save it."""

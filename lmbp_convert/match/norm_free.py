@@ -8,11 +8,11 @@ from typing import Iterator
 
 from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode
-from ..trace.graph import NodeKind
+from ..trace.graph import Callee
 from .context import MatchContext
 from .norm import Refused, inplace_reason, predicted_norm_bytes, walk_readers
 from .plan import NormSwap, Skip
-from .roles import NormRole, Role, RoleKind
+from .roles import NormRole, Role, ModuleRole
 
 
 def match_affine_free_norms(ctx: MatchContext) -> Iterator[NormSwap | Skip]:
@@ -20,7 +20,7 @@ def match_affine_free_norms(ctx: MatchContext) -> Iterator[NormSwap | Skip]:
         return
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
-        if (mod is None or name in ctx.claimed or role.kind is not RoleKind.NORM or role.norm.affine
+        if (mod is None or name in ctx.claimed or role.plays is not ModuleRole.NORM or role.norm.affine
                 or not ctx.opt.selected(name)):
             continue
         try:
@@ -53,8 +53,8 @@ def plan_affine_free(ctx: MatchContext, name: str, nr: NormRole) -> NormSwap:
     if walk.inplace:
         raise Refused(inplace_reason(walk))
     readers = list(walk.targets) + [r.node.target for r in walk.others if r.node is not None
-                                    and r.node.kind is NodeKind.MODULE
-                                    and ctx.roles.get(r.node.target, Role(RoleKind.OTHER)).kind is RoleKind.LINEAR]
+                                    and r.node.callee is Callee.MODULE
+                                    and ctx.roles.get(r.node.target, Role(ModuleRole.OTHER)).plays is ModuleRole.LINEAR]
     if not readers:
         raise Refused(Reason(ReasonCode.NO_CONSUMER, "no Linear reads its output, so a memory-sharing norm would keep "
                              "its output instead of its input and save nothing"))

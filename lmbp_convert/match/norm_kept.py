@@ -16,13 +16,13 @@ from ..catalogue import class_key
 from ..fold import unreliable_channels
 from ..enums import NormType, WeightParam
 from ..reasons import Reason, ReasonCode
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, Callee
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .norm import Refused, emitted_dtype, plan_norm
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 from .readers import At, end_readers
-from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
+from .roles import NormRole, Role, ModuleRole, quantized_linear, user_hooks
 
 #: ops whose result shares its input's storage (what a consumer saves of a view is the norm's output itself)
 _VIEW_OPS = {"view", "reshape", "transpose", "permute", "flatten", "unflatten", "squeeze", "unsqueeze", "t",
@@ -32,7 +32,6 @@ _SAVE_OUTPUT_OPS = {"tanh", "sigmoid", "exp", "relu", "relu_", "softmax", "log_s
                     "hardtanh", "threshold", "logsigmoid", "exp2", "reciprocal"}
 
 
-@register_item
 @dataclass
 class NormKeep(PlanItem):
     """A norm whose affine could not be folded, swapped for a memory-sharing norm that keeps γ, β (the same
@@ -73,7 +72,7 @@ def match_kept_affine_norms(ctx: MatchContext) -> Iterator[NormKeep]:
         return
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
-        if (mod is None or name in ctx.claimed or role.kind is not RoleKind.NORM or role.why
+        if (mod is None or name in ctx.claimed or role.plays is not ModuleRole.NORM or role.why
                 or not role.norm.affine or not ctx.opt.selected(name) or name in ctx.prefolded):
             continue
         try:
@@ -139,21 +138,21 @@ def output_keepers(ctx: MatchContext, out: int) -> list[str]:
     """Consumers that keep ``out`` itself (or a view of it) for their backward: Linear-like modules whose weight
     (or a LoRA adapter without dropout) is trained."""
     def through(c: Node, at: At) -> list[At] | None:
-        if c.kind is NodeKind.MODULE:
-            role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
-            passes = role.kind is RoleKind.IDENTITY or (role.kind is RoleKind.DROPOUT and not role.p)
+        if c.callee is Callee.MODULE:
+            role = ctx.roles.get(c.target, Role(ModuleRole.OTHER))
+            passes = role.plays is ModuleRole.IDENTITY or (role.plays is ModuleRole.DROPOUT and not role.p)
         else:
             passes = bool(c.inputs) and c.inputs[0] == at[0] and (op_short(c) in _VIEW_OPS or _basic_getitem(c))
         return [(o, None) for o in c.outputs] if passes else None
 
     found = [c.target for c, _ in end_readers(ctx.g, (out, None), through)
-             if c.kind is NodeKind.MODULE and _keeper(ctx, c.target)]
+             if c.callee is Callee.MODULE and _keeper(ctx, c.target)]
     return sorted(set(found))
 
 
 def _keeper(ctx: MatchContext, name: str) -> bool:
-    role = ctx.roles.get(name, Role(RoleKind.OTHER))
-    return role.kind is RoleKind.LINEAR and _keeps_input(ctx, name, role)
+    role = ctx.roles.get(name, Role(ModuleRole.OTHER))
+    return role.plays is ModuleRole.LINEAR and _keeps_input(ctx, name, role)
 
 
 def _basic_getitem(c: Node) -> bool:
@@ -194,7 +193,7 @@ def input_kept_elsewhere(ctx: MatchContext, tid: int, norm: Node) -> str | None:
         if prod is None:
             return None
         p = ctx.g.nodes[prod]
-        short = op_short(p) if p.kind is NodeKind.OP else ""
+        short = op_short(p) if p.callee is Callee.OP else ""
         if short in _SAVE_OUTPUT_OPS:
             return f"made by {short}, which keeps its result"
         if short in _VIEW_OPS and p.inputs:
@@ -204,7 +203,7 @@ def input_kept_elsewhere(ctx: MatchContext, tid: int, norm: Node) -> str | None:
 
 
 def _what(c: Node) -> str:
-    return c.target if c.kind is NodeKind.MODULE else op_short(c)
+    return c.target if c.callee is Callee.MODULE else op_short(c)
 
 
 __all__ = ["NormKeep", "Skip", "match_kept_affine_norms", "plan_kept"]

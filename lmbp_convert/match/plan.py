@@ -3,8 +3,8 @@
 The plan is a list of *plan items*, one class per rewrite kind, all deriving from `PlanItem`: an item describes
 itself for the report, predicts the activation bytes it saves, serialises, and builds its reversible unit
 (`PlanItem.build_unit`). Everything that handles plans — ``convert()``, verification and rollback, the report,
-the checkpoint CLI — loops over items and never names a kind, so a new rewrite is a new item class (registered
-with `register_item`) plus the matcher that finds it (`lmbp_convert.match.planner.MATCHERS`).
+the checkpoint CLI — loops over items and never names a kind, so a new rewrite is a new item class declared with
+its matcher and builder in one `lmbp_convert.match.kinds.register_kind`.
 """
 from __future__ import annotations
 
@@ -14,34 +14,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
 from ..enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from ..reasons import Reason
+from .kinds import by_tag, item_classes
 
 if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
     from ..apply.rewrite import Unit, UnitBuilder
 
-_KINDS: dict[str, type["PlanItem"]] = {}  # serialisation tag → item class, in registration (= report) order
 T = TypeVar("T", bound="PlanItem")
-
-
-def register_item(cls: type[T]) -> type[T]:
-    """Class decorator: make a plan item kind known to `Plan.from_dict` and the report (under ``cls.tag``)."""
-    if not cls.tag:
-        raise ValueError(f"{cls.__name__} needs a non-empty tag (its section in a serialised plan)")
-    known = _KINDS.get(cls.tag)
-    if known is not None and known is not cls and known.__qualname__ != cls.__qualname__:
-        raise ValueError(f"plan item tag {cls.tag!r} is already used by {known.__qualname__}")
-    _KINDS[cls.tag] = cls
-    return cls
-
-
-def unregister_item(cls: type["PlanItem"]) -> None:
-    """Forget a kind registered with `register_item` (tests, plug-ins that are unloaded)."""
-    if _KINDS.get(cls.tag) is cls:
-        del _KINDS[cls.tag]
-
-
-def item_kinds() -> list[type["PlanItem"]]:
-    """The registered plan item classes, in registration order (the report's section order)."""
-    return list(_KINDS.values())
 
 
 @dataclass
@@ -177,7 +155,6 @@ class ReapplySite:
         return f"input {slot} of {self.module or '<model>'}"
 
 
-@register_item
 @dataclass
 class ActSwap(PlanItem):
     """An activation module swapped for an approximate-backprop one that keeps a ``bits``-bit code per element."""
@@ -203,7 +180,6 @@ class ActSwap(PlanItem):
         return [summary] + [line for a in items for line in a.describe()]
 
 
-@register_item
 @dataclass
 class OutputActSwap(PlanItem):
     """An activation whose derivative is a function of its output (squared ReLU: 2·√y) swapped for one whose
@@ -223,7 +199,6 @@ class OutputActSwap(PlanItem):
         return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.act}, keeps only its output)"]
 
 
-@register_item
 @dataclass
 class NormFold(PlanItem):
     """A norm swapped for a memory-sharing one, its affine folded into the Linears it feeds (``targets``) and
@@ -288,7 +263,6 @@ class NormFold(PlanItem):
         return cls(**d)
 
 
-@register_item
 @dataclass
 class NormSwap(PlanItem):
     """A norm without affine (no weight, no bias) swapped for a memory-sharing one: nothing to fold, its output
@@ -315,7 +289,6 @@ class NormSwap(PlanItem):
                 f"{', '.join(self.readers)}"]
 
 
-@register_item
 @dataclass
 class GatedMLPSwap(PlanItem):
     """A gated MLP (act(gate(x))·up(x) → down) replaced by the memory-sharing fused op over the same
@@ -397,7 +370,7 @@ class Plan:
 
     def kinds(self) -> list[type[PlanItem]]:
         """Every registered kind (report order), then any unregistered kind the plan holds."""
-        known = item_kinds()
+        known = item_classes()
         return known + list(dict.fromkeys(type(it) for it in self.items if type(it) not in known))
 
     # read-only views by kind, kept for code written against the three fixed lists
@@ -432,7 +405,7 @@ class Plan:
         out: dict[str, Any] = {}
         for it in self.items:
             out.setdefault(it.tag, []).append(it.to_dict())
-        for kind in item_kinds():
+        for kind in item_classes():
             out.setdefault(kind.tag, [])
         out["skips"] = [s.to_dict() for s in self.skips]
         out.update(already_converted=list(self.already_converted), probe_tokens=self.probe_tokens,
@@ -445,10 +418,11 @@ class Plan:
         for key, entries in data.items():
             if key in _PLAN_FIELDS or key in {f.name for f in fields(cls)}:
                 continue
-            kind = _KINDS.get(key)
+            kind = by_tag(key)
             if kind is None:
-                raise ValueError(f"the plan has items of unknown kind {key!r} (known: {', '.join(_KINDS)}); "
-                                 "import the module that registers that kind first")
+                known = ", ".join(k.tag for k in item_classes())
+                raise ValueError(f"the plan has items of unknown kind {key!r} (known: {known}); register that kind "
+                                 "first (lmbp_convert.match.kinds.register_kind)")
             items += [kind.from_dict(d) for d in entries]
         return cls(
             items=items,

@@ -21,7 +21,7 @@ from ..enums import ConvertedModule, Layout, NormType, StrChoice, WeightParam
 from ..reasons import Reason, ReasonCode
 
 
-class RoleKind(StrChoice):
+class ModuleRole(StrChoice):
     ACTIVATION = "activation"
     NORM = "norm"
     LINEAR = "linear"
@@ -48,7 +48,7 @@ class NormRole:
 
 @dataclass(frozen=True)
 class Role:
-    kind: RoleKind
+    plays: ModuleRole
     act: str | None = None  # activation kind (the ops layer's table)
     norm: NormRole | None = None
     layout: Layout | None = None  # linear weight layout
@@ -58,7 +58,7 @@ class Role:
     probe_norm: bool = False  # acts as a norm on the probe but not beyond it: reported whatever its name
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", RoleKind(self.kind))
+        object.__setattr__(self, "plays", ModuleRole(self.plays))
         if self.layout is not None:
             object.__setattr__(self, "layout", Layout(self.layout))
 
@@ -360,7 +360,7 @@ def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -
         if is_scripted(mod):  # said once, for the outermost one
             inside = any(not p or name.startswith(p + ".") for p in scripted)
             scripted.append(name)
-            role = Role(RoleKind.OTHER, why=None if inside else Reason(ReasonCode.SCRIPTED, SCRIPTED_WHY))
+            role = Role(ModuleRole.OTHER, why=None if inside else Reason(ReasonCode.SCRIPTED, SCRIPTED_WHY))
         else:
             role = _role_of(mod, cat, checked, accepted)
         seen[id(mod)] = roles[name] = role
@@ -370,37 +370,37 @@ def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -
 def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role], accepted: frozenset = frozenset()
              ) -> Role:
     if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
-        return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
+        return Role(ModuleRole.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
     if act is not None:
-        return Role(RoleKind.ACTIVATION, act=act)
+        return Role(ModuleRole.ACTIVATION, act=act)
     entry = cat.norm_entry(mod)
     leaf = next(mod.children(), None) is None  # containers are never norms, whatever their name
     if entry is not None and entry.get("kind") and leaf:  # listed: kind and param are known
         return _norm_role(mod, entry, cat, checked, accepted)
     layout = cat.linear_layout(mod)
     if layout is not None:
-        return Role(RoleKind.LINEAR, layout=layout)
+        return Role(ModuleRole.LINEAR, layout=layout)
     if quantized_linear(mod):  # traced as one node, so the planner sees the layer, not its dequantising ops
-        return Role(RoleKind.QUANTIZED_LINEAR)
+        return Role(ModuleRole.QUANTIZED_LINEAR)
     lora = cat.lora_entry(mod)
     if lora is not None:
         base = getattr(mod, lora.base, None)
         base_layout = cat.linear_layout(base) if base is not None else None
         if base_layout is not None:
-            return Role(RoleKind.LINEAR, layout=base_layout, lora=lora)
-        return Role(RoleKind.OTHER, why=Reason(ReasonCode.LORA_STATE, f"{class_key(mod)}: LoRA over {class_key(base)} "
+            return Role(ModuleRole.LINEAR, layout=base_layout, lora=lora)
+        return Role(ModuleRole.OTHER, why=Reason(ReasonCode.LORA_STATE, f"{class_key(mod)}: LoRA over {class_key(base)} "
                                                                       "(not a Linear the fold knows)"))
     p = cat.dropout_p(mod)
     if p is not None:
-        return Role(RoleKind.DROPOUT, p=p)
+        return Role(ModuleRole.DROPOUT, p=p)
     if cat.is_identity(mod):
-        return Role(RoleKind.IDENTITY)
+        return Role(ModuleRole.IDENTITY)
     if could_be_norm(mod) or (entry is not None and leaf):  # by behaviour: whatever acts as a norm is one
         role = _norm_role(mod, entry, cat, checked, accepted)
-        if role.kind is RoleKind.NORM or entry is not None or role.probe_norm:  # say why it is not one
+        if role.plays is ModuleRole.NORM or entry is not None or role.probe_norm:  # say why it is not one
             return role
-    return Role(RoleKind.OTHER)
+    return Role(ModuleRole.OTHER)
 
 
 def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role],
@@ -413,12 +413,12 @@ def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict
     cls = class_key(mod)
     found = identify_norm(mod, entry, eps, beyond=not accepted & {cls, type(mod).__name__})
     if isinstance(found, NormRole):
-        role = Role(RoleKind.NORM, norm=found)
+        role = Role(ModuleRole.NORM, norm=found)
     elif found.code is ReasonCode.BEYOND_PROBE:
-        role = Role(RoleKind.OTHER, why=Reason(found.code, f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] "
+        role = Role(ModuleRole.OTHER, why=Reason(found.code, f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] "
                                                            "swaps it anyway)"), probe_norm=True)
     else:
-        role = Role(RoleKind.OTHER, why=Reason(found.code, f"{cls}: {found}"))
+        role = Role(ModuleRole.OTHER, why=Reason(found.code, f"{cls}: {found}"))
     if key is not None:
         checked[key] = role
     return role
@@ -450,6 +450,6 @@ def behaviour_key(mod: nn.Module, entry: dict | None, eps: float | None) -> tupl
 def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):
     """Leaf predicate for the tracer: modules with a role are seen as one node; all others are transparent
     (their ops are recorded, and their calls are scopes where an affine can be re-applied)."""
-    other = Role(RoleKind.OTHER)
-    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, other).kind is not RoleKind.OTHER}
+    other = Role(ModuleRole.OTHER)
+    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, other).plays is not ModuleRole.OTHER}
     return lambda m: id(m) in ids

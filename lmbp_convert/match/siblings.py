@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from ..reasons import Reason, ReasonCode
-from ..trace.graph import NodeKind
+from ..trace.graph import Callee
 from .plan import LinearTarget
-from .roles import RoleKind
+from .roles import ModuleRole
 
 if TYPE_CHECKING:
     from .context import MatchContext
@@ -62,7 +62,7 @@ def _other_readers_in(ctx: "MatchContext", walk: "Walk", member: str) -> str | N
     for r in walk.others:
         if r.node is None:
             continue
-        names = [r.node.target] if r.node.kind is NodeKind.MODULE else []
+        names = [r.node.target] if r.node.callee is Callee.MODULE else []
         names += [ctx.g.scopes[s].module for s in r.node.scopes]
         if any(_under(n, member) for n in names):
             return r.what
@@ -104,7 +104,7 @@ def unseen_sibling_targets(ctx: "MatchContext", norm: str, walk: "Walk",
                     return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and it has no Linear {rel or 'itself'} shaped "
                                   "like theirs", mname)
                 role = ctx.roles.get(lname)
-                if role is None or role.kind is not RoleKind.LINEAR:
+                if role is None or role.plays is not ModuleRole.LINEAR:
                     return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and its {rel or 'module'} is not a plain "
                                   "Linear", mname)
                 problem = module_problem(ctx, lname, has_beta)

@@ -183,7 +183,7 @@ def test_a_module_call_is_not_an_op():
     g, _ = trace(_Fn(nn.Linear(D, D)), torch.randn(2, D), lambda m: isinstance(m, nn.Linear))
     x = next(iter(g.scopes[0].args))
     lin = next(n for n in g.nodes if x in n.inputs)
-    assert lin.kind == "module" and step(lin, g.tensors, x, 1, D) is None
+    assert lin.callee == "module" and step(lin, g.tensors, x, 1, D) is None
 
 
 @pytest.mark.parametrize("fn, shape, axis, expected", [

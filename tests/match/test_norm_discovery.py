@@ -12,7 +12,7 @@ from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.enums import NormType, WeightParam
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
-from lmbp_convert.match.roles import NormRole, RoleKind, assign_roles, identify_norm
+from lmbp_convert.match.roles import NormRole, ModuleRole, assign_roles, identify_norm
 from lmbp_convert.reasons import ReasonCode
 
 D = 16
@@ -143,11 +143,11 @@ def test_a_norm_that_returns_another_dtype_is_refused():
 
 def test_roles_find_norms_by_behaviour_and_never_containers():
     roles = assign_roles(_net(), load_catalogue())
-    assert [roles[f"norms.{i}"].kind for i in range(4)] == [RoleKind.NORM] * 4
-    assert roles["box"].kind is RoleKind.OTHER and roles["box"].why is None  # container: not a candidate
-    assert roles["box.norm"].kind is RoleKind.NORM
-    assert roles["decoy"].kind is RoleKind.OTHER and "behaviour does not match" in roles["decoy"].why.text
-    assert roles["inp"].kind is RoleKind.LINEAR
+    assert [roles[f"norms.{i}"].plays for i in range(4)] == [ModuleRole.NORM] * 4
+    assert roles["box"].plays is ModuleRole.OTHER and roles["box"].why is None  # container: not a candidate
+    assert roles["box.norm"].plays is ModuleRole.NORM
+    assert roles["decoy"].plays is ModuleRole.OTHER and "behaviour does not match" in roles["decoy"].why.text
+    assert roles["inp"].plays is ModuleRole.LINEAR
 
 
 def _saved(model, x):
@@ -227,5 +227,5 @@ def test_norms_of_one_kind_are_checked_once(monkeypatch):
     model[0].register_forward_hook(lambda m, a, y: y * 2)  # a hooked norm behaves otherwise: its own check
     got = R.assign_roles(model, load_catalogue())
     assert len(calls) == 5  # LayerNorm(16) once, the hooked one, eps 1e-3, width 8, RMSNorm
-    assert all(got[str(i)].kind is R.RoleKind.NORM for i in range(1, 9))
+    assert all(got[str(i)].plays is R.ModuleRole.NORM for i in range(1, 9))
     assert got["6"].norm.eps == 1e-3 and got["1"].norm.eps == 1e-5

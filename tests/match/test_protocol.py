@@ -10,18 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-import lmbp_convert.match.planner as planner
 from lmbp_convert import convert, plan_conversion
-import lmbp_convert.apply.rewrite as rewrite
-from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
+from lmbp_convert.apply.rewrite import Unit, UnitBuilder
 from lmbp_convert.reasons import Reason, ReasonCode
 from lmbp_convert.catalogue import class_key
 from lmbp_convert.enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
+from lmbp_convert.match.kinds import RewriteKind, matchers, register_kind, rewrite_kinds, unregister_kind
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import (ActSwap, GatedMLPSwap, LinearTarget, NormFold, Plan, PlanItem, ReapplySite,
-                                     Skip, register_item, unregister_item)
+                                     Skip)
 
 
 # -- a plug-in kind: swap nn.Tanh for a module that records its calls (and, with scale ≠ 1, changes outputs) ----
@@ -61,13 +60,14 @@ def build_tanh(builder: UnitBuilder, item: TanhSwap) -> Unit:
 
 
 @pytest.fixture
-def tanh_kind(monkeypatch):
-    register_item(TanhSwap)
-    monkeypatch.setattr(planner, "MATCHERS", [*planner.MATCHERS, match_tanh])
-    monkeypatch.setattr(rewrite, "BUILDERS", dict(rewrite.BUILDERS))  # builds() below registers in this copy
-    builds(TanhSwap)(build_tanh)
+def tanh_kind():
+    """The whole kind in one declaration, and out again in one call: no registry is patched."""
+    before = rewrite_kinds()
+    register_kind(RewriteKind(TanhSwap, build_tanh, match_tanh))
     yield TanhSwap
-    unregister_item(TanhSwap)
+    if TanhSwap in [k.item for k in rewrite_kinds()]:
+        unregister_kind(TanhSwap)
+    assert rewrite_kinds() == before and match_tanh not in matchers()
 
 
 class TanhNet(nn.Module):
@@ -118,7 +118,7 @@ def test_plugin_kind_that_changes_outputs_is_rolled_back_alone(tanh_kind):
 def test_unregistered_kind_in_a_plan_file_is_a_clear_error(tanh_kind):
     plan = Plan(items=[TanhSwap("t", "torch.nn:Tanh", 2.0, 7)])
     data = plan.to_dict()
-    unregister_item(TanhSwap)
+    unregister_kind(TanhSwap)
     with pytest.raises(ValueError, match="unknown kind 'tanh_swaps'"):
         Plan.from_dict(data)
 

@@ -138,4 +138,4 @@ def test_no_family_norm_fails_the_checks_beyond_the_probe(family):
     roles = assign_roles(_all_families()[family](), load_catalogue())
     beyond = {n: r.why for n, r in roles.items() if r.probe_norm}
     assert not beyond, beyond
-    assert any(r.kind.value == "norm" for r in roles.values())
+    assert any(r.plays.value == "norm" for r in roles.values())
