@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from lmbp_convert import convert
-from lmbp_convert.match import planner
-from lmbp_convert.match.consumers import ConsumerFold, match_consumer_folds
+from lmbp_convert.match.kinds import suspended
+from lmbp_convert.match.consumers import ConsumerFold
 
 from . import common as C
 
@@ -80,13 +80,9 @@ def randomized(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def without_consumer_folds():
-    """convert() as it was before functional consumers: the matcher taken out of the planner."""
-    i = planner.MATCHERS.index(match_consumer_folds)
-    planner.MATCHERS.pop(i)
-    try:
+    """convert() as it was before functional consumers: its kind suspended."""
+    with suspended(ConsumerFold):
         yield
-    finally:
-        planner.MATCHERS.insert(i, match_consumer_folds)
 
 
 def saved(model: nn.Module, x: torch.Tensor, mode: str) -> int:

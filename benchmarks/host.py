@@ -303,13 +303,13 @@ def _train_step(proxy: Proxy, m: nn.Module, batch: tuple) -> Callable[[], None]:
 
 
 def _lmbp_modules(m: nn.Module) -> int:
-    from lmbp_convert.kinds import ConvertedModule
+    from lmbp_convert.enums import ConvertedModule
 
     return sum(isinstance(mod, ConvertedModule) for mod in m.modules())
 
 
 def _lmbp_hooks(m: nn.Module) -> int:
-    from lmbp_convert.kinds import ConvertedHook
+    from lmbp_convert.enums import ConvertedHook
 
     return sum(isinstance(h, ConvertedHook) or isinstance(getattr(h, "__self__", None), ConvertedHook)
                for mod in m.modules() for d in (mod._forward_hooks, mod._forward_pre_hooks) for h in d.values())
@@ -466,7 +466,7 @@ def bench_breakdown(proxy: Proxy, rounds: int, log=print, top: int = BREAKDOWN_R
     handles = []
     # modules inside a converted module are not hooked (in either model): a hook on a converted MLP's down
     # projection would change the path it takes; the converted module is then the finest role reported
-    from lmbp_convert.kinds import ConvertedModule
+    from lmbp_convert.enums import ConvertedModule
 
     inside = {n for n, mod in models["converted"].named_modules() if isinstance(mod, ConvertedModule)}
     hooked = lambda name: not any(name.startswith(c + ".") for c in inside)  # noqa: E731

@@ -23,6 +23,21 @@ def class_key(obj: Any) -> str:
 
 
 @dataclass(frozen=True)
+class LoraLayout:
+    """Where a LoRA-wrapped Linear (PEFT) keeps its parts: the attribute names of its base layer and of its
+    per-adapter containers (adapter name → module)."""
+
+    base: str
+    adapters_a: str
+    adapters_b: str
+    dropout: str
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> "LoraLayout":
+        return cls(entry["base"], entry["adapters_A"], entry["adapters_B"], entry["dropout"])
+
+
+@dataclass(frozen=True)
 class Catalogue:
     activations: dict[str, dict]
     norms: dict[str, dict]
@@ -31,7 +46,7 @@ class Catalogue:
     linears: dict[str, dict]
     dropouts: dict[str, dict]
     identities: frozenset[str]
-    lora_linears: dict[str, dict]
+    lora_linears: dict[str, LoraLayout]
 
     @classmethod
     def from_dict(cls, data: dict) -> "Catalogue":
@@ -47,7 +62,7 @@ class Catalogue:
             linears={e["class"]: e for e in data.get("linears", [])},
             dropouts={e["class"]: e for e in data.get("dropouts", [])},
             identities=frozenset(e["class"] for e in data.get("identities", [])),
-            lora_linears={e["class"]: e for e in data.get("lora_linears", [])},
+            lora_linears={e["class"]: LoraLayout.from_entry(e) for e in data.get("lora_linears", [])},
         )
 
     # -- role queries -------------------------------------------------------------------------------
@@ -76,7 +91,7 @@ class Catalogue:
         entry = self.linears.get(class_key(module))
         return entry["layout"] if entry else None
 
-    def lora_entry(self, module: nn.Module) -> dict | None:
+    def lora_entry(self, module: nn.Module) -> LoraLayout | None:
         """A LoRA-wrapped Linear (PEFT): the entry names its base layer and adapter containers."""
         return self.lora_linears.get(class_key(module))
 

@@ -31,7 +31,7 @@ from torch import nn
 from .apply.convert import REPORT_ATTR
 from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
-from .kinds import AffineState, ConvertedModule
+from .enums import AffineState, ConvertedModule
 from .match.plan import NormFold
 from .report import ConversionReport
 
@@ -102,8 +102,7 @@ def _norm_folds(report: ConversionReport) -> list:
 
 def _buffer_shares(fold) -> list[str]:
     """Buffers that a state dict does not hold but that took a share of the norm's β (EVA's ``k_bias``)."""
-    notes = getattr(fold, "buffer_notes", None)
-    return notes() if notes is not None else []
+    return fold.buffer_notes()
 
 
 def _key(module_name: str, attr: str) -> str:
@@ -186,11 +185,11 @@ def _export_fold(sd: dict, modules: dict, fold, norm_name: str, rename: Callable
                           "state dict holds, so a plain checkpoint would lose that share; save the converted model "
                           "with its own state_dict (it loads into a converted model), or convert without this norm "
                           f"(exclude=[{norm_name!r}])")
-    if getattr(fold, "params", None) and any(t.adds_bias for t in fold.targets) and fold.beta == "fold":
+    if fold.param_targets() and any(t.adds_bias for t in fold.targets) and fold.beta == "fold":
         raise ExportError(f"{norm_name}: a bias-less Linear took a share of its β and it also feeds functional "
                           "consumers, whose biases the move of that share back into the norm does not cover; save "
                           "the converted model with its own state_dict")
-    if getattr(fold, "params", None) and fold.reapply:
+    if fold.param_targets() and fold.reapply:
         _unfold_params(sd, fold, norm, rename)
     if isinstance(norm._parameters.get("weight"), nn.Parameter):
         _unfold_reapplied(sd, fold, norm, targets, rtol)
@@ -229,7 +228,7 @@ def _unfold_reapplied(sd: dict, fold, norm: nn.Module, targets: list, rtol: floa
         weight = getattr(lin, t.weight)
         bias = lin.bias if t.weight == "weight" and isinstance(getattr(lin, "bias", None), torch.Tensor) else None
         try:
-            w, b = unfold_affine(weight, bias, gamma, beta if getattr(fold, "beta", "fold") == "fold" else None,
+            w, b = unfold_affine(weight, bias, gamma, beta if fold.beta == "fold" else None,
                                  t.layout)
         except UnfoldError as exc:
             raise ExportError(str(exc)) from exc
@@ -265,7 +264,7 @@ def _require_small(residual: torch.Tensor, reference: torch.Tensor, rtol: float,
 def _move_added_bias(sd: dict, fold, norm_name: str, norm: nn.Module, targets: list, rtol: float) -> None:
     """Identity norm: move the biases a fold added to bias-less Linears back into the norm's shift."""
     added = [(t, n, lin) for t, n, lin in targets if t.adds_bias]
-    if not added or getattr(fold, "beta", "fold") != "fold":  # "shift": β is the norm's own entry already
+    if not added or fold.beta != "fold":  # "shift": β is the norm's own entry already
         return
     bias_key = _key(norm_name, "bias")
     if bias_key not in sd:

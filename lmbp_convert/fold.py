@@ -27,7 +27,7 @@ from typing import Literal, NamedTuple, Sequence, Union
 import torch
 
 from .errors import LmbpError
-from .kinds import WeightParam
+from .enums import WeightParam
 
 __all__ = [
     "BETA_RATIO", "BiasMove", "GAMMA_FLOOR", "Layout", "Param", "UnfoldError", "Scratch", "accumulation_dtype", "apply_affine", "effective_scale",

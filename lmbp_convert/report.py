@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .kinds import Verification
+from .enums import Verification
 from .match.plan import Plan
 
 
@@ -30,6 +30,8 @@ class ConversionReport:
     train_draws: int = 0
     rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
     notes: list[str] = field(default_factory=list)
+    mismatch: str = ""  # how the converted outputs differ in structure from the original's ("": they do not)
+    unverified_why: str = ""  # why verification could not compare anything ("": it could)
     seconds: float = 0.0
     #: saved-for-backward bytes of one training forward on the probe, (original, converted), by the exact ledger
     measured_bytes: tuple[int, int] | None = None
@@ -67,8 +69,7 @@ class ConversionReport:
         if self.verification is Verification.NOT_RUN:
             return "verification: not run" + (f" ({self.notes[0]})" if self.notes else "")
         if self.verification is Verification.CANNOT_VERIFY:
-            return "verification: CANNOT VERIFY (" + next((n for n in self.notes if "nothing to compare" in n),
-                                                         "nothing finite to compare") + ")"
+            return f"verification: CANNOT VERIFY ({self.unverified_why or 'nothing finite to compare'})"
         err = "n/a" if self.relative_error is None else f"{self.relative_error:.2e}"
         passed = self.verification is Verification.PASSED
         on = ""
@@ -80,8 +81,7 @@ class ConversionReport:
             on += f", in train mode too ({self.train_draws} RNG draw{'s' if self.train_draws > 1 else ''})"
         line = (f"verification: {'passed' if passed else 'FAILED'}{on}; relative output error "
                 f"{err} (tolerance {self.rtol:.0e})")
-        diff = next((n for n in self.notes if n.startswith("converted outputs differ")), None)
-        return line + (f"; {diff}" if diff and not passed else "")
+        return line + (f"; converted outputs differ: {self.mismatch}" if self.mismatch and not passed else "")
 
     def to_dict(self) -> dict:
         d: dict = {"plan": self.plan.to_dict()}

@@ -39,5 +39,5 @@ def with_step_backward(model: nn.Module, swaps, slope=step_derivative) -> nn.Mod
     for it in swaps:
         parent_name, _, leaf = it.name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, leaf, StepBackward(getattr(parent, leaf), it.kind, it.bits, slope))
+        setattr(parent, leaf, StepBackward(getattr(parent, leaf), it.act, it.bits, slope))
     return model

@@ -17,13 +17,13 @@ from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
+from ..reasons import Reason, ReasonCode
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import OUT_OF_MEMORY, trace
 from .measure import measure_saved
-from . import shared_hooks  # noqa: F401  (registers the builders of the kinds that use the shared-saves region)
 from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
@@ -314,6 +314,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
     report.verified_on = [c.how for c in checks if c.train_seed is None]
     report.train_draws = sum(c.train_seed is not None for c in checks)
     if cmp.mismatch:
+        report.mismatch = cmp.mismatch
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
     reference = checks[0].reference
     if report.verification == CANNOT_VERIFY:
@@ -322,6 +323,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
         if not float_tensors(reference):
             why = (f"the model's output ({type(reference).__name__}) holds no floating-point tensor in a tensor, "
                    "dict, list, tuple or dataclass: nothing to compare, the rewrites are unchecked")
+        report.unverified_why = why
         report.notes.append(why)
         warnings.warn(f"convert() cannot verify {type(model).__name__}: {why}", UserWarning, stacklevel=3)
 
@@ -339,7 +341,8 @@ def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
                          "the verification inputs")
             u.undo()
             report.rolled_back.append((u.label, cmp.error))
-            report.plan.drop(item, f"rolled back: changed the outputs beyond tolerance on {where}")
+            report.plan.drop(item, Reason(ReasonCode.ROLLED_BACK,
+                                          f"rolled back: changed the outputs beyond tolerance on {where}"))
     return _check_all(model, checks)
 
 

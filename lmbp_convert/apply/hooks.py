@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..fold import apply_affine, norm_scale, shift_behind_scale, shift_of
-from ..kinds import ConvertedHook
+from ..enums import ConvertedHook
 from ..trace.containers import children, has_child, replace_child
 from ..trace.tracer import wants_tuple
 

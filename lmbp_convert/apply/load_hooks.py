@@ -34,7 +34,7 @@ from torch import nn
 
 from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identity_weight_value, remove_shift,
                     shift_is_expressible, shift_through_scale, unfold_scale)
-from ..kinds import ConvertedHook
+from ..enums import ConvertedHook
 from ..match.plan import NormFold
 
 
@@ -69,11 +69,11 @@ class FoldOnLoad(ConvertedHook):
     def __init__(self, fold: NormFold, targets: list[_Target], awaiting: bool):
         self.norm = fold.name
         self.param = fold.param
-        self.beta_mode = getattr(fold, "beta", "fold") if fold.has_bias else "none"
+        self.beta_mode = fold.beta if fold.has_bias else "none"
         self.reapplied = bool(fold.reapply)
         self.targets = targets
         #: a fold into parameters that functional ops apply (`ConsumerFold`): their own hook takes the affine
-        self.other_targets = bool(getattr(fold, "params", None))
+        self.other_targets = bool(fold.param_targets())
         self.awaiting = awaiting  # converted on meta: the Linears have never held folded weights
         self.gamma: torch.Tensor | None = None  # the original γ (effective scale) of the checkpoint being loaded
         self.beta: torch.Tensor | None = None  # its β, where β folds into biases

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import ConvertedHook
+from ..enums import ConvertedHook
 from ..ops.region_recompute import Region
 
 

@@ -7,18 +7,19 @@ tensors are kept until the conversion is accepted).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scale
-from ..kinds import BetaMode, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, NormType, ReapplyKind, WeightParam
 from ..errors import ConversionError
 from ..match.consumers import ConsumerFold
 from ..match.loss import LossSwap
 from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
+from ..match.kinds import declared
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, OutputActSwap, PlanItem
 from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad, FoldParamsOnLoad
@@ -69,21 +70,6 @@ class Unit:
             for _, undo in reversed(self.steps):
                 undo()
             self.applied = False
-
-
-ItemT = TypeVar("ItemT", bound=PlanItem)
-BuildFn = Callable[["UnitBuilder", ItemT], "Unit"]
-#: plan item class → the function that builds its unit (the match layer cannot import modules, so the
-#: item's ``build_unit`` finds its builder here)
-BUILDERS: dict[type, Callable[["UnitBuilder", PlanItem], Unit]] = {}
-
-
-def builds(item_cls: type[ItemT]) -> Callable[[BuildFn], BuildFn]:
-    """Decorator: register ``fn(builder, item) -> Unit`` as the unit builder of ``item_cls`` (and subclasses)."""
-    def register(fn: BuildFn) -> BuildFn:
-        BUILDERS[item_cls] = fn
-        return fn
-    return register
 
 
 class UnitBuilder:
@@ -172,25 +158,26 @@ class UnitBuilder:
 
     # -- units ----------------------------------------------------------------------------------
     def build(self, item: PlanItem) -> Unit:
-        """The unit of any plan item, by the builder registered for its class (`builds`)."""
-        for cls in type(item).__mro__:
-            if cls in BUILDERS:
-                return BUILDERS[cls](self, item)
-        raise TypeError(f"no unit builder for plan item {type(item).__qualname__}: register one with "
-                        "lmbp_convert.apply.rewrite.builds, or override its build_unit()")
+        """The unit of any plan item, by the builder its kind declares (`match.kinds.RewriteKind.build`; a subclass
+        of a registered item class gets its base's)."""
+        kind = declared(type(item))
+        if kind is None:
+            raise TypeError(f"no unit builder for plan item {type(item).__qualname__}: declare its kind with "
+                            "lmbp_convert.match.kinds.register_kind, or override its build_unit()")
+        return kind.build(self, item)
 
     def activation(self, swap: ActSwap) -> Unit:
         from ..nn.activations import ApproxActivation
 
         unit = Unit(f"activation {swap.name}")
-        self.swap_module(unit, swap.name, ApproxActivation(swap.kind, swap.bits))
+        self.swap_module(unit, swap.name, ApproxActivation(swap.act, swap.bits))
         return unit
 
     def output_activation(self, swap: OutputActSwap) -> Unit:
         from ..nn.activations import OUTPUT_KINDS
 
         unit = Unit(f"activation {swap.name}")
-        self.swap_module(unit, swap.name, OUTPUT_KINDS[swap.kind]())
+        self.swap_module(unit, swap.name, OUTPUT_KINDS[swap.act]())
         return unit
 
     def norm(self, fold: NormFold) -> Unit:
@@ -220,8 +207,8 @@ class UnitBuilder:
     def _ms_norm_for(fold: NormFold, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
         from ..nn.norms import MSLayerNorm, MSRMSNorm
 
-        cls = MSLayerNorm if fold.kind is NormKind.LAYER else MSRMSNorm
-        if getattr(fold, "channel_dim", -1) != -1:  # a channel-first norm (match/consumers.py)
+        cls = MSLayerNorm if fold.norm_type is NormType.LAYER else MSRMSNorm
+        if fold.channel_axis() != -1:  # a channel-first norm (match/consumers.py)
             from ..nn.channel_first import channel_first_class
 
             cls = channel_first_class(cls)
@@ -229,7 +216,7 @@ class UnitBuilder:
             return cls.reapplying(tuple(fold.shape), fold.eps, weight, bias, fold.param)
         ident = WeightParam(fold.param).identity_fill
         new = cls(tuple(fold.shape), fold.eps, identity_affine=ident, dtype=weight.dtype, device=weight.device)
-        if fold.kind is NormKind.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
+        if fold.norm_type is NormType.LAYER and (bias is None or fold.beta is BetaMode.SHIFT) and "bias" in new._buffers:
             del new._buffers["bias"]
         if fold.beta is BetaMode.SHIFT:  # the norm keeps β/γ as its own parameter (same key); see AddShift
             shift = shift_through_scale(bias, effective_scale(weight, fold.param))
@@ -306,23 +293,17 @@ class UnitBuilder:
         return unit
 
 
-BUILDERS.update({ActSwap: UnitBuilder.activation, NormFold: UnitBuilder.norm, GatedMLPSwap: UnitBuilder.gated_mlp,
-                 OutputActSwap: UnitBuilder.output_activation})
-
-
-@builds(NormSwap)
-def _affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
+def affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
     """The memory-sharing norm with no affine at all: same maths, same (empty) state dict."""
     from ..nn.norms import MSLayerNorm, MSRMSNorm
 
     unit = Unit(f"affine-free norm {swap.name}")
-    cls = MSLayerNorm if swap.kind is NormKind.LAYER else MSRMSNorm
+    cls = MSLayerNorm if swap.norm_type is NormType.LAYER else MSRMSNorm
     builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
     return unit
 
 
-@builds(NormKeep)
-def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
+def kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
     """The memory-sharing norm that applies γ, β itself: the same Parameters under the same keys, no weight
     rewritten (so no load hook and no disk rule)."""
     from ..nn.affine_norms import MSAffineNorm
@@ -330,14 +311,13 @@ def _kept_affine_norm(builder: UnitBuilder, keep: NormKeep) -> Unit:
     unit = Unit(f"norm {keep.name} (affine kept)")
     old = builder.modules[keep.name]
     out = getattr(torch, keep.out_dtype.rsplit(".", 1)[-1]) if keep.out_dtype else None
-    new = MSAffineNorm(keep.kind, keep.shape[0], keep.eps, old.weight, old.bias if keep.has_bias else None,
+    new = MSAffineNorm(keep.norm_type, keep.shape[0], keep.eps, old.weight, old.bias if keep.has_bias else None,
                        keep.param, out_dtype=out)
     builder.swap_module(unit, keep.name, new)
     return unit
 
 
-@builds(ConsumerFold)
-def _consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
+def consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     """The norm fold of `UnitBuilder.norm` (MS norm, Linear targets, re-apply hooks), plus γ (and β) folded into the
     parameter rows that functional ops apply to the norm's output. Its load hook comes first, so it reads an
     arriving original γ, β before the norm's own hook puts the identity in their place."""
@@ -364,8 +344,7 @@ def _tensor(builder: UnitBuilder, name: str) -> torch.Tensor:
     return getattr(builder.modules[owner], attr)
 
 
-@builds(RecomputeRegion)
-def _recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
+def recompute_region(builder: UnitBuilder, item: RecomputeRegion) -> Unit:
     """Hooks on the module and its activations (`region_hooks`): nothing swapped, the state dict unchanged."""
     from .region_hooks import register_region
 
@@ -386,8 +365,7 @@ class _Handles:
             h.remove()
 
 
-@builds(LossSwap)
-def _loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
+def loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
     """``loss_function`` set on the instance (the property transformers provides stores ``_loss_function``); undo
     puts the attribute back as it was (absent, or the user's own). Before anything changes, the memory-sharing
     loss is checked against the original on the matcher's calls: loss and logits gradient, fp32 and the model's

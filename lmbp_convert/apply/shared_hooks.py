@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import ConvertedHook, NormKind, WeightParam
+from ..enums import ConvertedHook, NormType, WeightParam
 from ..match.lora_inputs import LoraInputShare
 from ..match.norm_exact import NormExact
 from ..ops.shared_saves import SharedSaves, note_identity
-from .rewrite import Unit, UnitBuilder, builds
+from .rewrite import Unit, UnitBuilder
 
 __all__ = ["RegionHooks", "NoteInput", "add_region"]
 
@@ -122,8 +122,7 @@ def add_region(builder: UnitBuilder, unit: Unit) -> None:
     builder.add_hook(unit, lambda: _RegionUse(model))
 
 
-@builds(LoraInputShare)
-def _lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
+def lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
     from ..nn.dropout import BitDropout
 
     unit = Unit(f"LoRA inputs {item.name}")
@@ -136,14 +135,13 @@ def _lora_inputs(builder: UnitBuilder, item: LoraInputShare) -> Unit:
     return unit
 
 
-@builds(NormExact)
-def _exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
+def exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
     from ..nn.exact_norms import MSExactNorm
 
     unit = Unit(f"norm {item.name} (exact)")
     old = builder.modules[item.name]
     out = getattr(torch, item.out_dtype.rsplit(".", 1)[-1]) if item.out_dtype else None
-    new = MSExactNorm(NormKind(item.kind), tuple(item.shape), item.eps, old.weight,
+    new = MSExactNorm(NormType(item.norm_type), tuple(item.shape), item.eps, old.weight,
                       old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out)
     builder.swap_module(unit, item.name, new)
     add_region(builder, unit)

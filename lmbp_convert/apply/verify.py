@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kinds import Verification
+from ..enums import Verification
 from ..trace.containers import children
 from ..trace.device import training_mode
 from ..trace.tracer import call_model

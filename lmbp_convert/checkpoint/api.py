@@ -25,6 +25,7 @@ from ..apply.convert import CONFIG_KEY, plan_conversion
 from ..errors import NothingToConvertError
 from ..fold import Scratch, effective_scale, fold_affine, fold_rows, identity_weight_value
 from ..options import ConvertOptions
+from ..reasons import cli_spelling
 from . import fsops
 from .commit import check_paths, commit, make_workspace, preflight  # noqa: F401  (check_paths: public here)
 from .diskplan import Action, DiskPlan, OutShard, plan_disk, record_json
@@ -132,7 +133,7 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
             raise CheckpointError(str(exc)) from exc
         t = time.perf_counter()
         try:
-            with quiet_loggers():
+            with quiet_loggers(), cli_spelling():  # reasons name --untie, not untie=True
                 plan = plan_conversion(view.model, opts)
         except Exception as exc:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -1,7 +1,7 @@
 """From the walker's plan to what happens on disk: which rewrites a plain checkpoint can hold, and what each
 output tensor is made of. Pure decisions, no tensor data read.
 
-The planner loops over the plan's items and asks each kind's `DiskRule` (`DISK_RULES`) whether and how the item
+The planner loops over the plan's items and asks each kind's `DiskRule` (`RewriteKind.disk`) whether and how the item
 rewrites stored tensors. A kind without a rule is a module swap only, which ``convert()`` makes when it loads
 the written checkpoint; today only norm folds change weights.
 """
@@ -11,13 +11,15 @@ import copy
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from ..apply.convert import CONFIG_KEY
-from ..kinds import Layout, StrChoice, WeightParam
+from ..enums import Layout, StrChoice, WeightParam
 from ..match.consumers import ConsumerFold
+from ..match.kinds import declared
 from ..match.plan import LinearTarget, NormFold, Plan, PlanItem, Skip
+from ..reasons import Reason, ReasonCode
 from ..report import fmt_bytes
 from .errors import CheckpointError
 from .models import KeyMap, ModelSource, ModelView, map_keys
@@ -102,8 +104,8 @@ class DiskPlan:
     def to_dict(self) -> dict:
         return {
             "architecture": self.view.arch,
-            "folds": [DISK_RULES[type(f)].summary(f) for f in self.folds],
-            "skips": [asdict(s) for s in self.skips],
+            "folds": [_rule(f).summary(f) for f in self.folds],
+            "skips": [s.to_dict() for s in self.skips],
             "untied": list(self.untied),
             "predicted_saved_bytes_per_" + self.plan.probe_unit: self.saved_per_unit,
             "activation_dtype": self.dtype,
@@ -118,7 +120,7 @@ class DiskPlan:
     def describe(self) -> str:
         lines = [f"lmbp-convert plan for {self.view.arch}: {len(self.folds)} norm(s) folded into the following "
                  f"Linear layers, {len(self.skips)} skipped"]
-        lines += [DISK_RULES[type(f)].describe(f) for f in self.folds]
+        lines += [_rule(f).describe(f) for f in self.folds]
         for s in self.skips:
             lines.append(f"  skip {s.name}: {s.reason}")
         for u in self.untied:
@@ -144,14 +146,18 @@ def _untie_config(raw: dict) -> dict:
     return out
 
 
+def _on_disk(text: str) -> Reason:
+    return Reason(ReasonCode.ON_DISK, text)
+
+
 class _Planner:
     def __init__(self, src: Source, view: ModelView, plan: Plan, untie: bool, raw: dict | None,
                  make_view: Callable[[dict], ModelView] | None, out_name: Callable[[str], str],
                  options: dict) -> None:
         self.src, self.view, self.plan, self.untie, self.raw = src, view, plan, untie, raw
         self.make_view, self.out_name, self.options = make_view, out_name, options
-        # the walker's reasons speak of convert()'s options; here the same switch is the --untie flag
-        self.skips = [Skip(s.name, s.cls, s.reason.replace("untie=True", "--untie")) for s in plan.skips]
+        # the walker's reasons name the CLI's flags: `plan_checkpoint` plans under `reasons.cli_spelling`
+        self.skips = list(plan.skips)
         self.km: KeyMap = map_keys(view, list(src.infos), lambda k: src.infos[k].shard)
         self.stored = self.km.stored()
         for k, m in self.km.plain.items():
@@ -214,11 +220,11 @@ class _Planner:
         claims: dict[str, Action] = {}
         written: list[PlanItem] = []
         for item, _ in cands:
-            rule = DISK_RULES[type(item)]
+            rule = _rule(item)
             acts = rule.actions(self, item)
             problem = self._claim_problem(item, rule.targets(item), acts, dst_view, claims)
             if problem:
-                self.skips.append(Skip(item.name, item.cls, problem))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(problem)))
                 continue
             claims.update(acts)
             written.append(item)
@@ -229,12 +235,12 @@ class _Planner:
         a skip with its reason for the others."""
         cands = []
         for item in self.plan.items:
-            rule = DISK_RULES.get(type(item))
+            rule = _rule(item)
             if rule is None:
                 continue  # a module swap only: convert() makes it when it loads the checkpoint
             reason, needs_untie = rule.problem(self, item)
             if reason:
-                self.skips.append(Skip(item.name, item.cls, reason))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(reason)))
             else:
                 cands.append((item, needs_untie))
         return cands
@@ -246,14 +252,15 @@ class _Planner:
         dst_raw, dst_view, why = self._untied_view()
         keep = []
         for item, u in cands:
-            tied = [f"{t}.weight" for t in DISK_RULES[type(item)].targets(item)
+            tied = [f"{t}.weight" for t in _rule(item).targets(item)
                     if len(dst_view.group(f"{t}.weight")) > 1]
             if u and why:
-                self.skips.append(Skip(item.name, item.cls, why))
+                self.skips.append(Skip(item.name, item.cls, _on_disk(why)))
             elif u and tied:
-                self.skips.append(Skip(item.name, item.cls, f"{tied[0]} stays tied to "
-                                       f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with "
-                                       "tie_word_embeddings=false"))
+                self.skips.append(Skip(item.name, item.cls, Reason(
+                    ReasonCode.TIED_WEIGHT, f"{tied[0]} stays tied to "
+                    f"{', '.join(sorted(dst_view.group(tied[0]) - {tied[0]}))} even with tie_word_embeddings=false",
+                    tied[0])))
             else:
                 keep.append((item, u))
         if not any(u for _, u in keep):
@@ -472,10 +479,10 @@ class FoldOnDisk:
         return [t.name for t in f.targets]
 
     def summary(self, f: NormFold) -> dict:
-        return {"norm": f.name, "kind": f.kind, "param": f.param, "into": [t.label for t in f.targets]}
+        return {"norm": f.name, "norm_type": f.norm_type, "param": f.param, "into": [t.label for t in f.targets]}
 
     def describe(self, f: NormFold) -> str:
-        kind = f"{f.kind}, {f.param}" + (", +bias" if f.has_bias else "")
+        kind = f"{f.norm_type}, {f.param}" + (", +bias" if f.has_bias else "")
         return f"  fold {f.name} [{kind}] -> {', '.join(t.label for t in f.targets)}"
 
 
@@ -564,7 +571,10 @@ class ConsumerFoldOnDisk(FoldOnDisk):
 
 
 #: plan item class → how its items go on disk (kinds not listed are module swaps only)
-DISK_RULES: dict[type, DiskRule] = {NormFold: FoldOnDisk(), ConsumerFold: ConsumerFoldOnDisk()}
+def _rule(item: PlanItem) -> DiskRule | None:
+    """The disk rule the item's kind declares (`match.kinds.RewriteKind.disk`; exactly its class's)."""
+    kind = declared(type(item), exact=True)
+    return kind.disk if kind is not None else None
 
 
 def plan_disk(src: Source, view: ModelView, plan: Plan, *, untie: bool, raw_config: dict | None,

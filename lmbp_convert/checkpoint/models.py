@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..kinds import StrChoice
+from ..enums import StrChoice
 from .errors import CheckpointError
 from ..hf_compat import dtype_kwargs
 

@@ -133,10 +133,8 @@ def torch_load(path: Path, label: str) -> Any:
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as exc:
-            if "mmap" not in str(exc):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # legacy (non-zip) format
+        except RuntimeError:  # a legacy (non-zip) file cannot be memory-mapped; any other error recurs below
+            return torch.load(path, map_location="cpu", weights_only=True)
     except OSError as exc:
         raise CheckpointError(f"cannot read {label}: {exc.strerror or exc}") from exc
     except Exception as exc:  # unpickling errors, corrupt zip, weights_only refusals: one line for the user

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from ..catalogue import class_key
+from ..reasons import Reason, ReasonCode
 from .context import MatchContext, code_bytes, tensor_bytes
 from .plan import ActSwap, OutputActSwap, Skip
-from .roles import RoleKind, behaviour_key
+from .roles import ModuleRole, behaviour_key
 
 #: where libraries keep their activation modules: a leaf module from here that acts elementwise is an activation
 _ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations", "timm.layers.activations")
@@ -27,22 +28,22 @@ def match_activations(ctx: MatchContext) -> Iterator[ActSwap | Skip]:
         mod = ctx.modules.get(name)
         if mod is None or name in ctx.claimed or not ctx.opt.selected(name):
             continue
-        if role.kind is RoleKind.ACTIVATION:
+        if role.plays is ModuleRole.ACTIVATION:
             yield ActSwap(name, class_key(mod), role.act, ctx.opt.bits, predicted_act_bytes(ctx, name))
-        elif role.kind is RoleKind.OTHER and ctx.g.module_calls.get(name):
+        elif role.plays is ModuleRole.OTHER and ctx.g.module_calls.get(name):
             kind = output_activation_kind(ctx, name, mod, checked)
             if kind is not None:
                 changed = _modified_in_place(ctx, name)
                 if changed:
-                    yield Skip(name, class_key(mod), f"{kind}: its output is modified in place by {changed}, so a "
-                                                     "backward computed from that output cannot keep it (left as it "
-                                                     "is)")
+                    yield Skip(name, class_key(mod), Reason(
+                        ReasonCode.IN_PLACE, f"{kind}: its output is modified in place by {changed}, so a backward "
+                        "computed from that output cannot keep it (left as it is)", changed))
                 else:
                     yield OutputActSwap(name, class_key(mod), kind, predicted_output_act_bytes(ctx, name))
                 continue
             why = unconverted_activation(mod)
             if why is not None:
-                yield Skip(name, class_key(mod), why)
+                yield Skip(name, class_key(mod), Reason(ReasonCode.ACTIVATION, why))
 
 
 #: activations whose derivative is a function of their output, by the kind the ops layer knows them as: the
@@ -86,7 +87,7 @@ def _elementwise_calls(ctx: MatchContext, name: str) -> bool:
     idx = {s.idx for s in calls}
     inner = [n for n in ctx.g.nodes if idx & set(n.scopes)]
     return 0 < len(inner) <= _MAX_OPS * len(calls) and all(
-        n.kind == "op" and n.target.startswith("torch.") and ".distributed" not in n.target for n in inner)
+        n.callee == "op" and n.target.startswith("torch.") and ".distributed" not in n.target for n in inner)
 
 
 def _computes(mod: nn.Module, ref: Callable[[torch.Tensor], torch.Tensor]) -> bool:
@@ -117,7 +118,7 @@ def _modified_in_place(ctx: MatchContext, name: str) -> str | None:
     swapped activation keeps that output for its backward, and autograd refuses a modified saved tensor."""
     for s in (s for s in ctx.g.scopes if s.module == name):
         for c in ctx.g.consumers(s.outputs[0]):
-            if c.info.get("inplace") or (c.kind == "module" and getattr(ctx.modules.get(c.target), "inplace", False)):
+            if c.info.get("inplace") or (c.callee == "module" and getattr(ctx.modules.get(c.target), "inplace", False)):
                 return c.target
     return None
 
@@ -129,8 +130,8 @@ def predicted_output_act_bytes(ctx: MatchContext, name: str) -> int:
     saved = 0
     for s in (s for s in ctx.g.scopes if s.module == name):
         out = s.outputs[0]
-        if any(c.kind == "module" and ctx.roles.get(c.target) is not None
-               and ctx.roles[c.target].kind is RoleKind.LINEAR for c in ctx.g.consumers(out)):
+        if any(c.callee == "module" and ctx.roles.get(c.target) is not None
+               and ctx.roles[c.target].plays is ModuleRole.LINEAR for c in ctx.g.consumers(out)):
             saved += tensor_bytes(ctx.g, out)[1]
     return saved
 

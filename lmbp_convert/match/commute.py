@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from ..reasons import Reason, ReasonCode
 from ..trace.graph import Node, TensorInfo
 
 
@@ -27,7 +28,11 @@ class Pass:
 
 @dataclass(frozen=True)
 class Block:
-    reason: str
+    reason: Reason
+
+
+def _blocking(text: str) -> Reason:
+    return Reason(ReasonCode.BLOCKING_OP, text)
 
 
 # Ops that never look at values: ignored wherever they appear.
@@ -52,7 +57,7 @@ def op_short(node: Node) -> str:
 
 
 def is_metadata(node: Node) -> bool:
-    return node.kind == "op" and (op_short(node) in METADATA_OPS or node.target.endswith(".__get__"))
+    return node.callee == "op" and (op_short(node) in METADATA_OPS or node.target.endswith(".__get__"))
 
 
 def node_arg(node: Node, pos: int, name: str, default=None):
@@ -122,7 +127,7 @@ Rule = Callable[[OpCall], Step]
 
 def _dropout(op: OpCall) -> Step:
     p = op.arg(1, "p", 0.5)
-    return Pass(op.axis) if p == 0 else Block(f"dropout (p={p}) between norm and Linear")
+    return Pass(op.axis) if p == 0 else Block(_blocking(f"dropout (p={p}) between norm and Linear"))
 
 
 def _cast(op: OpCall) -> Step:
@@ -191,14 +196,14 @@ def _pad(op: OpCall) -> Step:
     mode = op.arg(2, "mode", "constant") or "constant"
     value = op.arg(3, "value", None)
     if not isinstance(pads, tuple) or op.axis != op.ndim - 1 or len(op.outs) != 1:
-        return Block("padding between norm and Linear")
+        return Block(_blocking("padding between norm and Linear"))
     if any(pads[0:2]):
-        return Block("padding of channels between norm and Linear")
+        return Block(_blocking("padding of channels between norm and Linear"))
     if mode != "constant":
         return Pass(op.axis)
     if value not in (None, 0, 0.0):
-        return Block(f"constant-padding with {value!r} between norm and Linear (the folded Linear would see "
-                     f"γ·{value!r} + β there)")
+        return Block(_blocking(f"constant-padding with {value!r} between norm and Linear (the folded Linear would "
+                               f"see γ·{value!r} + β there)"))
     where = ("a pad that is a no-op at the probe's shape pads inputs of other shapes (window padding)"
              if not any(pads) else "zero-padding")
     return Pass(op.axis, unless_beta=f"{where} between norm and Linear: padded positions hold 0 where the folded "
@@ -209,7 +214,7 @@ def _last_dim_whole(op: OpCall) -> Step:
     """Channels last in, and every output still ends in the ``d`` channels: they passed through untouched."""
     if all(len(o.shape) >= 1 and o.shape[-1] == op.d for o in op.outs):
         return Pass(-1)
-    return Block(f"{op.name} reshapes the channel dim between norm and Linear")
+    return Block(_blocking(f"{op.name} reshapes the channel dim between norm and Linear"))
 
 
 def _reshape(op: OpCall) -> Step:
@@ -253,7 +258,7 @@ def _along_dim(pos: int, keyword: str = "dim", default: int | None = 0) -> Rule:
             return None
         dims = _norm_dims(op.arg(pos, keyword, default), op.ndim)
         if dims is None or op.ndim - 1 in dims:
-            return Block(f"{op.name} over the channel dim between norm and Linear") if dims else None
+            return Block(_blocking(f"{op.name} over the channel dim between norm and Linear")) if dims else None
         return _last_dim_whole(op)
 
     return rule
@@ -264,7 +269,7 @@ def _getitem(op: OpCall) -> Step:
         return None
     touches = _index_touches_last(op.arg(1, "idx"), op.ndim)
     if touches is None or touches:
-        return Block("channel slicing between norm and Linear")
+        return Block(_blocking("channel slicing between norm and Linear"))
     return _last_dim_whole(op)
 
 
@@ -287,7 +292,7 @@ RULES: dict[str, Rule] = {
 def step(node: Node, tensors: dict[int, TensorInfo], tid: int, axis: int, d: int,
          dropout_p: float | None = None) -> Step:
     """Follow the channels of tensor ``tid`` through op ``node`` (see module doc)."""
-    if node.kind == "module" or not node.outputs or node.info.get("inplace"):
+    if node.callee == "module" or not node.outputs or node.info.get("inplace"):
         return None
     rule = RULES.get(op_short(node))
     if rule is None:

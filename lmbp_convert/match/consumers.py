@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..catalogue import class_key
+from ..reasons import Reason, ReasonCode, joined
 from .context import MatchContext
 from .norm import Refused, Walk, _adopt_prefolded, plan_norm
-from .plan import NormFold, ParamTarget, Skip, register_item
-from .roles import RoleKind
+from .plan import NormFold, ParamTarget, Skip
+from .roles import ModuleRole
 
 __all__ = ["ConsumerFold", "match_consumer_folds"]
 
 
-@register_item
 @dataclass
 class ConsumerFold(NormFold):
     """A norm fold some of whose consumers are functional ops on parameters (`ParamTarget`), besides any Linear
@@ -38,18 +38,25 @@ class ConsumerFold(NormFold):
     params: list[ParamTarget] = field(default_factory=list)
     channel_dim: int = -1  # 1: a channel-first norm (NCHW), swapped for its channel-first memory-sharing form
 
+    def param_targets(self) -> list[ParamTarget]:
+        return self.params
+
+    def channel_axis(self) -> int:
+        return self.channel_dim
+
+    def _bracket(self) -> str:
+        return super()._bracket() + (f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else "")
+
+    def _head(self) -> str:
+        return super()._head() + ((" and" if self.targets else " →") if self.params else "")
+
     def describe(self) -> list[str]:
         lines = super().describe()
-        if self.params:
-            lines[0] = lines[0].rstrip(" →") + (" and" if self.targets else " →")
-        if self.channel_dim != -1:
-            lines[0] = lines[0].replace("] ", f", channels at dim {self.channel_dim}] ", 1)
         notes = [f"      note: part of β went into {b}, a buffer the state dict does not hold (kept by this model; a "
                  "plain export refuses it)" for b in self.buffer_notes()] if self.has_bias else []
         return lines[:1] + [f"      into {p.describe()}" for p in self.params] + lines[1:] + notes
 
     def buffer_notes(self) -> list[str]:
-        """Buffers not saved in the state dict that take a part of β (a plain checkpoint cannot hold the fold)."""
         return [b.tensor for p in self.params for b in p.bias if not b.parameter and not b.persistent]
 
     @classmethod
@@ -70,8 +77,8 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
         return
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
-        if (mod is None or name in ctx.claimed or not ctx.opt.selected(name) or role.problem
-                or role.kind is not RoleKind.NORM or not role.norm.affine):
+        if (mod is None or name in ctx.claimed or not ctx.opt.selected(name) or role.why
+                or role.plays is not ModuleRole.NORM or not role.norm.affine):
             continue
         nr = role.norm
         walk = Walk()
@@ -80,13 +87,14 @@ def match_consumer_folds(ctx: MatchContext) -> Iterator[ConsumerFold | Skip]:
         except Refused as why:
             if walk.params or walk.problems or nr.channel_dim != -1:
                 ctx.claimed.add(name)
-                could = [f"the fold could go into {', '.join(t.describe() for t in walk.params)}, but not into "
-                         "every consumer"] if walk.params else []
-                yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(walk.problems + [str(why)] + could)))
+                could = [Reason(ReasonCode.FUNCTIONAL_CONSUMER, "the fold could go into "
+                                f"{', '.join(t.describe() for t in walk.params)}, but not into every consumer")
+                         ] if walk.params else []
+                yield Skip(name, class_key(mod), joined(walk.problems + [why.reason] + could))
             continue
         if walk.problems:
             ctx.claimed.add(name)
-            yield Skip(name, class_key(mod), "; ".join(dict.fromkeys(walk.problems)))
+            yield Skip(name, class_key(mod), joined(walk.problems))
             continue
         if not walk.params and nr.channel_dim == -1:
             continue  # an ordinary norm fold: match_norms plans it

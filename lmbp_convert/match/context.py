@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 from ..options import ConvertOptions
+from ..reasons import Reason
 from ..trace.graph import Graph, Node
 from .roles import Role
 
@@ -58,7 +59,7 @@ class MatchContext:
     hooked_calls: list | None = field(default=None, init=False)
     #: LoRA Linear → why the norm's β cannot be folded into it (adapter dropout, a trained adapter): a problem of
     #: folds only, so under exact norms (``fold_norms=False``) it refuses only a norm that stays a fold
-    beta_fold_problems: dict[str, str] = field(default_factory=dict, init=False)
+    beta_fold_problems: dict[str, Reason] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

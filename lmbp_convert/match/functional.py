@@ -1,6 +1,6 @@
 """Functional consumers: ops that apply a model *parameter* to a norm's output themselves, not an nn.Linear module.
-One table (`KINDS`) says, per op, what the fold can go into; the norm walker (`match.norm`) asks it for every op
-reading the norm's channels, and the first kind that recognises the op answers (`read_by`):
+One table (`CONSUMERS`) says, per op, what the fold can go into; the norm walker (`match.norm`) asks it for every op
+reading the norm's channels, and the first rule that recognises the op answers (`read_by`):
 
 - **whole parameter** (``linear``, ``mm``/``bmm``/``matmul``, ``grouped_mm``): an MoE router's
   ``F.linear(x, self.weight)``; experts stored as one parameter per projection (transformers ≥ 5: ``gate_up_proj``
@@ -18,8 +18,9 @@ reading the norm's channels, and the first kind that recognises the op answers (
   a concatenation of such along the output dim (each piece takes its rows of W·β). These are `ParamTarget`s,
   which make the norm a `ConsumerFold` (`match.consumers`); the walk takes them only when that matcher asks.
 
-A kind answers with its targets, with why the fold cannot go into the op (a `Problem`), or None: not its op. A
-new functional consumer is one more `Kind` in the table (`register_kind`).
+A rule answers with its targets, with why the fold cannot go into the op (a `Reason`), or None: not its op. A
+whole-parameter rule's reasons also block the way in (the norm's skip names them first). A new functional consumer
+is one more `ConsumerRule` in the table (`register_consumer`).
 """
 from __future__ import annotations
 
@@ -31,26 +32,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kinds import Layout
-from ..trace.graph import Graph, Node, NodeKind
+from ..enums import Layout
+from ..reasons import Reason, ReasonCode
+from ..trace.graph import Graph, Node, Callee
 from .commute import is_metadata, node_arg, op_short
 from .plan import BiasPart, LinearTarget, ParamTarget
 from .readers import At, end_readers
-from .roles import Role, RoleKind
+from .roles import Role, ModuleRole
 
 if TYPE_CHECKING:
     from .context import MatchContext
-
-
-class Problem(str):
-    """Why a recognised consumer cannot take the fold. ``blocks``: it applies the parameter the fold would have to
-    enter (a whole-parameter use), so it also blocks the way in the norm's skip reason."""
-
-    blocks = False
-
-
-class Blocked(Problem):
-    blocks = True
 
 
 @dataclass
@@ -63,7 +54,7 @@ class Reading:
     axis: int
     d: int  # the norm's channels
     has_beta: bool  # the norm has a shift
-    beta: torch.Tensor | None  # ... and its value, where the walk knows it (the row/bias kinds need it)
+    beta: torch.Tensor | None  # ... and its value, where the walk knows it (the row/bias rules need it)
     via: list[str]  # the commuting ops on the way
 
 
@@ -83,13 +74,14 @@ class ParamUse:
         return LinearTarget(self.module, layout, list(self.via), weight=self.attr, through_op=True)
 
 
-Found = ParamUse | list[ParamTarget] | Problem | None
+Found = ParamUse | list[ParamTarget] | Reason | None
 
 
 @dataclass(frozen=True)
-class Kind:
-    """One kind of functional consumer: the ops it recognises, and what it makes of one (`Found`). ``rows``: its
-    targets are `ParamTarget`s (a `ConsumerFold`); else a whole parameter (`ParamUse`, a plain `NormFold`)."""
+class ConsumerRule:
+    """One rule of the consumer table, for a family of functional consumers: the ops it recognises, and what it makes of one (`Found`). ``rows``: its
+    targets are `ParamTarget`s (a `ConsumerFold`); else a whole parameter (`ParamUse`, a plain `NormFold`), whose
+    reasons block the way (the op applies the parameter the fold would have to enter)."""
 
     name: str
     ops: frozenset[str]
@@ -97,40 +89,46 @@ class Kind:
     rows: bool
 
 
-#: the consumer table, in the order its kinds are tried
-KINDS: list[Kind] = []
+#: the consumer table, in the order its rules are tried
+CONSUMERS: list[ConsumerRule] = []
 
 
-def register_kind(kind: Kind) -> Kind:
-    KINDS.append(kind)
-    return kind
+def register_consumer(rule: ConsumerRule) -> ConsumerRule:
+    CONSUMERS.append(rule)
+    return rule
 
 
 @dataclass
 class Verdict:
-    """What the table says about one op: a whole-parameter use, parameter rows, or the problems of the kinds that
-    recognised it (none: no functional consumer)."""
+    """What the table says about one op: a whole-parameter use, parameter rows, or the reasons of the rules that
+    recognised it (none: no functional consumer) — ``blocked`` those of whole-parameter rules, ``problems`` the
+    others'."""
 
     use: ParamUse | None = None
     params: list[ParamTarget] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
+    problems: list[Reason] = field(default_factory=list)
+    blocked: list[Reason] = field(default_factory=list)
 
 
 def read_by(reading: Reading, rows: bool) -> Verdict:
-    """Ask the table's kinds in order (``rows``: the row/bias kinds too); the first that takes the op answers."""
+    """Ask the table's rules in order (``rows``: the row/bias rules too); the first that takes the op answers."""
     verdict = Verdict()
     short = op_short(reading.node)
-    for kind in KINDS:
-        if short not in kind.ops or (kind.rows and not rows):
+    for rule in CONSUMERS:
+        if short not in rule.ops or (rule.rows and not rows):
             continue
-        got = kind.find(reading)
+        got = rule.find(reading)
         if isinstance(got, ParamUse):
             return Verdict(use=got)
         if isinstance(got, list):
             return Verdict(params=got)
         if got is not None:
-            verdict.problems.append(got)
+            (verdict.problems if rule.rows else verdict.blocked).append(got)
     return verdict
+
+
+def _problem(text: str) -> Reason:
+    return Reason(ReasonCode.FUNCTIONAL_CONSUMER, text)
 
 
 # -- small helpers on traced arguments -----------------------------------------------------------------------------
@@ -194,7 +192,7 @@ def trace_to_param(g: Graph, wt: int, contracted: int) -> tuple[int, int] | None
         node = g.nodes[info.producer]
         op, args = op_short(node), node.info.get("args", ())
         src = _tid(args[0]) if args else None
-        if node.kind is not NodeKind.OP or src is None or len(node.outputs) != 1:
+        if node.callee is not Callee.OP or src is None or len(node.outputs) != 1:
             return None
         ndim = len(info.shape)
         if op in _CASTS:
@@ -224,7 +222,7 @@ def _leading_index(index) -> bool:
     return all(it == "..." or it == ("slice", None, None, None) for it in items[1:])
 
 
-def _whole_parameter(r: Reading) -> ParamUse | Problem | None:
+def _whole_parameter(r: Reading) -> ParamUse | Reason | None:
     found = weight_operand(r.ctx.g, r.node, r.tid, r.axis)
     traced = trace_to_param(r.ctx.g, *found) if found is not None else None
     if traced is None:
@@ -236,28 +234,31 @@ def _whole_parameter(r: Reading) -> ParamUse | Problem | None:
     module, _, attr = info.param.rpartition(".")
     use = ParamUse(info.param, module, attr, contracted, r.node.idx, r.via)
     problem = _whole_problem(r.ctx, use, r.has_beta)
-    return Blocked(problem) if problem is not None else use
+    return problem if problem is not None else use
 
 
-def _whole_problem(ctx: "MatchContext", use: ParamUse, has_beta: bool) -> str | None:
+def _whole_problem(ctx: "MatchContext", use: ParamUse, has_beta: bool) -> Reason | None:
     """Why the fold cannot go into this parameter (None: it can)."""
     mod = ctx.modules.get(use.module)
     p = getattr(mod, use.attr, None) if mod is not None else None
     op = op_short(ctx.g.nodes[use.node])
     if p is None or not p.is_floating_point():
-        return f"{use.param} has weights that cannot be rewritten ({getattr(p, 'dtype', None)})"
+        return Reason(ReasonCode.WEIGHTS, f"{use.param} has weights that cannot be rewritten "
+                      f"({getattr(p, 'dtype', None)})", use.param)
     if has_beta:
-        return (f"{use.module} ({type(mod).__name__}) applies {use.attr} {tuple(p.shape)} through {op}: the norm's "
-                "shift β would need a bias inside that op, which folding into a parameter does not add")
+        return Reason(ReasonCode.SHIFT, f"{use.module} ({type(mod).__name__}) applies {use.attr} {tuple(p.shape)} "
+                      f"through {op}: the norm's shift β would need a bias inside that op, which folding into a "
+                      "parameter does not add", use.module)
     if ctx.opt.excluded(use.module):
-        return f"{use.module} is excluded by the options"
+        return Reason(ReasonCode.EXCLUDED, f"{use.module} is excluded by the options", use.module)
     owners = ctx.param_owners.get(id(p), [])
     if len(owners) > 1:
-        return f"{use.param} is shared with {', '.join(o for o in owners if o != use.param)}"
+        return Reason(ReasonCode.TIED_WEIGHT, f"{use.param} is shared with "
+                      f"{', '.join(o for o in owners if o != use.param)}", use.param)
     return None
 
 
-def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> str | None:
+def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> Reason | None:
     """A use of a whole-parameter target that is not one of the recognised weight ops reading the norm's output
     (the parameter would be folded for a consumer of something else), or None when every use the trace saw is
     one. Checked after the walk, which is when all of them are known (an expert loop applies one parameter in
@@ -270,13 +271,14 @@ def unknown_uses(ctx: "MatchContext", uses: dict[str, set[int]]) -> str | None:
         def through(c: Node, at: At, known: set[int] = known) -> list[At] | None:
             if c.idx in known:
                 return []
-            if c.kind is NodeKind.OP and _tid(node_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
+            if c.callee is Callee.OP and _tid(node_arg(c, 0, "")) == at[0] and op_short(c) in _HANDS_ON:
                 return [(o, None) for o in c.outputs]
             return None
 
         for c, _ in end_readers(ctx.g, (ptid, None), through):
-            return (f"{pname} is also used by {op_short(c)} in {ctx.scope_name(c)}, which does not read this norm's "
-                    "output (folding the norm into it would change that use)")
+            return Reason(ReasonCode.FUNCTIONAL_CONSUMER, f"{pname} is also used by {op_short(c)} in "
+                          f"{ctx.scope_name(c)}, which does not read this norm's output (folding the norm into it would "
+                          "change that use)", pname)
     return None
 
 
@@ -291,88 +293,88 @@ def _nonzero(beta: torch.Tensor | None) -> bool:
     return beta is not None and (beta.device.type == "meta" or bool(beta.detach().ne(0).any()))
 
 
-def _linear_rows(r: Reading) -> list[ParamTarget] | Problem | None:
+def _linear_rows(r: Reading) -> list[ParamTarget] | Reason | None:
     a = _bind(r.node, _LINEAR_ARGS)
     if _tid(a.get("input")) != r.tid or r.axis != len(r.ctx.g.tensors[r.tid].shape) - 1:
         return None
     return _weight_and_bias(r, a, f"linear in {r.ctx.scope_name(r.node)}", "linear", 2)
 
 
-def _conv(r: Reading) -> list[ParamTarget] | Problem | None:
+def _conv(r: Reading) -> list[ParamTarget] | Reason | None:
     a = _bind(r.node, _CONV_ARGS)
     if _tid(a.get("input")) != r.tid or r.axis != 1:
         return None
     op = op_short(r.node)
     where = f"{op} in {r.ctx.scope_name(r.node)}"
     if a.get("groups", 1) not in (1, None):
-        return Problem(f"{where} is grouped (groups={a['groups']}): its input channels are not all summed")
+        return _problem(f"{where} is grouped (groups={a['groups']}): its input channels are not all summed")
     pad = a.get("padding", 0)
     padded = pad not in ("valid", 0, None) and not (isinstance(pad, tuple) and not any(pad))
     if padded and _nonzero(r.beta):
-        return Problem(f"{where} pads its input (padding={pad}): padded positions would see 0 instead of the norm's "
+        return _problem(f"{where} pads its input (padding={pad}): padded positions would see 0 instead of the norm's "
                        "β, so β cannot fold into its bias")
     return _weight_and_bias(r, a, where, op, int(op[-2]) + 2, conv=True)
 
 
 def _weight_and_bias(r: Reading, a: dict, where: str, op: str, dims: int, *, conv: bool = False
-                     ) -> list[ParamTarget] | Problem:
+                     ) -> list[ParamTarget] | Reason:
     """The target of an op applying a named weight (``dims``-D, ``d`` input channels) and a bias of named parts to
     the norm's output, or why not."""
     weight = _weight(r, a.get("weight"), where, dims=dims)
-    if isinstance(weight, Problem):
+    if isinstance(weight, Reason):
         return weight
     out = r.ctx.g.tensors[_tid(a["weight"])].shape[0]
     parts = _bias_parts(r, a.get("bias"), out, where)
-    if isinstance(parts, Problem):
+    if isinstance(parts, Reason):
         return parts
     return [ParamTarget(weight, op, r.ctx.scope_name(r.node), None, parts, conv=conv)]
 
 
-def _mha(r: Reading) -> list[ParamTarget] | Problem | None:
+def _mha(r: Reading) -> list[ParamTarget] | Reason | None:
     a = _bind(r.node, _MHA_ARGS)
     slots = [i for i, s in enumerate(_MHA_SLOTS) if _tid(a.get(s)) == r.tid]
     if not slots or r.axis != len(r.ctx.g.tensors[r.tid].shape) - 1:
         return None
     where = f"multi_head_attention_forward in {r.ctx.scope_name(r.node)}"
     if any(a.get(f"static_{_MHA_SLOTS[i][0]}") is not None for i in slots if i):
-        return Problem(f"{where} uses a static key/value instead of projecting its input")
+        return _problem(f"{where} uses a static key/value instead of projecting its input")
     if a.get("use_separate_proj_weight"):
-        return Problem(f"{where} uses separate q/k/v projection weights (kdim or vdim ≠ embed_dim): not folded")
+        return _problem(f"{where} uses separate q/k/v projection weights (kdim or vdim ≠ embed_dim): not folded")
     weight = _weight(r, a.get("in_proj_weight"), where, dims=2)  # one in_proj_weight for q, k and v
-    if isinstance(weight, Problem):
+    if isinstance(weight, Reason):
         return weight
     e = a.get("embed_dim_to_check")
     found = []
     for i in slots:
         rows = [i * e, (i + 1) * e]
         parts = _bias_parts(r, a.get("in_proj_bias"), 3 * e, where, rows=rows)
-        if isinstance(parts, Problem):
+        if isinstance(parts, Reason):
             return parts
         found.append(ParamTarget(weight, "multi_head_attention_forward", r.ctx.scope_name(r.node), rows, parts))
     return found
 
 
-def _weight(r: Reading, summary, where: str, dims: int) -> str:
-    """The qualified name of the weight parameter an op applies, or a `Problem`: why the fold cannot go into it."""
+def _weight(r: Reading, summary, where: str, dims: int) -> str | Reason:
+    """The qualified name of the weight parameter an op applies, or why the fold cannot go into it."""
     ctx, tid = r.ctx, _tid(summary)
     name = ctx.g.params.get(tid) if tid is not None else None
     if name is None:
-        return Problem(f"{where} applies a weight computed in forward, not a parameter: the fold cannot go into it")
+        return _problem(f"{where} applies a weight computed in forward, not a parameter: the fold cannot go into it")
     param = _named(ctx, name)
     if not isinstance(param, nn.Parameter) or not param.is_floating_point():
-        return Problem(f"{where} applies {name}, which is not a floating-point parameter")
+        return _problem(f"{where} applies {name}, which is not a floating-point parameter")
     if param.dim() != dims or param.shape[1] != r.d:
-        return Problem(f"{where} applies {name} of shape {tuple(param.shape)}, which does not take the norm's {r.d} "
+        return _problem(f"{where} applies {name} of shape {tuple(param.shape)}, which does not take the norm's {r.d} "
                        "channels")
     owners = ctx.param_owners.get(id(param), [])
     if len(owners) > 1:
-        return Problem(f"{where} applies {name}, which is tied to {', '.join(o for o in owners if o != name)}")
+        return _problem(f"{where} applies {name}, which is tied to {', '.join(o for o in owners if o != name)}")
     problem = _other_uses(ctx, r.node, tid, name, where)
     if problem:
-        return Problem(problem)
+        return _problem(problem)
     owner = name.rpartition(".")[0]
     if ctx.opt.excluded(owner):
-        return Problem(f"{owner} is excluded by the options")
+        return _problem(f"{owner} is excluded by the options")
     return name
 
 
@@ -383,25 +385,25 @@ def _other_uses(ctx: "MatchContext", node: Node, tid: int, name: str, where: str
     if others:
         return f"{where}: {name} is also used by {op_short(others[0])} in {ctx.scope_name(others[0])}"
     owner = name.rsplit(".", 1)[0] if "." in name else ""
-    role = ctx.roles.get(owner, Role(RoleKind.OTHER))
-    if role.kind is not RoleKind.OTHER and ctx.g.module_calls.get(owner, 0):
+    role = ctx.roles.get(owner, Role(ModuleRole.OTHER))
+    if role.plays is not ModuleRole.OTHER and ctx.g.module_calls.get(owner, 0):
         return f"{where}: {name} is also used by its module {owner}, which runs in the forward"
     return None
 
 
 def _bias_parts(r: Reading, summary, out: int, where: str, rows: list[int] | None = None
-                ) -> list[BiasPart] | Problem:
+                ) -> list[BiasPart] | Reason:
     """Where the norm's β goes: the bias the op adds, as pieces of named tensors covering rows ``rows`` of the
-    output (a named parameter/buffer, or a concatenation of them made in forward). [] when β is zero; a `Problem`
+    output (a named parameter/buffer, or a concatenation of them made in forward). [] when β is zero; a `Reason`
     when β is not zero but no named tensor can take it."""
     if not _nonzero(r.beta):
         return []
     ctx, tid = r.ctx, _tid(summary)
     if tid is None:
-        return Problem(f"{where} adds no bias, so the norm's β has nowhere to go")
+        return _problem(f"{where} adds no bias, so the norm's β has nowhere to go")
     pieces = _pieces(ctx, r.node, tid)
     if isinstance(pieces, str):
-        return Problem(f"{where}: {pieces}")
+        return _problem(f"{where}: {pieces}")
     a, b = rows if rows is not None else (0, out)
     found, pos = [], 0
     for name, n in pieces:
@@ -411,11 +413,11 @@ def _bias_parts(r: Reading, summary, out: int, where: str, rows: list[int] | Non
             mod = ctx.modules[name.rpartition(".")[0]]
             persistent = is_param or name.rpartition(".")[2] not in mod._non_persistent_buffers_set
             if not t.is_floating_point():
-                return Problem(f"{where}: its bias piece {name} cannot take the norm's β ({t.dtype})")
+                return _problem(f"{where}: its bias piece {name} cannot take the norm's β ({t.dtype})")
             found.append(BiasPart(name, pos, pos + n, is_param, persistent))
         pos += n
     if pos != out:
-        return Problem(f"{where}: its bias has {pos} entries for {out} outputs")
+        return _problem(f"{where}: its bias has {pos} entries for {out} outputs")
     return found
 
 
@@ -445,8 +447,8 @@ def _pieces(ctx: "MatchContext", node: Node, tid: int) -> list[tuple[str, int]] 
 
 
 # -- the table ---------------------------------------------------------------------------------------------------
-register_kind(Kind("whole parameter (MoE routers and experts)", WEIGHT_OPERAND_OPS, _whole_parameter, rows=False))
-register_kind(Kind("F.linear rows and bias pieces", frozenset({"linear"}), _linear_rows, rows=True))
-register_kind(Kind("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
-register_kind(Kind("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,
+register_consumer(ConsumerRule("whole parameter (MoE routers and experts)", WEIGHT_OPERAND_OPS, _whole_parameter, rows=False))
+register_consumer(ConsumerRule("F.linear rows and bias pieces", frozenset({"linear"}), _linear_rows, rows=True))
+register_consumer(ConsumerRule("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
+register_consumer(ConsumerRule("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,
                    rows=True))

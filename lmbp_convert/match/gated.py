@@ -18,27 +18,28 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..catalogue import class_key
-from ..kinds import GATED_ACT_KINDS, Layout
-from ..trace.graph import Node, NodeKind, ScopeCall
+from ..reasons import Reason, ReasonCode
+from ..enums import GATED_ACT_KINDS, Layout
+from ..trace.graph import Node, Callee, ScopeCall
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .plan import GatedMLPSwap, Skip
 from .projection import is_projection_node
-from .roles import RoleKind, user_hooks
+from .roles import ModuleRole, user_hooks
 
 FUSED_ACTS = GATED_ACT_KINDS  # what the fused op computes (one list, shared with ops.gated_mlp)
 
 #: modules walked through between the product and the down projection (run inside the fused MLP)
-PRE_DOWN_ROLES = (RoleKind.DROPOUT, RoleKind.IDENTITY, RoleKind.NORM)
+PRE_DOWN_ROLES = (ModuleRole.DROPOUT, ModuleRole.IDENTITY, ModuleRole.NORM)
 #: modules walked through after the down projection
-POST_DOWN_ROLES = (RoleKind.DROPOUT, RoleKind.IDENTITY)
+POST_DOWN_ROLES = (ModuleRole.DROPOUT, ModuleRole.IDENTITY)
 #: tensor methods that only change the dtype
 CAST_OPS = ("to", "type", "float", "half", "bfloat16", "double")
 _MULS = ("mul", "__mul__", "__rmul__")
 
 
 def match_gated_mlps(ctx: MatchContext) -> Iterator[GatedMLPSwap | Skip]:
-    """The matcher (see `lmbp_convert.match.planner.MATCHERS`)."""
+    """The matcher (declared in `lmbp_convert.rewrites`)."""
     if ctx.opt.gated_mlp:
         for swap, skip in find_gated_mlps(ctx):
             yield swap if swap is not None else skip
@@ -56,14 +57,14 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
             children.setdefault(sc.parent, []).append(sc)
     for sc in g.scopes:
         nodes = inside.get(sc.idx, [])
-        mods = [n for n in nodes if n.kind is NodeKind.MODULE]
-        acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.ACTIVATION]
+        mods = [n for n in nodes if n.callee is Callee.MODULE]
+        acts = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].plays is ModuleRole.ACTIVATION]
         if not sc.module or not ctx.opt.selected(sc.module):
             continue
         if not acts:
             reason = _unknown_gate(ctx, sc, nodes, mods, children.get(sc.idx, []))
             if reason:
-                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), reason)
+                yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), Reason(ReasonCode.GATED_MLP, reason))
             continue
         if len(acts) != 1:
             continue
@@ -71,16 +72,17 @@ def find_gated_mlps(ctx: MatchContext) -> Iterator[tuple[GatedMLPSwap | None, Sk
         if isinstance(swap_or_reason, GatedMLPSwap):
             yield swap_or_reason, None
         elif swap_or_reason:
-            yield None, Skip(sc.module, class_key(ctx.modules[sc.module]), swap_or_reason)
+            yield None, Skip(sc.module, class_key(ctx.modules[sc.module]),
+                             Reason(ReasonCode.GATED_MLP, swap_or_reason))
 
 
 def _unknown_gate(ctx, sc, nodes, mods, kids: list[ScopeCall]) -> str | None:
     """Why a module gated by something that is no catalogued activation (GLU's sigmoid) is not fused, or None
     when no submodule's output is multiplied into what reaches a Linear."""
-    calls = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].kind is RoleKind.OTHER]
+    calls = [n for n in mods if ctx.roles.get(n.target) and ctx.roles[n.target].plays is ModuleRole.OTHER]
     for child in kids:  # submodules without a role are walked into by the tracer: their calls
         if child.module in ctx.modules:
-            calls.append(Node(-1, NodeKind.MODULE, child.module, list(child.args), list(child.outputs), ()))
+            calls.append(Node(-1, Callee.MODULE, child.module, list(child.args), list(child.outputs), ()))
     for node in calls:
         if len(node.inputs) != 1 or len(node.outputs) != 1:
             continue
@@ -125,9 +127,9 @@ def _match(ctx, sc, nodes, act, kids: list[ScopeCall]) -> GatedMLPSwap | str | N
         name=sc.module, cls=class_key(module), act=ctx.roles[act.target].act, act_module=act.target,
         gate=attrs.get("gate"), up=attrs.get("up"), gate_up=attrs.get("gate_up"), down=attrs["down"],
         gate_first=shape.gate_first, predicted_saved_bytes=saved,
-        pre_down=[attrs[f"pre:{n.target}"] for n in tail.pre if n.kind is NodeKind.MODULE],
+        pre_down=[attrs[f"pre:{n.target}"] for n in tail.pre if n.callee is Callee.MODULE],
         post_down=[attrs[f"post:{n.target}"] for n in tail.post],
-        cast_to_down=any(n.kind is NodeKind.OP for n in tail.pre),
+        cast_to_down=any(n.callee is Callee.OP for n in tail.pre),
     )
 
 
@@ -145,18 +147,18 @@ def _only_consumer(ctx, sc, tid: int) -> Node | str | None:
 
 
 def _role(ctx, node: Node):
-    return ctx.roles.get(node.target) if node.kind is NodeKind.MODULE else None
+    return ctx.roles.get(node.target) if node.callee is Callee.MODULE else None
 
 
 def _describe(node: Node) -> str:
-    return node.target if node.kind is NodeKind.MODULE else f"op {op_short(node)}"
+    return node.target if node.callee is Callee.MODULE else f"op {op_short(node)}"
 
 
 def _tail(ctx, sc, nodes, act, kids: list[ScopeCall]) -> _Tail | str | None:
     """The product's way to the module output, a reason when it looks gated but is not fusible, or None when
     the activation's output is not multiplied into something that reaches a Linear (not a gated MLP)."""
     mul = _only_consumer(ctx, sc, act.outputs[0])
-    if not isinstance(mul, Node) or mul.kind is not NodeKind.OP or op_short(mul) not in _MULS or len(mul.inputs) != 2:
+    if not isinstance(mul, Node) or mul.callee is not Callee.OP or op_short(mul) not in _MULS or len(mul.inputs) != 2:
         return None
     pre, t, blocker = [], mul.outputs[0], None
     for _ in range(len(nodes) + len(ctx.g.scopes)):
@@ -190,7 +192,7 @@ def _tail(ctx, sc, nodes, act, kids: list[ScopeCall]) -> _Tail | str | None:
     while sc.outputs != [t]:
         node = _only_consumer(ctx, sc, t)
         role = _role(ctx, node) if isinstance(node, Node) else None
-        if role is None or role.kind not in POST_DOWN_ROLES:
+        if role is None or role.plays not in POST_DOWN_ROLES:
             what = ("is used more than once, or outside the module," if node is None else f"feeds {node}" if isinstance(node, str)
                     else f"feeds {_describe(node)}")
             return _Tail(mul, pre, down, post, f"gated MLP whose down projection's output ({down.target}) {what}, "
@@ -205,8 +207,8 @@ def _walkable_pre(ctx, node: Node, pre: list) -> bool:
     after a cast: the cast is replayed right before the down projection) or a dtype-only cast."""
     role = _role(ctx, node)
     if role is not None:
-        return role.kind in PRE_DOWN_ROLES and not any(n.kind is NodeKind.OP for n in pre)
-    return node.kind is NodeKind.OP and _is_cast(node)
+        return role.plays in PRE_DOWN_ROLES and not any(n.callee is Callee.OP for n in pre)
+    return node.callee is Callee.OP and _is_cast(node)
 
 
 def _is_cast(node: Node) -> bool:
@@ -224,8 +226,8 @@ def _is_dtype(a) -> bool:
 
 
 def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _Shape | str:
-    mods = [n for n in nodes if n.kind is NodeKind.MODULE]
-    ops = [n for n in nodes if n.kind is NodeKind.OP]
+    mods = [n for n in nodes if n.callee is Callee.MODULE]
+    ops = [n for n in nodes if n.callee is Callee.OP]
     producers = {o: n for n in nodes for o in n.outputs}
     mul = tail.mul
     linears = [n for n in mods if is_projection_node(ctx, n)]
@@ -249,7 +251,7 @@ def _gated_shape(ctx, sc, nodes, act, tail: _Tail, child_scopes: list[str]) -> _
     xs = {p.inputs[0] for p in projections.values()}
     if len(xs) != 1 or set(sc.args) != xs:
         return "gated MLP whose gate and up do not both read the module's only input"
-    if tail.pre and tail.pre[-1].kind is NodeKind.OP:
+    if tail.pre and tail.pre[-1].callee is Callee.OP:
         weight = getattr(ctx.modules[tail.down.target], "weight", None)
         want = str(weight.dtype).removeprefix("torch.") if isinstance(weight, torch.Tensor) else None
         got = str(ctx.g.tensors[tail.pre[-1].outputs[0]].dtype).removeprefix("torch.")
@@ -287,11 +289,11 @@ def _attributes(ctx, sc, act, shape: _Shape) -> dict[str, str] | str:
         return f"gated MLP with {act_kind} has no fused op (the activation is converted on its own)"
     tail = shape.tail
     down_role = ctx.roles[tail.down.target]
-    if down_role.kind is RoleKind.LINEAR and down_role.layout is not Layout.OUT_IN:
+    if down_role.plays is ModuleRole.LINEAR and down_role.layout is not Layout.OUT_IN:
         return f"down projection {tail.down.target} is not an nn.Linear"
     prefix = sc.module + "."
     attrs = {}
-    chain = [(f"pre:{n.target}", n) for n in tail.pre if n.kind is NodeKind.MODULE]
+    chain = [(f"pre:{n.target}", n) for n in tail.pre if n.callee is Callee.MODULE]
     chain += [(f"post:{n.target}", n) for n in tail.post]
     for role, node in [*shape.projections.items(), ("down", tail.down), ("act", act), *chain]:
         if not node.target.startswith(prefix) or "." in node.target[len(prefix):]:

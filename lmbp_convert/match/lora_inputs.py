@@ -19,12 +19,11 @@ from torch import nn
 
 from ..catalogue import class_key, load_catalogue
 from .context import MatchContext, tensor_bytes
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 
 __all__ = ["LoraInputShare", "match_lora_inputs"]
 
 
-@register_item
 @dataclass
 class LoraInputShare(PlanItem):
     """A LoRA layer whose adapters rebuild their (cast, dropped) input from the layer's input in backward."""
@@ -68,7 +67,7 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
         tid = nodes[0].inputs[0]
         numel, in_bytes = tensor_bytes(ctx.g, tid)
         in_size = in_bytes // max(numel, 1)
-        adapters_a, drops = getattr(mod, lora["adapters_A"]), getattr(mod, lora["dropout"])
+        adapters_a, drops = getattr(mod, lora.adapters_a), getattr(mod, lora.dropout)
         adapters, dropouts, saved = [], [], 0
         for adapter, a in adapters_a.items():
             w = getattr(a, "weight", None)
@@ -87,4 +86,4 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
             adapters.append(adapter)
         if not adapters:
             continue
-        yield LoraInputShare(name, class_key(mod), adapters, dropouts, lora["dropout"], saved)
+        yield LoraInputShare(name, class_key(mod), adapters, dropouts, lora.dropout, saved)

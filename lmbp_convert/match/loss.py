@@ -26,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..catalogue import class_key
-from ..kinds import ConvertedCallable
+from ..reasons import Reason, ReasonCode
+from ..enums import ConvertedCallable
 from ..trace.containers import children
 from ..trace.device import training_mode
 from .context import MatchContext
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 #: the placeholders a recorded call keeps in place of the tensors and the config it was given
@@ -38,7 +39,6 @@ LOGITS, LABELS, CONFIG = "@logits", "@labels", "@config"
 _RTOL = 1e-5  # fp32 against fp32: only the order of the sums differs
 
 
-@register_item
 @dataclass
 class LossSwap(PlanItem):
     """A module whose forward computes cross-entropy on its head's logits through ``loss_function``: that instance
@@ -241,8 +241,12 @@ def semantics(fn: Callable, call: dict, shape: list[int], classes: int, config: 
     return None
 
 
+def _loss_reason(text: str) -> Reason:
+    return Reason(ReasonCode.LOSS, text)
+
+
 def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
-    """The matcher (`lmbp_convert.match.planner.MATCHERS`): at most one item per module whose forward called its
+    """The matcher (declared in `lmbp_convert.rewrites`): at most one item per module whose forward called its
     ``loss_function`` on the labelled probe."""
     model = ctx.model
     takes = _takes_labels(model)
@@ -252,27 +256,29 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
     hooks = {n: m for n, m in ctx.modules.items() if _settable_hook(m) and ctx.opt.selected(n)}
     if not hooks:
         if takes:  # only said of a forward that names labels: a plain **kwargs is no sign of a loss
-            yield Skip("", root, "computes its own loss from labels, but has no loss_function an instance can set "
-                                 "(transformers < 4.46): the loss is left as it is")
+            yield Skip("", root, _loss_reason("computes its own loss from labels, but has no loss_function an "
+                                              "instance can set (transformers < 4.46): the loss is left as it is"))
         return
     if not takes and not any(_takes_labels(m) for m in hooks.values()):
         return  # a wrapper's **kwargs over models that take no labels (a base model): no loss anywhere
     if any(isinstance(m.__dict__.get("_loss_function"), ConvertedCallable) for m in hooks.values()):
         return  # already converted
     if any(p.device.type == "meta" for p in model.parameters()):
-        yield Skip("", root, "meta device: the loss cannot be checked without weights, so it is left as it is")
+        yield Skip("", root, _loss_reason("meta device: the loss cannot be checked without weights, so it is left "
+                                          "as it is"))
         return
     found = _labelled_call(ctx, hooks)
     if isinstance(found, str):
-        yield Skip("", root, found)
+        yield Skip("", root, _loss_reason(found))
         return
     name, call, logits, config, head = found
     mod = hooks[name]
     shape, classes = list(logits.shape), int(logits.shape[-1])
     shift = semantics(mod.loss_function, call, shape, classes, config)
     if shift is None:
-        yield Skip(name, class_key(mod), f"its loss_function ({_label(mod.loss_function)}) is not HF's causal or "
-                                         "flat cross-entropy on a check call: left as it is")
+        yield Skip(name, class_key(mod), _loss_reason(f"its loss_function ({_label(mod.loss_function)}) is not "
+                                                      "HF's causal or flat cross-entropy on a check call: left as it "
+                                                      "is"))
         return
     dtype = str(logits.dtype).replace("torch.", "")
     rows = logits.numel() // classes

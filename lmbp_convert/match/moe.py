@@ -16,18 +16,17 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from ..catalogue import class_key
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, Callee
 from .commute import Pass, is_metadata, op_short, step
 from .context import MatchContext, tensor_bytes
 from .functional import WEIGHT_OPERAND_OPS, weight_operand
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 from .readers import At, end_readers
-from .roles import RoleKind
+from .roles import ModuleRole
 
 _MULS = ("mul", "__mul__", "__rmul__")
 
 
-@register_item
 @dataclass
 class RecomputeRegion(PlanItem):
     """A module whose own code computes gated MLPs (MoE experts held as parameters): during its call, what
@@ -59,7 +58,7 @@ def _feeds_weight_op(ctx: MatchContext, tid: int) -> bool:
     g, d = ctx.g, ctx.g.tensors[tid].shape[-1]
 
     def through(c: Node, at: At) -> list[At] | None:
-        if c.kind is NodeKind.MODULE or op_short(c) in WEIGHT_OPERAND_OPS:
+        if c.callee is Callee.MODULE or op_short(c) in WEIGHT_OPERAND_OPS:
             return None
         res = step(c, g.tensors, at[0], at[1], d)
         if not isinstance(res, Pass) or op_short(c) == "dropout":
@@ -77,9 +76,9 @@ def _feeds_weight_op(ctx: MatchContext, tid: int) -> bool:
 def _applies_weight(ctx: MatchContext, c: Node, t: int, axis: int) -> bool:
     """``c`` applies a weight to the channels on ``axis`` of ``t``: a Linear module, or a weight op with ``t`` as
     its data operand."""
-    if c.kind is NodeKind.MODULE:
+    if c.callee is Callee.MODULE:
         role = ctx.roles.get(c.target)
-        return role is not None and role.kind is RoleKind.LINEAR and axis == len(ctx.g.tensors[t].shape) - 1
+        return role is not None and role.plays is ModuleRole.LINEAR and axis == len(ctx.g.tensors[t].shape) - 1
     return weight_operand(ctx.g, c, t, axis) is not None
 
 
@@ -88,7 +87,7 @@ def _gated_product(ctx: MatchContext, act: Node) -> bool:
     if len(act.outputs) != 1:
         return False
     uses = [c for c in ctx.g.consumers(act.outputs[0]) if not is_metadata(c)]
-    if len(uses) != 1 or uses[0].kind is not NodeKind.OP or op_short(uses[0]) not in _MULS:
+    if len(uses) != 1 or uses[0].callee is not Callee.OP or op_short(uses[0]) not in _MULS:
         return False
     mul = uses[0]
     if len(mul.inputs) != 2 or len(set(mul.inputs)) != 2 or len(mul.outputs) != 1:
@@ -97,14 +96,14 @@ def _gated_product(ctx: MatchContext, act: Node) -> bool:
 
 
 def match_recompute_regions(ctx: MatchContext) -> Iterator[RecomputeRegion | Skip]:
-    """The matcher (`lmbp_convert.match.planner.MATCHERS`): one item per module call scope whose activation
+    """The matcher (declared in `lmbp_convert.rewrites`): one item per module call scope whose activation
     calls all form gated products feeding weight ops."""
     if not ctx.opt.gated_mlp:
         return
     by_scope: dict[int, list[Node]] = {}
     for node in ctx.g.nodes:
-        role = ctx.roles.get(node.target) if node.kind is NodeKind.MODULE else None
-        if role is not None and role.kind is RoleKind.ACTIVATION and node.scopes:
+        role = ctx.roles.get(node.target) if node.callee is Callee.MODULE else None
+        if role is not None and role.plays is ModuleRole.ACTIVATION and node.scopes:
             by_scope.setdefault(node.scopes[-1], []).append(node)
     done: set[str] = set()
     for sidx, acts in by_scope.items():
@@ -126,7 +125,7 @@ def match_recompute_regions(ctx: MatchContext) -> Iterator[RecomputeRegion | Ski
             saved += tensor_bytes(ctx.g, a.outputs[0])[1] + tensor_bytes(ctx.g, mul.outputs[0])[1]
         for tid in _first_float_input(ctx, sc):
             for c in ctx.g.consumers(tid):
-                if c.kind is NodeKind.OP and op_short(c) == "__getitem__" and _row_gather(c, tid):
+                if c.callee is Callee.OP and op_short(c) == "__getitem__" and _row_gather(c, tid):
                     gathers += 1
                     saved += tensor_bytes(ctx.g, c.outputs[0])[1]
         for node in ctx.g.nodes:  # a parameter's rows gathered per routed row (P[ids] of a batched matmul)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kinds import NormKind, WeightParam
+from ..enums import NormType, WeightParam
 from .norm_kept import NormKeep
-from .plan import NormFold, PlanItem, register_item
+from .plan import NormFold, PlanItem
 
 __all__ = ["NormExact", "exact_items"]
 
 
-@register_item
 @dataclass
 class NormExact(PlanItem):
     """A norm swapped for `MSExactNorm`: γ, β kept, the output rebuilt from x̂ for the consumers that save it."""
@@ -30,7 +29,9 @@ class NormExact(PlanItem):
     heading = "norms → memory-sharing, exact (γ, β kept; consumers' copies of the output rebuilt from x̂)"
     counted_when_none = False
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: list[int]
@@ -40,19 +41,19 @@ class NormExact(PlanItem):
     out_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        self.kind, self.param = NormKind(self.kind), WeightParam(self.param)
+        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} [{self.kind}, {self.param}] → output shared with {', '.join(self.readers) or '-'}"]
+        return [f"  {self.name} [{self.norm_type}, {self.param}] → output shared with {', '.join(self.readers) or '-'}"]
 
 
 def _exact(item: PlanItem) -> PlanItem:
     if type(item) is NormFold and not item.prefolded:
         readers = [t.label for t in item.targets]
-        return NormExact(item.name, item.cls, item.kind, item.param, item.eps, list(item.shape), item.has_bias,
+        return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
                          readers, item.predicted_saved_bytes, item.out_dtype)
     if type(item) is NormKeep:
-        return NormExact(item.name, item.cls, item.kind, item.param, item.eps, list(item.shape), item.has_bias,
+        return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
                          list(item.keepers), item.predicted_saved_bytes, item.out_dtype)
     return item
 

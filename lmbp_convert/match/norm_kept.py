@@ -14,14 +14,15 @@ from torch import nn
 
 from ..catalogue import class_key
 from ..fold import unreliable_channels
-from ..kinds import NormKind, WeightParam
-from ..trace.graph import Node, NodeKind
+from ..enums import NormType, WeightParam
+from ..reasons import Reason, ReasonCode
+from ..trace.graph import Node, Callee
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .norm import Refused, emitted_dtype, plan_norm
-from .plan import PlanItem, Skip, register_item
+from .plan import PlanItem, Skip
 from .readers import At, end_readers
-from .roles import NormRole, Role, RoleKind, quantized_linear, user_hooks
+from .roles import NormRole, Role, ModuleRole, quantized_linear, user_hooks
 
 #: ops whose result shares its input's storage (what a consumer saves of a view is the norm's output itself)
 _VIEW_OPS = {"view", "reshape", "transpose", "permute", "flatten", "unflatten", "squeeze", "unsqueeze", "t",
@@ -31,7 +32,6 @@ _SAVE_OUTPUT_OPS = {"tanh", "sigmoid", "exp", "relu", "relu_", "softmax", "log_s
                     "hardtanh", "threshold", "logsigmoid", "exp2", "reciprocal"}
 
 
-@register_item
 @dataclass
 class NormKeep(PlanItem):
     """A norm whose affine could not be folded, swapped for a memory-sharing norm that keeps γ, β (the same
@@ -42,7 +42,9 @@ class NormKeep(PlanItem):
     heading = "norms → memory-sharing (affine kept, backward from the output)"
     counted_when_none = False
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: list[int]
@@ -54,12 +56,12 @@ class NormKeep(PlanItem):
     out_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        self.kind, self.param = NormKind(self.kind), WeightParam(self.param)
+        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
         kept = f"; {self.kept_channels} channel(s) keep their input (γ too small to invert)" if self.kept_channels \
             else ""
-        return [f"  {self.name} [{self.kind}, {self.param}] → output shared with {', '.join(self.keepers)}{kept}",
+        return [f"  {self.name} [{self.norm_type}, {self.param}] → output shared with {', '.join(self.keepers)}{kept}",
                 f"      fold refused: {self.fold_refused}"]
 
 
@@ -70,14 +72,14 @@ def match_kept_affine_norms(ctx: MatchContext) -> Iterator[NormKeep]:
         return
     for name, role in ctx.roles.items():
         mod = ctx.modules.get(name)
-        if (mod is None or name in ctx.claimed or role.kind is not RoleKind.NORM or role.problem
+        if (mod is None or name in ctx.claimed or role.plays is not ModuleRole.NORM or role.why
                 or not role.norm.affine or not ctx.opt.selected(name) or name in ctx.prefolded):
             continue
         try:
             plan_norm(ctx, name, mod, role.norm)
             continue  # foldable: the norm matcher's business (it was dropped there for another reason)
         except Refused as why:
-            refused = str(why)
+            refused = why.reason.text
         try:
             yield plan_kept(ctx, name, mod, role.norm, refused)
         except Refused:
@@ -86,31 +88,31 @@ def match_kept_affine_norms(ctx: MatchContext) -> Iterator[NormKeep]:
 
 def plan_kept(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, refused: str) -> NormKeep:
     if user_hooks(mod):
-        raise Refused("has hooks registered")
+        raise Refused(Reason(ReasonCode.HOOKED, "has hooks registered"))
     if ctx.g.module_calls.get(name, 0) != 1:
-        raise Refused("not called exactly once")
+        raise Refused(Reason(ReasonCode.SHARED_CALL, "not called exactly once"))
     (node,) = ctx.g.module_nodes(name)
     if len(node.inputs) != 1 or len(node.outputs) != 1:
-        raise Refused("takes or returns more than one tensor")
+        raise Refused(Reason(ReasonCode.SIGNATURE, "takes or returns more than one tensor"))
     x, y = ctx.g.tensors[node.inputs[0]], ctx.g.tensors[node.outputs[0]]
     w, b = getattr(mod, "weight", None), getattr(mod, "bias", None) if nr.has_bias else None
     if not isinstance(w, nn.Parameter) or w.dim() != 1 or (b is not None and not isinstance(b, nn.Parameter)):
-        raise Refused("its affine is not a pair of 1-D Parameters")
+        raise Refused(Reason(ReasonCode.WEIGHTS, "its affine is not a pair of 1-D Parameters"))
     d = w.numel()
     if x.shape != y.shape or not x.shape or x.shape[-1] != d or tuple(nr.shape) not in ((), (d,)):
-        raise Refused("does not normalise the last dim of one tensor")
+        raise Refused(Reason(ReasonCode.SIGNATURE, "does not normalise the last dim of one tensor"))
     if w.device.type == "meta":
-        raise Refused("its parameters are on the meta device")
+        raise Refused(Reason(ReasonCode.WEIGHTS, "its parameters are on the meta device"))
     keepers = output_keepers(ctx, node.outputs[0])
     if not keepers:
-        raise Refused("no consumer keeps its output for backward")
+        raise Refused(Reason(ReasonCode.NO_CONSUMER, "no consumer keeps its output for backward"))
     other = input_kept_elsewhere(ctx, node.inputs[0], node)
     if other:
-        raise Refused(f"its input stays kept anyway ({other})")
+        raise Refused(Reason(ReasonCode.NO_GAIN, f"its input stays kept anyway ({other})"))
     saved = kept_bytes_saved(ctx, node, nr, w, b)
     if saved <= 0:
-        raise Refused("keeping the channels γ cannot invert would cost what it saves")
-    return NormKeep(name, class_key(mod), nr.kind, nr.param, nr.eps, [d], b is not None, keepers, refused,
+        raise Refused(Reason(ReasonCode.NO_GAIN, "keeping the channels γ cannot invert would cost what it saves"))
+    return NormKeep(name, class_key(mod), nr.norm_type, nr.param, nr.eps, [d], b is not None, keepers, refused,
                     _unreliable_count(w, b, nr.param), saved, emitted_dtype(ctx, node))
 
 
@@ -127,8 +129,8 @@ def kept_bytes_saved(ctx: MatchContext, node: Node, nr: NormRole, w: torch.Tenso
     k = _unreliable_count(w, b, nr.param)
     if k > d // 2:
         return 0  # the module runs the plain norm
-    mean = rows * 4 if nr.kind is NormKind.LAYER else 0
-    side = (nbytes // n) * rows * k + (rows * 4 if nr.kind is NormKind.LAYER else 0) + k * 8 if k else 0
+    mean = rows * 4 if nr.norm_type is NormType.LAYER else 0
+    side = (nbytes // n) * rows * k + (rows * 4 if nr.norm_type is NormType.LAYER else 0) + k * 8 if k else 0
     return nbytes + mean - side
 
 
@@ -136,21 +138,21 @@ def output_keepers(ctx: MatchContext, out: int) -> list[str]:
     """Consumers that keep ``out`` itself (or a view of it) for their backward: Linear-like modules whose weight
     (or a LoRA adapter without dropout) is trained."""
     def through(c: Node, at: At) -> list[At] | None:
-        if c.kind is NodeKind.MODULE:
-            role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
-            passes = role.kind is RoleKind.IDENTITY or (role.kind is RoleKind.DROPOUT and not role.p)
+        if c.callee is Callee.MODULE:
+            role = ctx.roles.get(c.target, Role(ModuleRole.OTHER))
+            passes = role.plays is ModuleRole.IDENTITY or (role.plays is ModuleRole.DROPOUT and not role.p)
         else:
             passes = bool(c.inputs) and c.inputs[0] == at[0] and (op_short(c) in _VIEW_OPS or _basic_getitem(c))
         return [(o, None) for o in c.outputs] if passes else None
 
     found = [c.target for c, _ in end_readers(ctx.g, (out, None), through)
-             if c.kind is NodeKind.MODULE and _keeper(ctx, c.target)]
+             if c.callee is Callee.MODULE and _keeper(ctx, c.target)]
     return sorted(set(found))
 
 
 def _keeper(ctx: MatchContext, name: str) -> bool:
-    role = ctx.roles.get(name, Role(RoleKind.OTHER))
-    return role.kind is RoleKind.LINEAR and _keeps_input(ctx, name, role)
+    role = ctx.roles.get(name, Role(ModuleRole.OTHER))
+    return role.plays is ModuleRole.LINEAR and _keeps_input(ctx, name, role)
 
 
 def _basic_getitem(c: Node) -> bool:
@@ -169,11 +171,11 @@ def _basic_getitem(c: Node) -> bool:
 def _keeps_input(ctx: MatchContext, name: str, role: Role) -> bool:
     mod = ctx.modules[name]
     if role.lora:
-        drops = dict(getattr(mod, role.lora["dropout"], {}).items())
-        for adapter, a in getattr(mod, role.lora["adapters_A"]).items():
+        drops = dict(getattr(mod, role.lora.dropout, {}).items())
+        for adapter, a in getattr(mod, role.lora.adapters_a).items():
             if a.weight.requires_grad and not float(getattr(drops.get(adapter), "p", 0.0) or 0.0):
                 return True
-        mod = getattr(mod, role.lora["base"])
+        mod = getattr(mod, role.lora.base)
     if quantized_linear(mod):
         return False  # what a quantized kernel keeps is its own business
     w = getattr(mod, "weight", None)
@@ -191,7 +193,7 @@ def input_kept_elsewhere(ctx: MatchContext, tid: int, norm: Node) -> str | None:
         if prod is None:
             return None
         p = ctx.g.nodes[prod]
-        short = op_short(p) if p.kind is NodeKind.OP else ""
+        short = op_short(p) if p.callee is Callee.OP else ""
         if short in _SAVE_OUTPUT_OPS:
             return f"made by {short}, which keeps its result"
         if short in _VIEW_OPS and p.inputs:
@@ -201,7 +203,7 @@ def input_kept_elsewhere(ctx: MatchContext, tid: int, norm: Node) -> str | None:
 
 
 def _what(c: Node) -> str:
-    return c.target if c.kind is NodeKind.MODULE else op_short(c)
+    return c.target if c.callee is Callee.MODULE else op_short(c)
 
 
 __all__ = ["NormKeep", "Skip", "match_kept_affine_norms", "plan_kept"]

@@ -3,8 +3,8 @@
 The plan is a list of *plan items*, one class per rewrite kind, all deriving from `PlanItem`: an item describes
 itself for the report, predicts the activation bytes it saves, serialises, and builds its reversible unit
 (`PlanItem.build_unit`). Everything that handles plans — ``convert()``, verification and rollback, the report,
-the checkpoint CLI — loops over items and never names a kind, so a new rewrite is a new item class (registered
-with `register_item`) plus the matcher that finds it (`lmbp_convert.match.planner.MATCHERS`).
+the checkpoint CLI — loops over items and never names a kind, so a new rewrite is a new item class declared with
+its matcher and builder in one `lmbp_convert.match.kinds.register_kind`.
 """
 from __future__ import annotations
 
@@ -12,35 +12,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
-from ..kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from ..enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
+from ..reasons import Reason
+from .kinds import by_tag, item_classes
 
 if TYPE_CHECKING:  # apply imports match, never the reverse: the builder is only a type here
     from ..apply.rewrite import Unit, UnitBuilder
 
-_KINDS: dict[str, type["PlanItem"]] = {}  # serialisation tag → item class, in registration (= report) order
 T = TypeVar("T", bound="PlanItem")
-
-
-def register_item(cls: type[T]) -> type[T]:
-    """Class decorator: make a plan item kind known to `Plan.from_dict` and the report (under ``cls.tag``)."""
-    if not cls.tag:
-        raise ValueError(f"{cls.__name__} needs a non-empty tag (its section in a serialised plan)")
-    known = _KINDS.get(cls.tag)
-    if known is not None and known is not cls and known.__qualname__ != cls.__qualname__:
-        raise ValueError(f"plan item tag {cls.tag!r} is already used by {known.__qualname__}")
-    _KINDS[cls.tag] = cls
-    return cls
-
-
-def unregister_item(cls: type["PlanItem"]) -> None:
-    """Forget a kind registered with `register_item` (tests, plug-ins that are unloaded)."""
-    if _KINDS.get(cls.tag) is cls:
-        del _KINDS[cls.tag]
-
-
-def item_kinds() -> list[type["PlanItem"]]:
-    """The registered plan item classes, in registration order (the report's section order)."""
-    return list(_KINDS.values())
 
 
 @dataclass
@@ -55,6 +34,8 @@ class PlanItem:
     #: why training through this rewrite differs from the original's ("": the original parameters get the original
     #: gradients, up to rounding). The report names every such rewrite, so an inexact one is never silent.
     inexact_training: ClassVar[str] = ""
+    #: serialised field names this kind's plans were written with before a rename → today's (read by `from_dict`)
+    former_fields: ClassVar[dict[str, str]] = {}
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
@@ -77,13 +58,18 @@ class PlanItem:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PlanItem":
-        return cls(**data)
+        return cls(**renamed(cls, data))
 
     def build_unit(self, builder: "UnitBuilder") -> "Unit":
         """The reversible rewrite of a live model (`lmbp_convert.apply.rewrite.Unit`). The builder finds the
         function registered for this class (``lmbp_convert.apply.rewrite.builds``), since this layer cannot
         import modules or kernels; an item defined outside the package may override this method instead."""
         return builder.build(self)
+
+
+def renamed(cls: type[PlanItem], data: dict) -> dict:
+    """``data`` with the field names ``cls`` used to write (`PlanItem.former_fields`) under today's names."""
+    return {cls.former_fields.get(k, k): v for k, v in data.items()}
 
 
 @dataclass
@@ -169,7 +155,6 @@ class ReapplySite:
         return f"input {slot} of {self.module or '<model>'}"
 
 
-@register_item
 @dataclass
 class ActSwap(PlanItem):
     """An activation module swapped for an approximate-backprop one that keeps a ``bits``-bit code per element."""
@@ -179,21 +164,22 @@ class ActSwap(PlanItem):
     heading = "activations → approx-BP"
     inexact_training = "approximate backward: the derivative is a step function of the input"
 
-    kind: str  # activation kind: an open set, the ops layer's table (lmbp_convert.ops.activations)
+    former_fields = {"kind": "act"}
+
+    act: str  # the activation: an open set, the ops layer's table (lmbp_convert.ops.activations)
     bits: int
     predicted_saved_bytes: int = 0
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, {self.bits} bits)"]
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.act}, {self.bits} bits)"]
 
     @classmethod
     def report_lines(cls, items: list["ActSwap"]) -> list[str]:
-        kinds = Counter(f"{a.kind}/{a.bits}-bit" for a in items)
-        summary = f"{cls.heading}: " + ", ".join(f"{v}× {k}" for k, v in kinds.items())
+        counts = Counter(f"{a.act}/{a.bits}-bit" for a in items)
+        summary = f"{cls.heading}: " + ", ".join(f"{v}× {k}" for k, v in counts.items())
         return [summary] + [line for a in items for line in a.describe()]
 
 
-@register_item
 @dataclass
 class OutputActSwap(PlanItem):
     """An activation whose derivative is a function of its output (squared ReLU: 2·√y) swapped for one whose
@@ -204,14 +190,15 @@ class OutputActSwap(PlanItem):
     heading = "activations → memory-sharing (backward from the output)"
     counted_when_none = False
 
-    kind: str  # the ops layer's name of the activation (lmbp_convert.nn.activations.OUTPUT_KINDS)
+    former_fields = {"kind": "act"}
+
+    act: str  # the ops layer's name of the activation (lmbp_convert.nn.activations.OUTPUT_KINDS)
     predicted_saved_bytes: int = 0
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.kind}, keeps only its output)"]
+        return [f"  {self.name} ({self.cls.split(':')[-1]} → {self.act}, keeps only its output)"]
 
 
-@register_item
 @dataclass
 class NormFold(PlanItem):
     """A norm swapped for a memory-sharing one, its affine folded into the Linears it feeds (``targets``) and
@@ -223,7 +210,9 @@ class NormFold(PlanItem):
     inexact_training = ("affine folded: the optimiser trains the folded weights W·diag(γ) and W·β + b, not the norm's "
                         "γ, β and the original W, b")
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: list[int]
@@ -237,25 +226,43 @@ class NormFold(PlanItem):
     out_dtype: str | None = None  # what the original cast its output to when unlike its input ("bfloat16")
 
     def __post_init__(self) -> None:
-        self.kind, self.param, self.beta = NormKind(self.kind), WeightParam(self.param), BetaMode(self.beta)
+        self.norm_type, self.param, self.beta = NormType(self.norm_type), WeightParam(self.param), BetaMode(self.beta)
 
-    def describe(self) -> list[str]:
+    # what a subclass that folds into more than Linears (`match.consumers.ConsumerFold`) overrides
+    def param_targets(self) -> list[ParamTarget]:
+        """Rows of parameters that functional ops apply, which take the fold too (none here)."""
+        return []
+
+    def channel_axis(self) -> int:
+        """Where the norm's channels are (-1: last; 1: a channel-first norm on NCHW)."""
+        return -1
+
+    def buffer_notes(self) -> list[str]:
+        """Buffers no state dict holds that take a part of β (a plain checkpoint cannot hold the fold)."""
+        return []
+
+    def _bracket(self) -> str:
+        return f"{self.norm_type}, {self.param}"
+
+    def _head(self) -> str:
         into = ", ".join(t.label + (" (+bias)" if t.adds_bias else "") + (" (not run by the probe)" if t.unseen else "")
                          for t in self.targets) or "nothing to fold"
         tag = " [weights already folded]" if self.prefolded else ""
-        lines = [f"  {self.name} [{self.kind}, {self.param}] → {into}{tag}"]
+        return f"  {self.name} [{self._bracket()}] → {into}{tag}"
+
+    def describe(self) -> list[str]:
+        lines = [self._head()]
         lines += [f"      affine re-applied at {r.describe()}" for r in self.reapply]
         return lines + [f"      note: {c}" for c in self.caveats]
 
     @classmethod
     def from_dict(cls, data: dict) -> "NormFold":
-        d = dict(data)
+        d = renamed(cls, data)
         d["targets"] = [LinearTarget(**t) for t in d.get("targets", [])]
         d["reapply"] = [ReapplySite(**r) for r in d.get("reapply", [])]
         return cls(**d)
 
 
-@register_item
 @dataclass
 class NormSwap(PlanItem):
     """A norm without affine (no weight, no bias) swapped for a memory-sharing one: nothing to fold, its output
@@ -266,21 +273,22 @@ class NormSwap(PlanItem):
     heading = "affine-free norms → memory-sharing (nothing to fold)"
     counted_when_none = False  # rare (OLMo v1): not a "0 affine-free norms" in every report
 
-    kind: NormKind
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
     eps: float
     shape: list[int]
     readers: list[str] = field(default_factory=list)  # Linears that keep the same output for their backward
     predicted_saved_bytes: int = 0
 
     def __post_init__(self) -> None:
-        self.kind = NormKind(self.kind)
+        self.norm_type = NormType(self.norm_type)
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} [{self.kind}, no affine, eps={self.eps:g}] → output shared with "
+        return [f"  {self.name} [{self.norm_type}, no affine, eps={self.eps:g}] → output shared with "
                 f"{', '.join(self.readers)}"]
 
 
-@register_item
 @dataclass
 class GatedMLPSwap(PlanItem):
     """A gated MLP (act(gate(x))·up(x) → down) replaced by the memory-sharing fused op over the same
@@ -313,9 +321,23 @@ class GatedMLPSwap(PlanItem):
 
 @dataclass
 class Skip:
+    """A module a matcher looked at and left as it is, and why (`Reason`: code, subject, sentence)."""
+
     name: str
     cls: str
-    reason: str
+    why: Reason
+
+    @property
+    def reason(self) -> str:
+        """The sentence the report prints."""
+        return self.why.text
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "cls": self.cls, "reason": self.why.text, **self.why.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Skip":
+        return cls(data["name"], data["cls"], Reason.from_dict(data["reason"], data))
 
 
 #: fields of a serialised plan that are not item sections
@@ -348,7 +370,7 @@ class Plan:
 
     def kinds(self) -> list[type[PlanItem]]:
         """Every registered kind (report order), then any unregistered kind the plan holds."""
-        known = item_kinds()
+        known = item_classes()
         return known + list(dict.fromkeys(type(it) for it in self.items if type(it) not in known))
 
     # read-only views by kind, kept for code written against the three fixed lists
@@ -372,7 +394,7 @@ class Plan:
     def predicted_saved_bytes(self) -> int:
         return sum(it.predicted_saved_bytes for it in self.items)
 
-    def drop(self, item: PlanItem, reason: str) -> None:
+    def drop(self, item: PlanItem, reason: Reason) -> None:
         """Take ``item`` out of the plan and record why (a rewrite rolled back after verification)."""
         self.items = [it for it in self.items if it is not item]
         self.skips.append(Skip(item.name, item.cls, reason))
@@ -383,9 +405,9 @@ class Plan:
         out: dict[str, Any] = {}
         for it in self.items:
             out.setdefault(it.tag, []).append(it.to_dict())
-        for kind in item_kinds():
+        for kind in item_classes():
             out.setdefault(kind.tag, [])
-        out["skips"] = [asdict(s) for s in self.skips]
+        out["skips"] = [s.to_dict() for s in self.skips]
         out.update(already_converted=list(self.already_converted), probe_tokens=self.probe_tokens,
                    probe_unit=self.probe_unit, options=dict(self.options))
         return out
@@ -396,14 +418,15 @@ class Plan:
         for key, entries in data.items():
             if key in _PLAN_FIELDS or key in {f.name for f in fields(cls)}:
                 continue
-            kind = _KINDS.get(key)
+            kind = by_tag(key)
             if kind is None:
-                raise ValueError(f"the plan has items of unknown kind {key!r} (known: {', '.join(_KINDS)}); "
-                                 "import the module that registers that kind first")
+                known = ", ".join(k.tag for k in item_classes())
+                raise ValueError(f"the plan has items of unknown kind {key!r} (known: {known}); register that kind "
+                                 "first (lmbp_convert.match.kinds.register_kind)")
             items += [kind.from_dict(d) for d in entries]
         return cls(
             items=items,
-            skips=[Skip(**s) for s in data.get("skips", [])],
+            skips=[Skip.from_dict(s) for s in data.get("skips", [])],
             already_converted=list(data.get("already_converted", [])),
             probe_tokens=data.get("probe_tokens", 0),
             probe_unit=data.get("probe_unit", "token"),

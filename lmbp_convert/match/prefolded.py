@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from ..catalogue import class_key
-from ..kinds import BetaMode
+from ..enums import BetaMode
+from ..reasons import Reason, ReasonCode
 from .context import MatchContext
-from .norm import Refused, _single_call, emitted_dtype, predicted_norm_bytes, walk_readers
+from .norm import Refused, _single_call, emitted_dtype, inplace_reason, predicted_norm_bytes, walk_readers
 from .plan import NormFold
 from .projection import is_projection_node
 from .roles import NormRole
@@ -39,16 +40,16 @@ def plan_prefolded_swap(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRo
     node = _single_call(ctx, name, mod)
     walk = walk_readers(ctx, node.outputs[0], nr)
     if walk.inplace:
-        raise Refused(f"output modified in place ({'; '.join(sorted(set(walk.inplace)))})")
+        raise Refused(inplace_reason(walk))
     readers = sorted({*walk.targets, *(r.node.target for r in walk.others
                                        if r.node is not None and is_projection_node(ctx, r.node))})
     if not readers:
-        raise Refused("no Linear or projection-like module reads its output")
-    fold = NormFold(name, class_key(mod), nr.kind, nr.param, nr.eps, list(nr.shape), nr.has_bias, [], [],
+        raise Refused(Reason(ReasonCode.NO_CONSUMER, "no Linear or projection-like module reads its output"))
+    fold = NormFold(name, class_key(mod), nr.norm_type, nr.param, nr.eps, list(nr.shape), nr.has_bias, [], [],
                     [f"output read by {', '.join(readers)} (weights not rewritten: the affine is the identity)"],
                     predicted_norm_bytes(ctx, node, nr), prefolded=True,
                     beta=BetaMode.FOLD if nr.has_bias else BetaMode.NONE, out_dtype=emitted_dtype(ctx, node))
     why = _identity_affine(mod, nr, fold.param)
     if why:
-        raise Refused(why)
+        raise Refused(Reason(ReasonCode.PREFOLDED, why))
     return fold

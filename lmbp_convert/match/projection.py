@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..trace.graph import Node, NodeKind
-from .roles import Role, RoleKind
+from ..trace.graph import Node, Callee
+from .roles import Role, ModuleRole
 
 #: roles whose modules may be projection-like (LINEAR ones are projections by their catalogue entry)
-PROBED_ROLES = (RoleKind.QUANTIZED_LINEAR,)
+PROBED_ROLES = (ModuleRole.QUANTIZED_LINEAR,)
 
 
 def _width(module: nn.Module) -> int | None:
@@ -86,12 +86,12 @@ def projection_problem(module: nn.Module, d_in: int | None = None) -> str | None
 def is_projection_node(ctx, node: Node) -> bool:
     """Whether the module called at ``node`` is a projection: a catalogued Linear (or LoRA over one), or a module
     of a `PROBED_ROLES` role that passes the probe on the traced input width."""
-    if node.kind is not NodeKind.MODULE:
+    if node.callee is not Callee.MODULE:
         return False
-    role = ctx.roles.get(node.target, Role(RoleKind.OTHER))
-    if role.kind is RoleKind.LINEAR:
+    role = ctx.roles.get(node.target, Role(ModuleRole.OTHER))
+    if role.plays is ModuleRole.LINEAR:
         return True
-    if role.kind not in PROBED_ROLES or not node.inputs:
+    if role.plays not in PROBED_ROLES or not node.inputs:
         return False
     cache = ctx.projection_checked
     if node.target not in cache:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..trace.graph import Node, NodeKind
+from ..trace.graph import Node, Callee
 from .commute import Block, Pass, is_metadata, op_short, step
 from .context import MatchContext
-from .roles import Role, RoleKind
+from .roles import Role, ModuleRole
 
 #: ops that contract or mix the channel axis with another operand: the channels end there
 CONSUMING_OPS = {
@@ -48,13 +48,13 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
             reach.ends.append("the model output")
             continue
         last = ax == len(ctx.g.tensors[t].shape) - 1
-        if c.kind is NodeKind.MODULE:
-            role = ctx.roles.get(c.target, Role(RoleKind.OTHER))
-            if role.kind is RoleKind.LINEAR and last:
+        if c.callee is Callee.MODULE:
+            role = ctx.roles.get(c.target, Role(ModuleRole.OTHER))
+            if role.plays is ModuleRole.LINEAR and last:
                 if hops < reach.hops.get(c.target, hops + 1):
                     reach.linears[c.target], reach.hops[c.target] = why or "", hops
                 continue
-            if role.kind not in (RoleKind.DROPOUT, RoleKind.IDENTITY):
+            if role.plays not in (ModuleRole.DROPOUT, ModuleRole.IDENTITY):
                 reach.ends.append(c.target)
                 continue
             why = why or (f"dropout (p={role.p}) at {c.target}" if role.p else None)
@@ -67,7 +67,7 @@ def follow(ctx: MatchContext, node: Node | None, tid: int, axis: int, blocked: s
             res = step(c, ctx.g.tensors, t, ax, ctx.g.tensors[t].shape[ax])
             if not isinstance(res, Pass):
                 hops += 1
-                why = why or (res.reason if isinstance(res, Block) else f"{op_short(c)} in {ctx.scope_name(c)}")
+                why = why or (res.reason.text if isinstance(res, Block) else f"{op_short(c)} in {ctx.scope_name(c)}")
         for o, oax in outs:
             if o in seen:
                 continue

@@ -15,12 +15,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..catalogue import Catalogue, class_key
+from ..catalogue import Catalogue, LoraLayout, class_key
 from ..fold import norm_scale
-from ..kinds import ConvertedModule, Layout, NormKind, StrChoice, WeightParam
+from ..enums import ConvertedModule, Layout, NormType, StrChoice, WeightParam
+from ..reasons import Reason, ReasonCode
 
 
-class RoleKind(StrChoice):
+class ModuleRole(StrChoice):
     ACTIVATION = "activation"
     NORM = "norm"
     LINEAR = "linear"
@@ -32,7 +33,7 @@ class RoleKind(StrChoice):
 
 @dataclass(frozen=True)
 class NormRole:
-    kind: NormKind
+    norm_type: NormType
     param: WeightParam
     eps: float
     shape: tuple[int, ...]  # () for a norm without weight or size attribute: any size (taken from the trace)
@@ -41,28 +42,28 @@ class NormRole:
     channel_dim: int = -1  # where the channels are: -1 (LayerNorm), 1 (channel-first: timm LayerNorm2d on NCHW)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", NormKind(self.kind))
+        object.__setattr__(self, "norm_type", NormType(self.norm_type))
         object.__setattr__(self, "param", WeightParam(self.param))
 
 
 @dataclass(frozen=True)
 class Role:
-    kind: RoleKind
+    plays: ModuleRole
     act: str | None = None  # activation kind (the ops layer's table)
     norm: NormRole | None = None
     layout: Layout | None = None  # linear weight layout
     p: float | None = None  # dropout probability
-    lora: dict | None = None  # for LoRA-wrapped Linears: catalogue entry (base layer / adapter attributes)
-    problem: str | None = None  # why a would-be norm cannot be used
+    lora: LoraLayout | None = None  # for LoRA-wrapped Linears: where its base layer and adapters are
+    why: Reason | None = None  # why a would-be norm cannot be used
     probe_norm: bool = False  # acts as a norm on the probe but not beyond it: reported whatever its name
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", RoleKind(self.kind))
+        object.__setattr__(self, "plays", ModuleRole(self.plays))
         if self.layout is not None:
             object.__setattr__(self, "layout", Layout(self.layout))
 
 
-def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
+def _reference(kind: NormType, param: WeightParam, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None,
                eps: float) -> torch.Tensor:
     """The norm's maths in fp64 (``w`` None: no scale)."""
     y = normalized(kind, x.double(), eps)
@@ -70,17 +71,17 @@ def _reference(kind: NormKind, param: WeightParam, x: torch.Tensor, w: torch.Ten
     return y + b.double() if b is not None else y
 
 
-def normalized(kind: NormKind, x: torch.Tensor, eps: float) -> torch.Tensor:
+def normalized(kind: NormType, x: torch.Tensor, eps: float) -> torch.Tensor:
     return _centered(kind, x) * torch.rsqrt(_spread(kind, x) + eps)
 
 
-def _centered(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
-    return x - x.mean(-1, keepdim=True) if kind is NormKind.LAYER else x
+def _centered(kind: NormType, x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(-1, keepdim=True) if kind is NormType.LAYER else x
 
 
-def _spread(kind: NormKind, x: torch.Tensor) -> torch.Tensor:
+def _spread(kind: NormType, x: torch.Tensor) -> torch.Tensor:
     """What the norm divides by (before eps): the variance (LayerNorm) or the mean square (RMSNorm)."""
-    return x.var(-1, unbiased=False, keepdim=True) if kind is NormKind.LAYER else x.pow(2).mean(-1, keepdim=True)
+    return x.var(-1, unbiased=False, keepdim=True) if kind is NormType.LAYER else x.pow(2).mean(-1, keepdim=True)
 
 
 #: attributes that may hold the normalised size of a norm without weight (else: any size)
@@ -104,7 +105,7 @@ def norm_size(module: nn.Module) -> tuple[int, ...] | str:
     return ()
 
 
-def fit_eps(kind: NormKind, x: torch.Tensor, z: torch.Tensor) -> list[float]:
+def fit_eps(kind: NormType, x: torch.Tensor, z: torch.Tensor) -> list[float]:
     """Values of eps that explain ``z`` = normalised ``x`` (affine removed), one per row, smallest-scale rows
     first (there eps matters most; z = c·(v + eps)^-1/2, so eps = mean(c²)/mean(z²) − v). Rows where a bias
     swamps the normalised part give wrong values: the caller checks each against every row."""
@@ -134,11 +135,6 @@ def _probe_input(d: int, gen: torch.Generator) -> torch.Tensor:
     return torch.cat(rows, dim=1)
 
 
-class BeyondProbe(str):
-    """Why a module that acts as a norm on the behaviour probe is still not one: it differs in train mode, on
-    non-finite or on extreme input (code the probe does not run). Reported whatever the class's name."""
-
-
 #: rows beyond the probe: magnitudes at the ends of the fp32 range a norm's maths still holds in (squares stay
 #: finite), one outlier among ordinary values, and rows holding NaN, +inf or -inf (the norm gives NaN there)
 _EXTREME_SCALES = (1e15, 1e-15)
@@ -165,7 +161,7 @@ def _same_values(y: torch.Tensor, ref: torch.Tensor, rtol: float) -> bool:
 
 
 def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, reference, channel_dim: int,
-                    what: str) -> BeyondProbe | None:
+                    what: str) -> Reason | None:
     """Why ``probe`` (eval mode), which matched the norm ``reference(x)`` on the probe ``x``, is not that norm
     beyond it: on non-finite rows, on extreme rows (eval mode), or on all of them in train mode (a noise term, a
     dropout, a branch on ``self.training``). The train-mode forward draws from its own RNG stream."""
@@ -181,8 +177,8 @@ def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, ref
         finally:
             probe.eval()
         if isinstance(y, str) or not _same_values(y, reference(t), 1e-4):
-            return BeyondProbe(f"acts as {what} on the probe but not {where} (its forward runs code the probe "
-                               "does not reach)")
+            return Reason(ReasonCode.BEYOND_PROBE, f"acts as {what} on the probe but not {where} (its forward "
+                          "runs code the probe does not reach)")
     return None
 
 
@@ -194,15 +190,21 @@ def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyond: bool = True
-                  ) -> NormRole | str:
-    """Return the norm's role, or a string saying why it is not a usable norm.
+                  ) -> NormRole | Reason:
+    """Return the norm's role, or why it is not a usable norm (code ``BEYOND_PROBE``: it acts as one on the probe
+    only; ``BEHAVIOUR``: it does not).
 
     By behaviour: a copy of the module, with random γ, β, runs on a probe tensor and must match LayerNorm or
     RMSNorm over the last dim, with scale w, 1 + w or none (no weight), ± bias. ``entry`` (a catalogue entry)
     may fix the kind and parameterisation; ``eps`` (an attribute value) is tried first, then eps is fitted from
     the output. The module must also return bf16 for bf16 input, as the memory-sharing norm does, and (unless
     ``beyond`` is False) act as that norm beyond the probe too: in train mode, on non-finite and on extreme
-    input (a `BeyondProbe` reason otherwise)."""
+    input (a ``BEYOND_PROBE`` reason otherwise)."""
+    found = _identify(module, entry, eps, beyond)
+    return Reason(ReasonCode.BEHAVIOUR, found) if isinstance(found, str) else found
+
+
+def _identify(module: nn.Module, entry: dict | None, eps: float | None, beyond: bool) -> NormRole | Reason | str:
     w = getattr(module, "weight", None)
     b = getattr(module, "bias", None)
     w = w if isinstance(w, torch.Tensor) else None
@@ -234,7 +236,7 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyo
         x = _probe_input(d, gen)
     pw = probe.weight.detach() if w is not None else None
     pb = probe.bias.detach() if b is not None else None
-    kinds = [NormKind(entry["kind"])] if entry and entry.get("kind") else [NormKind.RMS, NormKind.LAYER]
+    kinds = [NormType(entry["kind"])] if entry and entry.get("kind") else [NormType.RMS, NormType.LAYER]
     params = [WeightParam(entry["param"])] if entry and entry.get("param") else [WeightParam.W, WeightParam.ONE_PLUS_W]
     if w is None:
         params = [WeightParam.W]
@@ -253,7 +255,7 @@ def identify_norm(module: nn.Module, entry: dict | None, eps: float | None, beyo
                     if _rows_match(y, _reference(kind, param, x, pw, pb, e), 1e-4):
                         role = NormRole(kind, param, e, shape, b is not None, affine=w is not None,
                                         channel_dim=channel_dim)
-                        problem = _dtype_problem(module, x, channel_dim)
+                        problem: Reason | str | None = _dtype_problem(module, x, channel_dim)
                         if problem is None and beyond:
                             problem = _beyond_problem(
                                 probe, x, gen, lambda t, k=kind, p=param, e=e: _reference(k, p, t, pw, pb, e),
@@ -345,7 +347,7 @@ def is_scripted(mod: nn.Module) -> bool:
 
 def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -> dict[str, Role]:
     """Role of every named module (first name of shared modules). ``accept``: norm classes (``module:QualName``
-    or the class name) taken on the probe's word alone, without the checks beyond it (`BeyondProbe`)."""
+    or the class name) taken on the probe's word alone, without the checks beyond it (a ``BEYOND_PROBE`` reason)."""
     roles: dict[str, Role] = {}
     seen: dict[int, Role] = {}
     checked: dict[tuple, Role] = {}  # behaviour checks, by what decides them (one per kind of norm, not per layer)
@@ -358,7 +360,7 @@ def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -
         if is_scripted(mod):  # said once, for the outermost one
             inside = any(not p or name.startswith(p + ".") for p in scripted)
             scripted.append(name)
-            role = Role(RoleKind.OTHER, problem=None if inside else SCRIPTED_WHY)
+            role = Role(ModuleRole.OTHER, why=None if inside else Reason(ReasonCode.SCRIPTED, SCRIPTED_WHY))
         else:
             role = _role_of(mod, cat, checked, accepted)
         seen[id(mod)] = roles[name] = role
@@ -368,37 +370,37 @@ def assign_roles(model: nn.Module, cat: Catalogue, accept: Sequence[str] = ()) -
 def _role_of(mod: nn.Module, cat: Catalogue, checked: dict[tuple, Role], accepted: frozenset = frozenset()
              ) -> Role:
     if isinstance(mod, ConvertedModule):  # already converted (listed as such): never a candidate again, even
-        return Role(RoleKind.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
+        return Role(ModuleRole.OTHER)  # where it behaves as a plain norm (the memory-sharing norm that keeps γ, β)
     act = cat.activation_kind(mod)
     if act is not None:
-        return Role(RoleKind.ACTIVATION, act=act)
+        return Role(ModuleRole.ACTIVATION, act=act)
     entry = cat.norm_entry(mod)
     leaf = next(mod.children(), None) is None  # containers are never norms, whatever their name
     if entry is not None and entry.get("kind") and leaf:  # listed: kind and param are known
         return _norm_role(mod, entry, cat, checked, accepted)
     layout = cat.linear_layout(mod)
     if layout is not None:
-        return Role(RoleKind.LINEAR, layout=layout)
+        return Role(ModuleRole.LINEAR, layout=layout)
     if quantized_linear(mod):  # traced as one node, so the planner sees the layer, not its dequantising ops
-        return Role(RoleKind.QUANTIZED_LINEAR)
+        return Role(ModuleRole.QUANTIZED_LINEAR)
     lora = cat.lora_entry(mod)
     if lora is not None:
-        base = getattr(mod, lora["base"], None)
+        base = getattr(mod, lora.base, None)
         base_layout = cat.linear_layout(base) if base is not None else None
         if base_layout is not None:
-            return Role(RoleKind.LINEAR, layout=base_layout, lora=lora)
-        return Role(RoleKind.OTHER,
-                    problem=f"{class_key(mod)}: LoRA over {class_key(base)} (not a Linear the fold knows)")
+            return Role(ModuleRole.LINEAR, layout=base_layout, lora=lora)
+        return Role(ModuleRole.OTHER, why=Reason(ReasonCode.LORA_STATE, f"{class_key(mod)}: LoRA over {class_key(base)} "
+                                                                      "(not a Linear the fold knows)"))
     p = cat.dropout_p(mod)
     if p is not None:
-        return Role(RoleKind.DROPOUT, p=p)
+        return Role(ModuleRole.DROPOUT, p=p)
     if cat.is_identity(mod):
-        return Role(RoleKind.IDENTITY)
+        return Role(ModuleRole.IDENTITY)
     if could_be_norm(mod) or (entry is not None and leaf):  # by behaviour: whatever acts as a norm is one
         role = _norm_role(mod, entry, cat, checked, accepted)
-        if role.kind is RoleKind.NORM or entry is not None or role.probe_norm:  # say why it is not one
+        if role.plays is ModuleRole.NORM or entry is not None or role.probe_norm:  # say why it is not one
             return role
-    return Role(RoleKind.OTHER)
+    return Role(ModuleRole.OTHER)
 
 
 def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict[tuple, Role],
@@ -411,12 +413,12 @@ def _norm_role(mod: nn.Module, entry: dict | None, cat: Catalogue, checked: dict
     cls = class_key(mod)
     found = identify_norm(mod, entry, eps, beyond=not accepted & {cls, type(mod).__name__})
     if isinstance(found, NormRole):
-        role = Role(RoleKind.NORM, norm=found)
-    elif isinstance(found, BeyondProbe):
-        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] swaps it "
-                                            "anyway)", probe_norm=True)
+        role = Role(ModuleRole.NORM, norm=found)
+    elif found.code is ReasonCode.BEYOND_PROBE:
+        role = Role(ModuleRole.OTHER, why=Reason(found.code, f"{cls}: {found}; not swapped (accept_norms=[{cls!r}] "
+                                                           "swaps it anyway)"), probe_norm=True)
     else:
-        role = Role(RoleKind.OTHER, problem=f"{cls}: {found}")
+        role = Role(ModuleRole.OTHER, why=Reason(found.code, f"{cls}: {found}"))
     if key is not None:
         checked[key] = role
     return role
@@ -448,6 +450,6 @@ def behaviour_key(mod: nn.Module, entry: dict | None, eps: float | None) -> tupl
 def is_leaf_factory(model: nn.Module, roles: dict[str, Role]):
     """Leaf predicate for the tracer: modules with a role are seen as one node; all others are transparent
     (their ops are recorded, and their calls are scopes where an affine can be re-applied)."""
-    other = Role(RoleKind.OTHER)
-    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, other).kind is not RoleKind.OTHER}
+    other = Role(ModuleRole.OTHER)
+    ids = {id(mod) for name, mod in model.named_modules() if roles.get(name, other).plays is not ModuleRole.OTHER}
     return lambda m: id(m) in ids

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from ..trace.graph import NodeKind
+from ..reasons import Reason, ReasonCode
+from ..trace.graph import Callee
 from .plan import LinearTarget
-from .roles import RoleKind
+from .roles import ModuleRole
 
 if TYPE_CHECKING:
     from .context import MatchContext
@@ -61,7 +62,7 @@ def _other_readers_in(ctx: "MatchContext", walk: "Walk", member: str) -> str | N
     for r in walk.others:
         if r.node is None:
             continue
-        names = [r.node.target] if r.node.kind is NodeKind.MODULE else []
+        names = [r.node.target] if r.node.callee is Callee.MODULE else []
         names += [ctx.g.scopes[s].module for s in r.node.scopes]
         if any(_under(n, member) for n in names):
             return r.what
@@ -69,7 +70,7 @@ def _other_readers_in(ctx: "MatchContext", walk: "Walk", member: str) -> str | N
 
 
 def unseen_sibling_targets(ctx: "MatchContext", norm: str, walk: "Walk",
-                           has_beta: bool) -> dict[str, LinearTarget] | str:
+                           has_beta: bool) -> dict[str, LinearTarget] | Reason:
     """The fold targets in container members the probe did not run (see the module doc), or why the fold must be
     refused."""
     from .norm import module_problem
@@ -93,22 +94,26 @@ def unseen_sibling_targets(ctx: "MatchContext", norm: str, walk: "Walk",
                     f"probe did not run; its siblings {like} read this norm's output)")
             inner = next((r for k in keys for r in [_other_readers_in(ctx, walk, _join(cname, k))] if r), None)
             if inner is not None:
-                return f"{head}, and its siblings also read it other than through Linears ({inner})"
+                return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and its siblings also read it other than through "
+                              f"Linears ({inner})", mname)
             for rel in rels:
                 lname = _join(mname, rel)
                 tmpl = walk.targets[_join(cname, next(k for k in keys if rel in members[k]), rel)]
                 mod = ctx.modules.get(lname)
                 if _signature(mod) != _signature(ctx.modules[tmpl.name]):
-                    return f"{head}, and it has no Linear {rel or 'itself'} shaped like theirs"
+                    return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and it has no Linear {rel or 'itself'} shaped "
+                                  "like theirs", mname)
                 role = ctx.roles.get(lname)
-                if role is None or role.kind is not RoleKind.LINEAR:
-                    return f"{head}, and its {rel or 'module'} is not a plain Linear"
+                if role is None or role.plays is not ModuleRole.LINEAR:
+                    return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and its {rel or 'module'} is not a plain "
+                                  "Linear", mname)
                 problem = module_problem(ctx, lname, has_beta)
                 if problem is not None:
-                    return f"{head}, and it cannot take the fold: {problem}"
-                base = getattr(mod, role.lora["base"]) if role.lora else mod
+                    return Reason(ReasonCode.UNSEEN_CONSUMER, f"{head}, and it cannot take the fold: {problem}",
+                                  mname, (problem,))
+                base = getattr(mod, role.lora.base) if role.lora else mod
                 found[lname] = replace(tmpl, name=lname, unseen=True, via=list(tmpl.via),
                                        adds_bias=has_beta and getattr(base, "bias", None) is None,
-                                       lora_adapters=(list(getattr(mod, role.lora["adapters_A"]).keys())
+                                       lora_adapters=(list(getattr(mod, role.lora.adapters_a).keys())
                                                       if role.lora else []))
     return found

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kinds import ConvertedModule
+from ..enums import ConvertedModule
 from ..ops.approx_act import ACT_BITS, ACT_KINDS, approx_act_unchecked
 from ..ops.relu_squared import relu_squared
 

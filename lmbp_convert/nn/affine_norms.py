@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops import func_transforms
 from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
 
@@ -72,13 +72,13 @@ class MSAffineNorm(ConvertedModule, nn.Module):
     #: read the guard's channel count without blocking, one forward late (False: at every update, a host sync)
     deferred_guard = True
 
-    def __init__(self, kind: NormKind | str, n: int, eps: float, weight: nn.Parameter,
+    def __init__(self, kind: NormType | str, n: int, eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
                  out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
             raise ValueError(f"MSAffineNorm: weight/bias must have shape ({n},)")
-        self.norm_kind = NormKind(kind)
+        self.norm_type = NormType(kind)
         self.normalized_shape = (int(n),)
         self.eps = float(eps)
         self.param = WeightParam(param)
@@ -95,10 +95,6 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         self._bad: torch.Tensor | None = None  # the unreliable channels, on the device
         self._k = 0  # how many channels the index set holds (the count the host last knew)
         self._count: HostCount | None = None  # the count after the last update, on its way to the host
-
-    @property
-    def kind(self) -> str:
-        return f"{self.norm_kind}_norm"
 
     def kept_channels(self, device: torch.device) -> torch.Tensor | None:
         """Indices of the channels whose input column is kept (None: too many, use the plain norm). Recomputed
@@ -138,7 +134,7 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         if x.dim() == 0 or x.shape[-1] != n:
             raise ValueError(f"MSAffineNorm: normalized_shape ({n},) does not match the last dim of the input of "
                              f"shape {tuple(x.shape)}")
-        is_rms, one_plus = self.norm_kind is NormKind.RMS, self.param is WeightParam.ONE_PLUS_W
+        is_rms, one_plus = self.norm_type is NormType.RMS, self.param is WeightParam.ONE_PLUS_W
         # the guard (too many channels cannot be inverted), or a graph or a torch.func transform that cannot hold
         # it (γ there may be a functorch tensor, with no storage to key on): the plain norm, exactly
         keep = None if torch.compiler.is_compiling() or func_transforms.active() else self.kept_channels(x.device)
@@ -153,5 +149,5 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         return state
 
     def extra_repr(self) -> str:
-        return (f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
+        return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 f"affine={self.affine}" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kinds import ConvertedModule
+from ..enums import ConvertedModule
 from ..ops.dropout_bits import dropout_bits
 
 __all__ = ["BitDropout"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
 from ..ops.shared_saves import can_note, note
@@ -31,14 +31,14 @@ __all__ = ["MSExactNorm"]
 class MSExactNorm(ConvertedModule, nn.Module):
     """LayerNorm / RMSNorm over the trailing ``normalized_shape`` with γ = w or 1 + w and optional β."""
 
-    def __init__(self, kind: NormKind | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
+    def __init__(self, kind: NormType | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
                  out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         shape = tuple(int(s) for s in normalized_shape)
         if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
             raise ValueError(f"MSExactNorm: weight/bias must have shape {shape}")
-        self.norm_kind = NormKind(kind)
+        self.norm_type = NormType(kind)
         self.normalized_shape = shape
         self.eps = float(eps)
         self.param = WeightParam(param)
@@ -50,10 +50,6 @@ class MSExactNorm(ConvertedModule, nn.Module):
         self.register_parameter("weight", weight)
         self.register_parameter("bias", bias)
 
-    @property
-    def kind(self) -> str:
-        return f"{self.norm_kind}_norm"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.normalized_shape
         if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
@@ -62,7 +58,7 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if self._input_is_cheaper(x):
             y = F.layer_norm(x, shape, self.weight, self.bias, self.eps)
             return y if self.out_dtype is None else y.to(self.out_dtype)
-        xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_kind is NormKind.RMS)
+        xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_type is NormType.RMS)
         w, b = self.weight, self.bias
         if len(shape) > 1:  # the affine op works on the last dim: view the trailing dims as one
             xhat = xhat.reshape(*xhat.shape[:-len(shape)], self._n)
@@ -79,10 +75,10 @@ class MSExactNorm(ConvertedModule, nn.Module):
 
     def _input_is_cheaper(self, x: torch.Tensor) -> bool:
         """Autograd will save here and no note can share y (see the module doc): the plain LayerNorm's saves."""
-        return (self.norm_kind is NormKind.LAYER and self.param is WeightParam.W and torch.is_grad_enabled()
+        return (self.norm_type is NormType.LAYER and self.param is WeightParam.W and torch.is_grad_enabled()
                 and (x.requires_grad or self.weight.requires_grad) and not torch.compiler.is_compiling()
                 and not can_note())
 
     def extra_repr(self) -> str:
-        return (f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
+        return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""))

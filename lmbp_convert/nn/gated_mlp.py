@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kinds import ConvertedModule
+from ..enums import ConvertedModule
 from ..ops.gated_mlp import ACT_KINDS, LoraAdapter, gated_mlp
 from ..ops.gated_recompute import gated_act_recomputed
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kinds import ConvertedCallable, ConvertedModule
+from ..enums import ConvertedCallable, ConvertedModule
 from ..ops.cross_entropy import cross_entropy
 from ..ops.logits_head import fusable, logits_head
 

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 
 __all__ = ["MSLayerNorm", "MSRMSNorm"]
@@ -31,7 +31,7 @@ def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
 
 
 class _MSNorm(ConvertedModule, nn.Module):
-    norm_kind: NormKind
+    norm_type: NormType
     _has_bias: bool = False
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float, identity_affine: str | None = None,
@@ -79,10 +79,6 @@ class _MSNorm(ConvertedModule, nn.Module):
         self.__dict__.setdefault("out_dtype", None)
 
     @property
-    def kind(self) -> str:
-        return f"{self.norm_kind}_norm"
-
-    @property
     def reapply_param(self) -> WeightParam:
         """The parameterisation the re-apply hooks read ``weight`` with (alias of ``param``)."""
         return self.param
@@ -92,7 +88,7 @@ class _MSNorm(ConvertedModule, nn.Module):
         self.affine, self.param = AffineState.REAPPLIED, WeightParam(value)
 
     def extra_repr(self) -> str:
-        s = f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}"
+        s = f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}"
         if self.identity_affine is not None:
             s += f", identity_affine={self.identity_affine!r}"
         if self.out_dtype is not None:
@@ -105,7 +101,7 @@ class _MSNorm(ConvertedModule, nn.Module):
 class MSLayerNorm(_MSNorm):
     """LayerNorm without affine whose backward uses only its output and rstd (see `ms_layer_norm`)."""
 
-    norm_kind = NormKind.LAYER
+    norm_type = NormType.LAYER
     _has_bias = True
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-5, identity_affine: str | None = None,
@@ -121,7 +117,7 @@ class MSLayerNorm(_MSNorm):
 class MSRMSNorm(_MSNorm):
     """RMSNorm without affine whose backward uses only its output and rstd (see `ms_rms_norm`)."""
 
-    norm_kind = NormKind.RMS
+    norm_type = NormType.RMS
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float = 1e-6, identity_affine: str | None = None,
                  *, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:

@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..kinds import GATED_ACT_KINDS
+from ..enums import GATED_ACT_KINDS
 from . import cuda_host, func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
@@ -57,7 +57,7 @@ _CONTIGUOUS = torch.contiguous_format
 __all__ = ["ACT_KINDS", "LoraAdapter", "gated_mlp", "gated_act", "GatedMLPFunction", "GatedActFunction"]
 
 #: The activation-table kinds this op offers (the table holds their codes, PyTorch and Triton maths); the list is
-#: `lmbp_convert.kinds.GATED_ACT_KINDS`, which the gated-MLP matcher reads too.
+#: `lmbp_convert.enums.GATED_ACT_KINDS`, which the gated-MLP matcher reads too.
 ACT_KINDS = GATED_ACT_KINDS
 if not set(ACT_KINDS) <= set(ACTIVATIONS):  # pragma: no cover
     raise AssertionError(f"gated_mlp: {sorted(set(ACT_KINDS) - set(ACTIVATIONS))} not in the activation table")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..kinds import StrChoice
+from ..enums import StrChoice
 
 
 @dataclass
@@ -21,7 +21,7 @@ class TensorInfo:
     param: str | None = None  # qualified name of the model parameter this tensor is (None: not a parameter)
 
 
-class NodeKind(StrChoice):
+class Callee(StrChoice):
     MODULE = "module"  # a leaf module call
     OP = "op"  # a tensor op run outside leaves
 
@@ -29,7 +29,7 @@ class NodeKind(StrChoice):
 @dataclass
 class Node:
     idx: int
-    kind: NodeKind
+    callee: Callee  # what was called: a leaf module or a tensor op
     target: str  # module name for "module", op name for "op" (e.g. "Tensor.view", "torch.nn.functional.pad")
     inputs: list[int]  # tensor ids in argument order (flattened)
     outputs: list[int]
@@ -77,7 +77,7 @@ class Graph:
         return self._consumers.get(tid, [])
 
     def module_nodes(self, name: str) -> list[Node]:
-        return [n for n in self.nodes if n.kind is NodeKind.MODULE and n.target == name]
+        return [n for n in self.nodes if n.callee is Callee.MODULE and n.target == name]
 
     def build_index(self) -> None:
         """Consumer lists by tensor id (graphs of large models have tens of thousands of nodes)."""

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import TraceError
 from .containers import children
-from .graph import ArgSlot, Graph, Node, NodeKind, ScopeCall, TensorInfo
+from .graph import ArgSlot, Graph, Node, Callee, ScopeCall, TensorInfo
 
 #: Out of memory (a device's or the host's): never "this input does not fit the model". The probe search, the
 #: trace and verification re-raise it, so that a smaller probe cannot hide it and the report cannot misread it.
@@ -177,7 +177,7 @@ class _Tracer(TorchFunctionMode):
         outs = [self._tid(t, idx, fresh=True) for t in outs_t] if outs_t else []
         if inplace:
             info["inplace"] = True
-        self.g.nodes.append(Node(idx, NodeKind.OP, name, ins, outs, tuple(self._scope_stack), info))
+        self.g.nodes.append(Node(idx, Callee.OP, name, ins, outs, tuple(self._scope_stack), info))
 
     # -- modules ------------------------------------------------------------------------------------
     def _slots(self, args, kwargs) -> dict[int, list[ArgSlot]]:
@@ -227,7 +227,7 @@ class _Tracer(TorchFunctionMode):
                 idx = len(self.g.nodes)
                 outs = [self._tid(t, idx, fresh=True) for t in self._tensors_in(output, [])]
                 info = {"slots": {tid: [(s.position, s.keyword) for s in sl] for tid, sl in slots.items()}}
-                self.g.nodes.append(Node(idx, NodeKind.MODULE, name, ins, outs, tuple(self._scope_stack), info))
+                self.g.nodes.append(Node(idx, Callee.MODULE, name, ins, outs, tuple(self._scope_stack), info))
             else:
                 idx = self._scope_stack.pop()
                 self.g.scopes[idx].outputs = [self._tid(t) for t in self._tensors_in(output, [])]

@@ -7,7 +7,7 @@ import transformers as T
 from transformers import AutoConfig
 
 from lmbp_convert import convert
-from lmbp_convert.kinds import ConvertedModule
+from lmbp_convert.enums import ConvertedModule
 from lmbp_convert.match.norm_exact import NormExact
 
 

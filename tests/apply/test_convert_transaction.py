@@ -12,7 +12,7 @@ from torch import nn
 
 import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
-from lmbp_convert.kinds import ConvertedModule
+from lmbp_convert.enums import ConvertedModule
 from lmbp_convert.match.loss import LossSwap
 from model_state import assert_same, snapshot
 from benchmarks.families import hf

@@ -9,7 +9,7 @@ from torch import nn
 
 from lmbp_convert.apply.convert import Check, _isolate_failures, _restore
 from lmbp_convert.apply.rewrite import Unit, UnitBuilder
-from lmbp_convert.kinds import BetaMode, Layout, NormKind, WeightParam
+from lmbp_convert.enums import BetaMode, Layout, NormType, WeightParam
 from lmbp_convert.match.plan import LinearTarget, NormFold
 
 
@@ -89,7 +89,7 @@ def test_fold_into_a_bias_less_linear_adds_a_bias_and_undo_removes_it():
         model[0].bias.normal_(0.0, 0.3)
     x = torch.randn(4, 8)
     want, keys, slots = model(x), list(model.state_dict()), dict(model[1]._parameters)
-    item = NormFold("0", "torch.nn.modules.normalization:LayerNorm", NormKind.LAYER, WeightParam.W, 1e-5, [8], True,
+    item = NormFold("0", "torch.nn.modules.normalization:LayerNorm", NormType.LAYER, WeightParam.W, 1e-5, [8], True,
                     targets=[LinearTarget("1", Layout.OUT_IN)], beta=BetaMode.FOLD)
     unit = item.build_unit(UnitBuilder(model))
     unit.apply()

@@ -335,3 +335,12 @@ def test_checkpoint_saved_without_cache(tmp_path, cli):
     assert json.loads((dst / "config.json").read_text())["use_cache"] is False
     loaded = auto_class("llama").from_pretrained(dst).eval()
     assert rel_err(logits(model), logits(loaded)) <= 1e-5
+
+
+def test_dry_run_reasons_name_the_cli_flags(saved, tmp_path, cli):
+    """A tied head's skip names --untie (the CLI's flag), not convert()'s keyword, and says so in its code."""
+    rc, out, err = cli(saved("bert"), tmp_path / "dst", "--dry-run", "--json")
+    assert rc == 0, err
+    skip = {s["name"]: s for s in json.loads(out)["skips"]}["cls.predictions.transform.LayerNorm"]
+    assert skip["code"] == "tied_weight" and skip["subject"] == "cls.predictions.decoder", skip
+    assert "--untie would fold into an untied copy" in skip["reason"] and "untie=True" not in skip["reason"], skip

@@ -108,7 +108,7 @@ def saved_bytes_local(model: torch.nn.Module, name: str) -> int:
 
 
 def n_converted(model: torch.nn.Module) -> int:
-    from lmbp_convert.kinds import ConvertedModule
+    from lmbp_convert.enums import ConvertedModule
 
     return sum(isinstance(m, ConvertedModule) for m in model.modules())
 

@@ -56,7 +56,7 @@ def test_squared_relu_is_found_by_behaviour(act):
         from transformers.activations import ReLUSquaredActivation as act
     plan = _plan(act())
     (item,) = plan.of(OutputActSwap)
-    assert item.name == "act" and item.kind == "relu2"
+    assert item.name == "act" and item.act == "relu2"
     assert item.predicted_saved_bytes == 2 * 5 * H * 4  # relu(x), fp32: the down projection keeps the output
     assert "keeps only its output" in "\n".join(item.describe())
 

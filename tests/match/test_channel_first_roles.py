@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormType, WeightParam
 from lmbp_convert.match.roles import NormRole, identify_norm
+from lmbp_convert.reasons import Reason
 
 C = 16
 
@@ -30,11 +31,11 @@ def _timm_ln2d():
     return LayerNorm2d(C)
 
 
-@pytest.mark.parametrize("make, kind", [(_timm_ln2d, NormKind.LAYER), (lambda: ChannelRMS(C), NormKind.RMS)])
+@pytest.mark.parametrize("make, kind", [(_timm_ln2d, NormType.LAYER), (lambda: ChannelRMS(C), NormType.RMS)])
 def test_channel_first_norms_are_found(make, kind):
     role = identify_norm(make(), None, None)
     assert isinstance(role, NormRole), role
-    assert (role.kind, role.param, role.channel_dim, role.shape) == (kind, WeightParam.W, 1, (C,))
+    assert (role.norm_type, role.param, role.channel_dim, role.shape) == (kind, WeightParam.W, 1, (C,))
 
 
 def test_last_dim_norms_stay_last_dim():
@@ -44,4 +45,4 @@ def test_last_dim_norms_stay_last_dim():
 
 @pytest.mark.parametrize("make", [lambda: nn.GroupNorm(4, C), lambda: nn.GroupNorm(C, C), lambda: nn.GroupNorm(1, C)])
 def test_norms_over_other_dims_are_not_channel_first_norms(make):
-    assert isinstance(identify_norm(make(), None, None), str)
+    assert isinstance(identify_norm(make(), None, None), Reason)

@@ -285,7 +285,7 @@ def test_channel_first_norm_is_found_and_folds_into_a_1x1_conv(make_norm):
     torch.manual_seed(0)
     model, x = randomize_norms(ConvMlpBlock(make_norm())), torch.randn(2, D, 6, 6)
     role = assign_roles(model, load_catalogue())["norm"]
-    assert role.kind == "norm" and role.norm.channel_dim == 1, role
+    assert role.plays == "norm" and role.norm.channel_dim == 1, role
     before = _saved(model, x)
     rep = _check_exact(model, x)
     fold = _folds(rep)["norm"]

@@ -9,10 +9,11 @@ from torch import nn
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.catalogue import load_catalogue
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormType, WeightParam
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap
-from lmbp_convert.match.roles import NormRole, RoleKind, assign_roles, identify_norm
+from lmbp_convert.match.roles import NormRole, ModuleRole, assign_roles, identify_norm
+from lmbp_convert.reasons import ReasonCode
 
 D = 16
 
@@ -107,17 +108,17 @@ def _net():
 
 
 @pytest.mark.parametrize("module,kind,param,eps,affine", [
-    (Renamed(D, eps=1e-5), NormKind.LAYER, WeightParam.W, 1e-5, True),
-    (Shifted1P(D, eps=1e-6), NormKind.LAYER, WeightParam.ONE_PLUS_W, 1e-6, True),
-    (BareLN(D), NormKind.LAYER, WeightParam.W, 1e-5, False),  # eps fitted: no attribute holds it
-    (Scaler(D), NormKind.RMS, WeightParam.W, 1e-6, True),  # eps fitted: "jitter" is no known attribute
-    (nn.RMSNorm(D, eps=1e-12, elementwise_affine=False), NormKind.RMS, WeightParam.W, 1e-12, False),
-    (nn.LayerNorm(D, eps=0.1), NormKind.LAYER, WeightParam.W, 0.1, True),
+    (Renamed(D, eps=1e-5), NormType.LAYER, WeightParam.W, 1e-5, True),
+    (Shifted1P(D, eps=1e-6), NormType.LAYER, WeightParam.ONE_PLUS_W, 1e-6, True),
+    (BareLN(D), NormType.LAYER, WeightParam.W, 1e-5, False),  # eps fitted: no attribute holds it
+    (Scaler(D), NormType.RMS, WeightParam.W, 1e-6, True),  # eps fitted: "jitter" is no known attribute
+    (nn.RMSNorm(D, eps=1e-12, elementwise_affine=False), NormType.RMS, WeightParam.W, 1e-12, False),
+    (nn.LayerNorm(D, eps=0.1), NormType.LAYER, WeightParam.W, 0.1, True),
 ])
 def test_behaviour_identifies_kind_parameterisation_and_eps(module, kind, param, eps, affine):
     role = identify_norm(module, None, None)
     assert isinstance(role, NormRole), role
-    assert (role.kind, role.param, role.affine) == (kind, param, affine)
+    assert (role.norm_type, role.param, role.affine) == (kind, param, affine)
     assert role.eps == pytest.approx(eps, rel=1e-3)
 
 
@@ -128,7 +129,7 @@ def test_behaviour_identifies_kind_parameterisation_and_eps(module, kind, param,
 ])
 def test_modules_that_do_not_act_as_last_dim_norms_are_not_norms(module, why):
     found = identify_norm(module, None, None)
-    assert isinstance(found, str) and why in found
+    assert found.code is ReasonCode.BEHAVIOUR and why in found.text
 
 
 def test_a_norm_that_returns_another_dtype_is_refused():
@@ -137,16 +138,16 @@ def test_a_norm_that_returns_another_dtype_is_refused():
             return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(), self.eps)
 
     found = identify_norm(Upcasting(D), None, None)
-    assert isinstance(found, str) and "returns torch.float32 for bfloat16 input" in found
+    assert found.code is ReasonCode.BEHAVIOUR and "returns torch.float32 for bfloat16 input" in found.text
 
 
 def test_roles_find_norms_by_behaviour_and_never_containers():
     roles = assign_roles(_net(), load_catalogue())
-    assert [roles[f"norms.{i}"].kind for i in range(4)] == [RoleKind.NORM] * 4
-    assert roles["box"].kind is RoleKind.OTHER and roles["box"].problem is None  # container: not a candidate
-    assert roles["box.norm"].kind is RoleKind.NORM
-    assert roles["decoy"].kind is RoleKind.OTHER and "behaviour does not match" in roles["decoy"].problem
-    assert roles["inp"].kind is RoleKind.LINEAR
+    assert [roles[f"norms.{i}"].plays for i in range(4)] == [ModuleRole.NORM] * 4
+    assert roles["box"].plays is ModuleRole.OTHER and roles["box"].why is None  # container: not a candidate
+    assert roles["box.norm"].plays is ModuleRole.NORM
+    assert roles["decoy"].plays is ModuleRole.OTHER and "behaviour does not match" in roles["decoy"].why.text
+    assert roles["inp"].plays is ModuleRole.LINEAR
 
 
 def _saved(model, x):
@@ -164,7 +165,7 @@ def test_convert_by_behaviour_verifies_and_saves_exact_bytes():
     assert rep.verification == "passed", str(rep)
     folded = {f.name: f for f in rep.plan.of(NormExact)}  # the exact default: the norms a fold would rewrite
     assert set(folded) == {"norms.0", "norms.1", "norms.3"} and not rep.plan.norm_folds, str(rep)
-    assert folded["norms.1"].param is WeightParam.ONE_PLUS_W and folded["norms.3"].kind is NormKind.RMS
+    assert folded["norms.1"].param is WeightParam.ONE_PLUS_W and folded["norms.3"].norm_type is NormType.RMS
     (bare,) = rep.plan.of(NormSwap)
     assert bare.name == "norms.2" and bare.readers == ["lins.2"] and bare.eps == pytest.approx(1e-5)
     skipped = {s.name: s.reason for s in rep.plan.skips}
@@ -209,7 +210,7 @@ def test_affine_free_swap_round_trips_through_a_plan_file():
 
     plan = Plan(items=[NormSwap("n", "x:BareLN", "layer", 1e-5, [16], ["lin"], 64)])
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
-    assert again == plan and again.items[0].kind is NormKind.LAYER
+    assert again == plan and again.items[0].norm_type is NormType.LAYER
 
 
 def test_norms_of_one_kind_are_checked_once(monkeypatch):
@@ -226,5 +227,5 @@ def test_norms_of_one_kind_are_checked_once(monkeypatch):
     model[0].register_forward_hook(lambda m, a, y: y * 2)  # a hooked norm behaves otherwise: its own check
     got = R.assign_roles(model, load_catalogue())
     assert len(calls) == 5  # LayerNorm(16) once, the hooked one, eps 1e-3, width 8, RMSNorm
-    assert all(got[str(i)].kind is R.RoleKind.NORM for i in range(1, 9))
+    assert all(got[str(i)].plays is R.ModuleRole.NORM for i in range(1, 9))
     assert got["6"].norm.eps == 1e-3 and got["1"].norm.eps == 1e-5

@@ -246,6 +246,6 @@ def test_unlisted_norm_class_is_identified_by_behaviour():
     ref = m(x)
     rep = convert(m, probe=x, **FOLD).lmbp_report
     (fold,) = rep.plan.norm_folds
-    assert (fold.kind, fold.param) == ("rms", "1+w")
+    assert (fold.norm_type, fold.param) == ("rms", "1+w")
     assert torch.allclose(m(x), ref, atol=1e-5)
     assert torch.all(m.norm.weight == 0)  # identity of the (1 + w) parameterisation

@@ -10,17 +10,17 @@ import pytest
 import torch
 from torch import nn
 
-import lmbp_convert.match.planner as planner
 from lmbp_convert import convert, plan_conversion
-import lmbp_convert.apply.rewrite as rewrite
-from lmbp_convert.apply.rewrite import Unit, UnitBuilder, builds
+from lmbp_convert.apply.rewrite import Unit, UnitBuilder
+from lmbp_convert.reasons import Reason, ReasonCode
 from lmbp_convert.catalogue import class_key
-from lmbp_convert.kinds import BetaMode, Layout, NormKind, ReapplyKind, WeightParam
+from lmbp_convert.enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from lmbp_convert.match.context import MatchContext
+from lmbp_convert.match.kinds import RewriteKind, matchers, register_kind, rewrite_kinds, unregister_kind
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import (ActSwap, GatedMLPSwap, LinearTarget, NormFold, Plan, PlanItem, ReapplySite,
-                                     Skip, register_item, unregister_item)
+                                     Skip)
 
 
 # -- a plug-in kind: swap nn.Tanh for a module that records its calls (and, with scale ≠ 1, changes outputs) ----
@@ -60,13 +60,14 @@ def build_tanh(builder: UnitBuilder, item: TanhSwap) -> Unit:
 
 
 @pytest.fixture
-def tanh_kind(monkeypatch):
-    register_item(TanhSwap)
-    monkeypatch.setattr(planner, "MATCHERS", [*planner.MATCHERS, match_tanh])
-    monkeypatch.setattr(rewrite, "BUILDERS", dict(rewrite.BUILDERS))  # builds() below registers in this copy
-    builds(TanhSwap)(build_tanh)
+def tanh_kind():
+    """The whole kind in one declaration, and out again in one call: no registry is patched."""
+    before = rewrite_kinds()
+    register_kind(RewriteKind(TanhSwap, build_tanh, match_tanh))
     yield TanhSwap
-    unregister_item(TanhSwap)
+    if TanhSwap in [k.item for k in rewrite_kinds()]:
+        unregister_kind(TanhSwap)
+    assert rewrite_kinds() == before and match_tanh not in matchers()
 
 
 class TanhNet(nn.Module):
@@ -117,7 +118,7 @@ def test_plugin_kind_that_changes_outputs_is_rolled_back_alone(tanh_kind):
 def test_unregistered_kind_in_a_plan_file_is_a_clear_error(tanh_kind):
     plan = Plan(items=[TanhSwap("t", "torch.nn:Tanh", 2.0, 7)])
     data = plan.to_dict()
-    unregister_item(TanhSwap)
+    unregister_kind(TanhSwap)
     with pytest.raises(ValueError, match="unknown kind 'tanh_swaps'"):
         Plan.from_dict(data)
 
@@ -140,7 +141,7 @@ def _every_kind() -> Plan:
                     ["a caveat"], 1234, beta="shift")
     return Plan(items=[GatedMLPSwap("mlp", "x:MLP", "silu", "mlp.act", "gate", "up", None, "down", True, 99), fold,
                        ActSwap("act", "torch.nn:GELU", "gelu", 2, 77)],
-                skips=[Skip("n2", "torch.nn:LayerNorm", "why")], already_converted=["old"], probe_tokens=8,
+                skips=[Skip("n2", "torch.nn:LayerNorm", Reason(ReasonCode.EXCLUDED, "why", "n2"))], already_converted=["old"], probe_tokens=8,
                 probe_unit="token", options={"bits": 2})
 
 
@@ -151,8 +152,8 @@ def test_every_builtin_kind_round_trips_through_json_with_its_types():
     again = Plan.from_dict(data)
     assert again == plan and [type(i) for i in again.items] == [GatedMLPSwap, NormFold, ActSwap]
     fold = again.items[1]
-    assert (fold.kind, fold.param, fold.beta) == (NormKind.LAYER, WeightParam.ONE_PLUS_W, BetaMode.SHIFT)
-    assert fold.kind is NormKind.LAYER and fold.targets[0].layout is Layout.OUT_IN
+    assert (fold.norm_type, fold.param, fold.beta) == (NormType.LAYER, WeightParam.ONE_PLUS_W, BetaMode.SHIFT)
+    assert fold.norm_type is NormType.LAYER and fold.targets[0].layout is Layout.OUT_IN
     assert [r.kind for r in fold.reapply] == [ReapplyKind.ROOT_OUTPUT, ReapplyKind.MODULE_INPUT]
     assert data["norm_folds"][0]["param"] == "1+w" and data["norm_folds"][0]["beta"] == "shift"
 

@@ -8,7 +8,7 @@ from torch import nn
 from lmbp_convert.apply.convert import plan_conversion
 from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.match.plan import OutputActSwap
-from lmbp_convert.match.roles import RoleKind, assign_roles
+from lmbp_convert.match.roles import ModuleRole, assign_roles
 
 from benchmarks.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
 
@@ -34,9 +34,9 @@ def candidates(model: nn.Module) -> dict[str, str]:
     for name, mod in model.named_modules():
         leaf = next(mod.children(), None) is None
         cls = type(mod).__name__
-        if roles[name].kind is RoleKind.NORM or (leaf and _NORM_NAME.fullmatch(cls)):
+        if roles[name].plays is ModuleRole.NORM or (leaf and _NORM_NAME.fullmatch(cls)):
             found[name] = "norm"
-        elif roles[name].kind is RoleKind.ACTIVATION or (leaf and _ACT_NAME.fullmatch(cls)):
+        elif roles[name].plays is ModuleRole.ACTIVATION or (leaf and _ACT_NAME.fullmatch(cls)):
             found[name] = "activation"
     return found
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmbp_convert import ConvertOptions, convert, plan_conversion
-from lmbp_convert.match.roles import BeyondProbe, NormRole, identify_norm
+from lmbp_convert.match.roles import NormRole, identify_norm
+from lmbp_convert.reasons import ReasonCode
 
 D = 16
 
@@ -63,7 +64,7 @@ REFUSED = {NoisyLN: "in train mode", GuardLN: "on non-finite input", ClampRMS: "
 @pytest.mark.parametrize("cls", list(REFUSED), ids=lambda c: c.__name__)
 def test_norm_with_code_beyond_the_probe_is_refused_naming_its_class(cls):
     found = identify_norm(cls(D), None, None)
-    assert isinstance(found, BeyondProbe) and REFUSED[cls] in found, found
+    assert found.code is ReasonCode.BEYOND_PROBE and REFUSED[cls] in found.text, found
     assert isinstance(identify_norm(cls(D), None, None, beyond=False), NormRole)  # the probe alone takes it
     plan = plan_conversion(Block(cls), probe=X, activations=False, gated_mlp=False)
     (skip,) = [s for s in plan.skips if s.name == "norm"]
@@ -135,6 +136,6 @@ def test_no_family_norm_fails_the_checks_beyond_the_probe(family):
     from lmbp_convert.match.roles import assign_roles
 
     roles = assign_roles(_all_families()[family](), load_catalogue())
-    beyond = {n: r.problem for n, r in roles.items() if r.probe_norm}
+    beyond = {n: r.why for n, r in roles.items() if r.probe_norm}
     assert not beyond, beyond
-    assert any(r.kind.value == "norm" for r in roles.values())
+    assert any(r.plays.value == "norm" for r in roles.values())

@@ -82,7 +82,7 @@ def test_bad_dtype():
 def test_ms_relu_squared_is_the_functional_op_and_transformers_module():
     from transformers.activations import ReLUSquaredActivation
 
-    from lmbp_convert.kinds import ConvertedModule
+    from lmbp_convert.enums import ConvertedModule
     from lmbp_convert.nn.activations import OUTPUT_KINDS, MSReLUSquared
 
     mod = OUTPUT_KINDS["relu2"]()

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lmbp_convert import SavedTensorLedger
-from lmbp_convert.kinds import NormKind, WeightParam
+from lmbp_convert.enums import NormType, WeightParam
 from lmbp_convert.nn.exact_norms import MSExactNorm
 from lmbp_convert.ops.shared_saves import SharedSaves
 
@@ -13,7 +13,7 @@ from lmbp_convert.ops.shared_saves import SharedSaves
 def _pair(kind, dtype, bias):
     torch.manual_seed(0)
     d = 48
-    ref = nn.LayerNorm(d, eps=1e-5, bias=bias) if kind is NormKind.LAYER else nn.RMSNorm(d, eps=1e-6)
+    ref = nn.LayerNorm(d, eps=1e-5, bias=bias) if kind is NormType.LAYER else nn.RMSNorm(d, eps=1e-6)
     with torch.no_grad():
         ref.weight.uniform_(0.5, 1.5)
         if getattr(ref, "bias", None) is not None:
@@ -24,7 +24,7 @@ def _pair(kind, dtype, bias):
     return ref, new
 
 
-@pytest.mark.parametrize("kind,bias", [(NormKind.LAYER, True), (NormKind.LAYER, False), (NormKind.RMS, False)])
+@pytest.mark.parametrize("kind,bias", [(NormType.LAYER, True), (NormType.LAYER, False), (NormType.RMS, False)])
 def test_output_and_every_gradient_match_the_original_fp32(kind, bias):
     ref, new = _pair(kind, torch.float32, bias)
     lin = nn.Linear(48, 32)
@@ -46,7 +46,7 @@ def test_output_and_every_gradient_match_the_original_fp32(kind, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keeps_the_bytes_of_a_fold_inside_a_region(dtype):
-    ref, new = _pair(NormKind.LAYER, dtype, True)
+    ref, new = _pair(NormType.LAYER, dtype, True)
     lins = [nn.Linear(48, 48).to(dtype) for _ in range(3)]
     x = torch.randn(4, 16, 48, dtype=dtype, requires_grad=True)
 
@@ -79,7 +79,7 @@ def test_keeps_the_bytes_of_a_fold_inside_a_region(dtype):
 def test_one_plus_w_parameterisation():
     torch.manual_seed(2)
     w = nn.Parameter(torch.randn(16) * 0.1)
-    norm = MSExactNorm(NormKind.RMS, (16,), 1e-6, w, None, WeightParam.ONE_PLUS_W)
+    norm = MSExactNorm(NormType.RMS, (16,), 1e-6, w, None, WeightParam.ONE_PLUS_W)
     x = torch.randn(5, 16)
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
     assert torch.allclose(norm(x), ref, atol=1e-6)
@@ -91,7 +91,7 @@ def test_inside_checkpointing_a_layer_norm_saves_its_input(bias):
     kept there anyway), not an x̂ beside the Linear's copy of y; gradients stay the original's."""
     from torch.utils.checkpoint import checkpoint
 
-    ref, new = _pair(NormKind.LAYER, torch.float32, bias)
+    ref, new = _pair(NormType.LAYER, torch.float32, bias)
     lin = nn.Linear(48, 32)
     x0 = torch.randn(3, 11, 48)
 

@@ -67,9 +67,9 @@ def test_bad_arguments(cls):
 
 def test_extra_repr():
     r = repr(MSLayerNorm(16))
-    assert r == "MSLayerNorm(kind=layer_norm, normalized_shape=(16,), eps=1e-05)"
+    assert r == "MSLayerNorm(norm_type=layer, normalized_shape=(16,), eps=1e-05)"
     r = repr(MSRMSNorm((2, 8), eps=1e-5, identity_affine="zero"))
-    assert r == "MSRMSNorm(kind=rms_norm, normalized_shape=(2, 8), eps=1e-05, identity_affine='zero')"
+    assert r == "MSRMSNorm(norm_type=rms, normalized_shape=(2, 8), eps=1e-05, identity_affine='zero')"
 
 
 @pytest.mark.parametrize("cls", (MSLayerNorm, MSRMSNorm))
@@ -83,7 +83,7 @@ def test_autocast_output_dtype(cls):
 @pytest.mark.parametrize("cls", (MSLayerNorm, MSRMSNorm))
 def test_declared_affine_state(cls):
     """Where the affine lives is a field (folded / re-applied), not an attribute read with a default."""
-    from lmbp_convert.kinds import AffineState, ConvertedModule, WeightParam
+    from lmbp_convert.enums import AffineState, ConvertedModule, WeightParam
 
     folded = cls(8, identity_affine="zero")
     assert isinstance(folded, ConvertedModule)
@@ -100,7 +100,7 @@ def test_declared_affine_state(cls):
 def test_modules_pickled_before_the_declared_state_still_load():
     import pickle
 
-    from lmbp_convert.kinds import AffineState, WeightParam
+    from lmbp_convert.enums import AffineState, WeightParam
 
     old = MSRMSNorm(8)
     old.register_parameter("weight", nn.Parameter(torch.rand(8)))

@@ -18,10 +18,10 @@ def _trace(model, probe=None):
 def test_records_leaf_modules_ops_and_scopes():
     g = _trace(hf("llama"))
     (norm,) = g.module_nodes("model.layers.0.input_layernorm")
-    users = {n.target for n in g.consumers(norm.outputs[0]) if n.kind == "module"}
+    users = {n.target for n in g.consumers(norm.outputs[0]) if n.callee == "module"}
     assert {"model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
             "model.layers.0.self_attn.v_proj"} <= users
-    assert not [n for n in g.nodes if n.kind == "op" and n.target.endswith("functional.linear")]  # inside leaves
+    assert not [n for n in g.nodes if n.callee == "op" and n.target.endswith("functional.linear")]  # inside leaves
     assert g.module_calls["model.layers.0.self_attn.q_proj"] == 1
     assert any(sc.module == "model.layers.0.mlp" for sc in g.scopes)
     assert g.root_outputs  # the logits
@@ -59,7 +59,7 @@ def _module_shapes(g):
     def shapes(tids):
         return [g.tensors[t].shape for t in tids]
 
-    return [(n.target, shapes(n.inputs), shapes(n.outputs)) for n in g.nodes if n.kind == "module"]
+    return [(n.target, shapes(n.inputs), shapes(n.outputs)) for n in g.nodes if n.callee == "module"]
 
 
 @pytest.mark.compat
@@ -69,7 +69,7 @@ def test_traces_on_meta_device(arch):
     with torch.device("meta"):
         model = hf(arch, head=head)
     g = _trace(model)
-    assert sum(n.kind == "module" for n in g.nodes) > 5
+    assert sum(n.callee == "module" for n in g.nodes) > 5
     recorded = {target: (ins, outs) for target, ins, outs in _module_shapes(g)}
     for name, shapes in _EXPECTED_SHAPES[arch].items():
         assert recorded[name] == shapes, name
@@ -127,7 +127,7 @@ def test_meta_trace_of_code_written_for_real_tensors():
     g_cpu = _trace(cpu, torch.ones((2, 5), dtype=torch.long))
     assert _module_shapes(g_meta) == _module_shapes(g_cpu)
     (norm,) = g_meta.module_nodes("norm")
-    assert {n.target for n in g_meta.consumers(norm.outputs[0]) if n.kind == "module"} == {"q", "k"}
+    assert {n.target for n in g_meta.consumers(norm.outputs[0]) if n.callee == "module"} == {"q", "k"}
 
 
 class _ReadsWeights(nn.Module):

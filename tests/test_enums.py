@@ -3,13 +3,13 @@ import json
 
 import pytest
 
-from lmbp_convert.kinds import (GATED_ACT_KINDS, AffineState, BetaMode, ConvertedHook, ConvertedModule, NormKind,
+from lmbp_convert.enums import (GATED_ACT_KINDS, AffineState, BetaMode, ConvertedHook, ConvertedModule, NormType,
                                 Verification, WeightParam)
 
 
 def test_members_equal_print_and_serialise_as_their_values():
-    assert NormKind.RMS == "rms" and WeightParam("1+w") is WeightParam.ONE_PLUS_W
-    assert f"[{NormKind.LAYER}, {WeightParam.ONE_PLUS_W}]" == "[layer, 1+w]" and str(BetaMode.SHIFT) == "shift"
+    assert NormType.RMS == "rms" and WeightParam("1+w") is WeightParam.ONE_PLUS_W
+    assert f"[{NormType.LAYER}, {WeightParam.ONE_PLUS_W}]" == "[layer, 1+w]" and str(BetaMode.SHIFT) == "shift"
     assert json.dumps({"v": Verification.CANNOT_VERIFY, "a": [AffineState.REAPPLIED]}) == \
         '{"v": "cannot verify", "a": ["reapplied"]}'
     assert (WeightParam.W.identity, WeightParam.ONE_PLUS_W.identity) == (1.0, 0.0)
@@ -44,4 +44,4 @@ def test_our_hooks_and_modules_carry_the_marker_bases():
 
 def test_unknown_values_are_refused():
     with pytest.raises(ValueError):
-        NormKind("layer_norm")
+        NormType("layer_norm")

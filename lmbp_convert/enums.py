@@ -1,6 +1,6 @@
 """The package's closed enumerations, one type each, shared by every layer (match, apply, nn, checkpoint).
 
-Each is a ``str`` enum: a member equals its value (``NormKind.RMS == "rms"``), prints as it, and serialises to
+Each is a ``str`` enum: a member equals its value (``NormType.RMS == "rms"``), prints as it, and serialises to
 JSON as it, so plans and reports written before these types existed read back unchanged. Open sets stay
 strings: activation kinds are the ops layer's table (`lmbp_convert.ops.activations`), so a new activation is one
 table entry, not an enum edit as well (`GATED_ACT_KINDS` names those the fused gated-MLP op offers). The marker
@@ -20,7 +20,7 @@ class StrChoice(str, Enum):
     __format__ = str.__format__
 
 
-class NormKind(StrChoice):
+class NormType(StrChoice):
     """What a norm normalises by: mean and variance (LayerNorm) or the root mean square (RMSNorm)."""
 
     LAYER = "layer"
