@@ -2,8 +2,8 @@
 EVA02 / EVA / BEiT (F.linear on ``qkv.weight`` with a bias assembled in forward), SigLIP vision with its
 attention-pool head and nn.TransformerEncoder (pre-LN) (nn.MultiheadAttention's in_proj), timm PVT-v2 (a channel-first
 view into the spatial-reduction conv), timm ConvNeXt and HF ConvNext (channel-first LayerNorms into 1×1 / strided
-convs). For each: the original model, convert() without the consumer matcher (what convert() did before) and a
-plain convert(), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
+convs). For each: the original model, convert(fold_norms=True) without the consumer matcher (what it did before) and a
+convert(fold_norms=True), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
 convert()'s verification error.
 
     python -m benchmarks.consumers --models eva beit siglip transformer_encoder pvt_v2_b0 convnext_atto
@@ -109,8 +109,8 @@ def row(name: str) -> dict:
     x = torch.randn(*shape)
     out = {"model": name, "original": {k: saved(base, x, k) for k in MODES}}
     with without_consumer_folds():
-        before = convert(copy.deepcopy(base), probe=x)
-    after = convert(copy.deepcopy(base), probe=x)
+        before = convert(copy.deepcopy(base), probe=x, fold_norms=True)
+    after = convert(copy.deepcopy(base), probe=x, fold_norms=True)
     for label, m in (("before", before), ("after", after)):
         rep = m.lmbp_report
         out[label] = {k: saved(m, x, k) for k in MODES}

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from ..kinds import NormKind, WeightParam
 from .norm_kept import NormKeep
-from .plan import NormFold, PlanItem, register_item
+from .plan import NormFold, PlanItem, Skip, register_item
 
-__all__ = ["NormExact", "exact_items"]
+__all__ = ["NormExact", "exact_items", "exact_plan"]
 
 
 @register_item
@@ -60,3 +60,21 @@ def _exact(item: PlanItem) -> PlanItem:
 def exact_items(items: list[PlanItem]) -> list[PlanItem]:
     """``items`` with every norm fold / kept-affine swap that has an exact form replaced by it (same order)."""
     return [_exact(it) for it in items]
+
+
+def _fold_into(item: NormFold) -> str:
+    return ", ".join([t.label for t in item.targets] + [p.describe() for p in getattr(item, "params", [])])
+
+
+def exact_plan(items: list[PlanItem]) -> tuple[list[PlanItem], list[Skip]]:
+    """The exact default's items (`exact_items`) and skips: a norm fold with no exact form is not applied (no
+    parameter a user or optimiser sees may change), the norm is left as it is, with the reason."""
+    kept, skips = [], []
+    for it in exact_items(items):
+        if isinstance(it, NormFold) and not it.prefolded:
+            skips.append(Skip(it.name, it.cls, "no exact memory-sharing form for a norm read by functional or "
+                              f"channel-first consumers yet: left as it is (fold_norms=True would fold it into "
+                              f"{_fold_into(it)})"))
+        else:
+            kept.append(it)
+    return kept, skips

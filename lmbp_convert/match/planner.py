@@ -23,7 +23,7 @@ from .loss import match_losses
 from .moe import match_recompute_regions
 from .norm import match_norms
 from .norm_free import match_affine_free_norms
-from .norm_exact import exact_items
+from .norm_exact import exact_plan
 from .norm_kept import match_kept_affine_norms
 from .plan import Plan, PlanItem, Skip
 from .roles import Role
@@ -61,5 +61,6 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
                 plan.items.append(found)
                 ctx.claimed |= found.claims()
     if not options.fold_norms:
-        plan.items = exact_items(plan.items)
+        plan.items, skips = exact_plan(plan.items)
+        plan.skips += skips
     return plan

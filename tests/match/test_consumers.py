@@ -97,6 +97,7 @@ def _check_exact(model, x, *, tol=1e-5, **kw):
     """Convert (norms only: approximate activations are inexact by design); outputs and the fp32 gradient of the
     input match the original's."""
     ref = copy.deepcopy(model)
+    kw.setdefault("fold_norms", True)  # the fold (the exact default: tests/match/test_norm_exact.py)
     rep = convert(model, probe=x, activations=False, **kw).lmbp_report
     assert rep.verified, str(rep)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -137,7 +138,7 @@ def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     torch.manual_seed(0)
     model = randomize_norms(FusedQKV(with_bias=False))
     with pytest.raises(NothingToConvertError, match="adds no bias, so the norm's β has nowhere to go"):
-        convert(copy.deepcopy(model), probe=torch.randn(2, 6, D))
+        convert(copy.deepcopy(model), probe=torch.randn(2, 6, D), fold_norms=True)
     model.norm = nn.RMSNorm(D)  # no β: nothing needs a bias
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
@@ -169,7 +170,7 @@ def test_transformer_encoder_layer(norm_first):
         rep = convert(copy.deepcopy(model), probe=x, activations=False, fold_norms=True).lmbp_report
         assert {k.name for k in rep.plan.of(NormKeep)} >= {"layers.0.norm1", "layers.1.norm1"}
         # the exact default: exact norms, outputs and input gradient the original's
-        rep = _check_exact(model, x)
+        rep = _check_exact(model, x, fold_norms=False)
         assert {k.name for k in rep.plan.of(NormExact)} >= {"layers.0.norm1", "layers.1.norm1"}, str(rep)
         return
     before = _saved(model, x)
@@ -208,7 +209,7 @@ def test_conv_with_padding_refuses_beta_but_not_rms():
     torch.manual_seed(0)
     model = randomize_norms(ChannelFirstConv(padding=1, kernel=3))
     with pytest.raises(NothingToConvertError, match="pads its input .padding=.1, 1..: padded positions would see 0"):
-        convert(copy.deepcopy(model), probe=torch.randn(2, 16, D))
+        convert(copy.deepcopy(model), probe=torch.randn(2, 16, D), fold_norms=True)
     rms = nn.RMSNorm(D)
     with torch.no_grad():
         rms.weight.uniform_(0.5, 1.5)
@@ -222,7 +223,7 @@ def test_plan_round_trips_and_an_original_checkpoint_is_folded_on_load(make):
     model = randomize_norms(make())
     x = torch.randn(2, 16 if isinstance(model, ChannelFirstConv) else 6, D)
     ref, original = copy.deepcopy(model), copy.deepcopy(model.state_dict())
-    rep = convert(model, probe=x, activations=False).lmbp_report
+    rep = convert(model, probe=x, activations=False, fold_norms=True).lmbp_report
     back = Plan.from_dict(rep.plan.to_dict())
     assert back.of(ConsumerFold) == rep.plan.of(ConsumerFold) != []
     converted = copy.deepcopy(model.state_dict())
@@ -243,7 +244,7 @@ def test_converted_on_meta_then_loaded():
     with torch.device("meta"):
         model = FusedQKV(bias_buffer_persistent=True)
     x = torch.randn(2, 6, D)
-    rep = convert(model, probe=x.to("meta"), activations=False, verify=False).lmbp_report
+    rep = convert(model, probe=x.to("meta"), activations=False, verify=False, fold_norms=True).lmbp_report
     assert rep.plan.of(ConsumerFold)
     model.to_empty(device="cpu")
     model.load_state_dict(ref.state_dict())
@@ -311,4 +312,4 @@ def test_mha_with_separate_projection_weights_is_refused_with_its_reason():
 
     torch.manual_seed(0)
     with pytest.raises(NothingToConvertError, match="uses separate q/k/v projection weights"):
-        convert(randomize_norms(KDim()), probe=torch.randn(2, 6, D))
+        convert(randomize_norms(KDim()), probe=torch.randn(2, 6, D), fold_norms=True)
