@@ -5,15 +5,19 @@ rewritten, so training, the optimiser's parameters and the state dict are the or
 
 The planner's analysis still decides *which* norms are worth it (a consumer keeps the output); the exact form is
 then a drop-in for that norm whatever its consumers are, so nothing of the fold's conditions (commuting ops,
-re-apply sites, β placement) is needed. Left as planned, with the reason in the report: channel-first norms and
-norms with functional consumers (`ConsumerFold`: their consumers save permuted or copied views that no recipe
-rebuilds yet), and norms already folded on disk (the checkpoint CLI).
+re-apply sites, β placement) is needed. That includes norms read by functional consumers (`ConsumerFold`: F.linear
+on a parameter, nn.MultiheadAttention's in_proj, convolutions) and channel-first norms (``channel_dim``): their
+consumers save permuted, cast or copied views of y, which the shared-saves recipes rebuild from x̂ as well
+(`lmbp_convert.ops.shared_saves`). Nothing is folded under the default: a fold item with no exact form (none
+today; the protocol allows one) is not applied, the norm stays as it is, and the skip says ``fold_norms=True``
+would fold it. Norms already folded on disk (the checkpoint CLI) keep their fold: their weights are folded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..kinds import NormKind, WeightParam
+from .consumers import ConsumerFold
 from .norm_kept import NormKeep
 from .plan import NormFold, PlanItem, Skip, register_item
 
@@ -38,19 +42,22 @@ class NormExact(PlanItem):
     readers: list[str] = field(default_factory=list)  # consumers that keep the output (from the fold's analysis)
     predicted_saved_bytes: int = 0
     out_dtype: str | None = None
+    channel_dim: int = -1  # 1: a channel-first norm (NCHW)
 
     def __post_init__(self) -> None:
         self.kind, self.param = NormKind(self.kind), WeightParam(self.param)
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} [{self.kind}, {self.param}] → output shared with {', '.join(self.readers) or '-'}"]
+        where = f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else ""
+        return [f"  {self.name} [{self.kind}, {self.param}{where}] → output shared with "
+                f"{', '.join(self.readers) or '-'}"]
 
 
 def _exact(item: PlanItem) -> PlanItem:
-    if type(item) is NormFold and not item.prefolded:
-        readers = [t.label for t in item.targets]
+    if type(item) in (NormFold, ConsumerFold) and not item.prefolded:
+        readers = [t.label for t in item.targets] + [f"{p.op} in {p.scope}" for p in getattr(item, "params", [])]
         return NormExact(item.name, item.cls, item.kind, item.param, item.eps, list(item.shape), item.has_bias,
-                         readers, item.predicted_saved_bytes, item.out_dtype)
+                         readers, item.predicted_saved_bytes, item.out_dtype, getattr(item, "channel_dim", -1))
     if type(item) is NormKeep:
         return NormExact(item.name, item.cls, item.kind, item.param, item.eps, list(item.shape), item.has_bias,
                          list(item.keepers), item.predicted_saved_bytes, item.out_dtype)
@@ -72,9 +79,8 @@ def exact_plan(items: list[PlanItem]) -> tuple[list[PlanItem], list[Skip]]:
     kept, skips = [], []
     for it in exact_items(items):
         if isinstance(it, NormFold) and not it.prefolded:
-            skips.append(Skip(it.name, it.cls, "no exact memory-sharing form for a norm read by functional or "
-                              f"channel-first consumers yet: left as it is (fold_norms=True would fold it into "
-                              f"{_fold_into(it)})"))
+            skips.append(Skip(it.name, it.cls, f"no exact memory-sharing form for {type(it).__name__} yet: left as it "
+                              f"is (fold_norms=True would fold it into {_fold_into(it)})"))
         else:
             kept.append(it)
     return kept, skips
