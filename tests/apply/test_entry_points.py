@@ -117,7 +117,8 @@ def test_peft_modules_to_save_and_disabled_adapters():
 #: norms read by functional consumers (BEiT, EVA02: F.linear on qkv.weight; PVT-v2: a conv on a channel-first
 #: view) or channel-first (ConvNeXt's LayerNorm2d, its head norm): the families whose norms the fold rewrote
 #: into consumers' parameters
-CONSUMER_FAMILIES = ["timm_convnext", "timm_beit", "timm_eva02", "timm_pvt_v2"]
+CONSUMER_FAMILIES = [pytest.param(f, marks=pytest.mark.slow) if f in ("timm_convnext", "timm_pvt_v2") else f
+                     for f in ("timm_convnext", "timm_beit", "timm_eva02", "timm_pvt_v2")]  # (slow: over 3 s each)
 
 
 def _timm_pair(name):
