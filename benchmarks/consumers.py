@@ -2,8 +2,8 @@
 EVA02 / EVA / BEiT (F.linear on ``qkv.weight`` with a bias assembled in forward), SigLIP vision with its
 attention-pool head and nn.TransformerEncoder (pre-LN) (nn.MultiheadAttention's in_proj), timm PVT-v2 (a channel-first
 view into the spatial-reduction conv), timm ConvNeXt and HF ConvNext (channel-first LayerNorms into 1×1 / strided
-convs). For each: the original model, convert() without the consumer matcher (what convert() did before) and a
-plain convert(), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
+convs). For each: the original model, convert(fold_norms=True) without the consumer matcher (what it did before), with
+it, and the exact default convert() (no parameter folded), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
 convert()'s verification error.
 
     python -m benchmarks.consumers --models eva beit siglip transformer_encoder pvt_v2_b0 convnext_atto
@@ -105,9 +105,10 @@ def row(name: str) -> dict:
     x = torch.randn(*shape)
     out = {"model": name, "original": {k: saved(base, x, k) for k in MODES}}
     with without_consumer_folds():
-        before = convert(copy.deepcopy(base), probe=x)
-    after = convert(copy.deepcopy(base), probe=x)
-    for label, m in (("before", before), ("after", after)):
+        before = convert(copy.deepcopy(base), probe=x, fold_norms=True)
+    after = convert(copy.deepcopy(base), probe=x, fold_norms=True)
+    exact = convert(copy.deepcopy(base), probe=x)  # the default: exact norms, every original parameter kept
+    for label, m in (("before", before), ("after", after), ("exact", exact)):
         rep = m.lmbp_report
         out[label] = {k: saved(m, x, k) for k in MODES}
         out[f"{label}_error"] = rep.relative_error
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.models:
         r = row(name)
         o = r["original"]
-        cells = "  ".join(f"{k} {1 - r['before'][k] / o[k]:6.1%} → {1 - r['after'][k] / o[k]:6.1%}" for k in MODES)
+        cells = "  ".join(f"{k} {1 - r['before'][k] / o[k]:6.1%} → {1 - r['after'][k] / o[k]:6.1%} "
+                          f"(exact {1 - r['exact'][k] / o[k]:6.1%})" for k in MODES)
         print(f"{name:20s} saved: {cells}  consumer folds={r['consumer_folds']}  verification error "
               f"{r['before_error']:.1e} → {r['after_error']:.1e}", flush=True)
         found.append(r)

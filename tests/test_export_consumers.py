@@ -42,7 +42,7 @@ def _train_a_step(model, x):
 def test_reapplied_norm_unfolds_in_proj_rows_and_conv_channels_after_training():
     torch.manual_seed(0)
     model, x = randomize_norms(ReturnsNorm()), torch.randn(2, 16, D)
-    rep = convert(model, probe=x, activations=False).lmbp_report
+    rep = convert(model, probe=x, activations=False, fold_norms=True).lmbp_report
     (fold,) = rep.plan.of(ConsumerFold)
     assert fold.reapply and {p.op for p in fold.params} == {"multi_head_attention_forward", "conv2d"}
     _train_a_step(model, x)  # γ, β (kept: re-applied on the output) and the folded weights all move
@@ -62,14 +62,14 @@ def test_beta_share_in_an_unsaved_buffer_is_an_export_error():
 
     torch.manual_seed(0)
     model, x = randomize_norms(FusedQKV()), torch.randn(2, 6, D)
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, fold_norms=True)
     assert not saves_plainly(model)
     with pytest.raises(ExportError, match="k_bias, a buffer no state dict holds"):
         plain_state_dict(model)
     torch.manual_seed(0)
     model = randomize_norms(FusedQKV(bias_buffer_persistent=True))
     ref = copy.deepcopy(model)
-    convert(model, probe=x, activations=False)
+    convert(model, probe=x, activations=False, fold_norms=True)
     plain = FusedQKV(bias_buffer_persistent=True)
     plain.load_state_dict(plain_state_dict(model))
     with torch.no_grad():

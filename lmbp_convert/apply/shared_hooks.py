@@ -142,7 +142,8 @@ def exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
     old = builder.modules[item.name]
     out = getattr(torch, item.out_dtype.rsplit(".", 1)[-1]) if item.out_dtype else None
     new = MSExactNorm(NormType(item.norm_type), tuple(item.shape), item.eps, old.weight,
-                      old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out)
+                      old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out,
+                      channel_dim=item.channel_dim)
     builder.swap_module(unit, item.name, new)
     add_region(builder, unit)
     return unit

@@ -5,19 +5,24 @@ rewritten, so training, the optimiser's parameters and the state dict are the or
 
 The planner's analysis still decides *which* norms are worth it (a consumer keeps the output); the exact form is
 then a drop-in for that norm whatever its consumers are, so nothing of the fold's conditions (commuting ops,
-re-apply sites, β placement) is needed. Left as planned, with the reason in the report: channel-first norms and
-norms with functional consumers (`ConsumerFold`: their consumers save permuted or copied views that no recipe
-rebuilds yet), and norms already folded on disk (the checkpoint CLI).
+re-apply sites, β placement) is needed. That includes norms read by functional consumers (`ConsumerFold`: F.linear
+on a parameter, nn.MultiheadAttention's in_proj, convolutions) and channel-first norms (``channel_dim``): their
+consumers save permuted, cast or copied views of y, which the shared-saves recipes rebuild from x̂ as well
+(`lmbp_convert.ops.shared_saves`). Nothing is folded under the default: a fold item with no exact form (none
+today; the protocol allows one) is not applied, the norm stays as it is, and the skip says ``fold_norms=True``
+would fold it. Norms already folded on disk (the checkpoint CLI) keep their fold: their weights are folded.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..enums import NormType, WeightParam
+from ..reasons import Reason, ReasonCode
+from .consumers import ConsumerFold
 from .norm_kept import NormKeep
-from .plan import NormFold, PlanItem
+from .plan import NormFold, PlanItem, Skip
 
-__all__ = ["NormExact", "exact_items"]
+__all__ = ["NormExact", "exact_items", "exact_plan"]
 
 
 @dataclass
@@ -39,19 +44,22 @@ class NormExact(PlanItem):
     readers: list[str] = field(default_factory=list)  # consumers that keep the output (from the fold's analysis)
     predicted_saved_bytes: int = 0
     out_dtype: str | None = None
+    channel_dim: int = -1  # 1: a channel-first norm (NCHW)
 
     def __post_init__(self) -> None:
         self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
-        return [f"  {self.name} [{self.norm_type}, {self.param}] → output shared with {', '.join(self.readers) or '-'}"]
+        where = f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else ""
+        return [f"  {self.name} [{self.norm_type}, {self.param}{where}] → output shared with "
+                f"{', '.join(self.readers) or '-'}"]
 
 
 def _exact(item: PlanItem) -> PlanItem:
-    if type(item) is NormFold and not item.prefolded:
-        readers = [t.label for t in item.targets]
+    if type(item) in (NormFold, ConsumerFold) and not item.prefolded:
+        readers = [t.label for t in item.targets] + [f"{p.op} in {p.scope}" for p in item.param_targets()]
         return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
-                         readers, item.predicted_saved_bytes, item.out_dtype)
+                         readers, item.predicted_saved_bytes, item.out_dtype, item.channel_axis())
     if type(item) is NormKeep:
         return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
                          list(item.keepers), item.predicted_saved_bytes, item.out_dtype)
@@ -61,3 +69,21 @@ def _exact(item: PlanItem) -> PlanItem:
 def exact_items(items: list[PlanItem]) -> list[PlanItem]:
     """``items`` with every norm fold / kept-affine swap that has an exact form replaced by it (same order)."""
     return [_exact(it) for it in items]
+
+
+def _fold_into(item: NormFold) -> str:
+    return ", ".join([t.label for t in item.targets] + [p.describe() for p in item.param_targets()])
+
+
+def exact_plan(items: list[PlanItem]) -> tuple[list[PlanItem], list[Skip]]:
+    """The exact default's items (`exact_items`) and skips: a norm fold with no exact form is not applied (no
+    parameter a user or optimiser sees may change), the norm is left as it is, with the reason."""
+    kept, skips = [], []
+    for it in exact_items(items):
+        if isinstance(it, NormFold) and not it.prefolded:
+            why = (f"no exact memory-sharing form for {type(it).__name__} yet: left as it is (fold_norms=True would "
+                   f"fold it into {_fold_into(it)})")
+            skips.append(Skip(it.name, it.cls, Reason(ReasonCode.NO_EXACT_FORM, why)))
+        else:
+            kept.append(it)
+    return kept, skips

@@ -17,7 +17,7 @@ from ..options import ConvertOptions
 from ..trace.graph import Graph
 from .context import MatchContext, code_bytes, tensor_bytes
 from .kinds import Matcher, matchers
-from .norm_exact import exact_items
+from .norm_exact import exact_plan
 from .plan import Plan, Skip
 from .roles import Role
 
@@ -40,5 +40,6 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
                 plan.items.append(found)
                 ctx.claimed |= found.claims()
     if not options.fold_norms:
-        plan.items = exact_items(plan.items)
+        plan.items, skips = exact_plan(plan.items)
+        plan.skips += skips
     return plan

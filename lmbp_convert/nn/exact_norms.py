@@ -33,7 +33,7 @@ class MSExactNorm(ConvertedModule, nn.Module):
 
     def __init__(self, kind: NormType | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
-                 out_dtype: torch.dtype | None = None) -> None:
+                 out_dtype: torch.dtype | None = None, channel_dim: int = -1) -> None:
         super().__init__()
         shape = tuple(int(s) for s in normalized_shape)
         if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
@@ -44,6 +44,9 @@ class MSExactNorm(ConvertedModule, nn.Module):
         self.param = WeightParam(param)
         self.affine = AffineState.KEPT
         self.out_dtype = out_dtype  # the dtype the replaced norm cast its output to (None: the input's)
+        if channel_dim != -1 and len(shape) != 1:
+            raise ValueError("MSExactNorm: a channel-first norm normalises one dim")
+        self.channel_dim = int(channel_dim)  # 1: channel-first (NCHW), normalised over that dim
         self._n = 1
         for s in shape:
             self._n *= s
@@ -51,6 +54,15 @@ class MSExactNorm(ConvertedModule, nn.Module):
         self.register_parameter("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channel_dim == -1:
+            return self._forward(x)
+        if x.dim() <= self.channel_dim:
+            raise ValueError(f"MSExactNorm: a norm over dim {self.channel_dim} needs more than {x.dim()} dims")
+        # channels-last view in, channel-first view of the (channels-last) output out: the consumers' saved
+        # views of it are views of the noted output, which the shared-saves region rebuilds
+        return self._forward(x.movedim(self.channel_dim, -1)).movedim(-1, self.channel_dim)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = self.normalized_shape
         if x.dim() < len(shape) or tuple(x.shape[-len(shape):]) != shape:
             raise ValueError(f"MSExactNorm: normalized_shape {shape} does not match the trailing dims of the input "
@@ -81,4 +93,5 @@ class MSExactNorm(ConvertedModule, nn.Module):
 
     def extra_repr(self) -> str:
         return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
-                "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""))
+                "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
+                + (f", channel_dim={self.channel_dim}" if self.channel_dim != -1 else ""))

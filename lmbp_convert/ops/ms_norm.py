@@ -379,6 +379,11 @@ class _TritonMSNorm(torch.autograd.Function):
 
 def _backward(ctx, g: torch.Tensor):
     y, rstd = ctx.saved_tensors
+    if torch.compiler.is_compiling():
+        # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
+        # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
+        # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
+        g = g.clone(memory_format=torch.contiguous_format)
     is_rms, x_dtype, triton_path = ctx.spec
     dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
     return dx, None, None, None, None

@@ -103,7 +103,9 @@ class _Prepacked:
 
 
 _RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0")  # same elements, same order
-_OPS = ("ToCopyBackward0", "SelectBackward0", "SliceBackward0") + _RESHAPES
+#: data movement only (a channel-first view of a channels-last output, a copy into a new layout): deterministic
+_LAYOUTS = ("PermuteBackward0", "TransposeBackward0", "CloneBackward0")
+_OPS = ("ToCopyBackward0", "SelectBackward0", "SliceBackward0") + _RESHAPES + _LAYOUTS
 
 
 def _op(fn, name: str, device: torch.device) -> Optional[tuple]:
@@ -115,7 +117,26 @@ def _op(fn, name: str, device: torch.device) -> Optional[tuple]:
         return ("select", int(fn._saved_dim), int(fn._saved_index))
     if name == "SliceBackward0":
         return ("slice", int(fn._saved_dim), fn._saved_start, fn._saved_end, int(fn._saved_step))
+    if name == "PermuteBackward0":
+        return ("permute", tuple(int(d) for d in fn._saved_dims))
+    if name == "TransposeBackward0":
+        return ("transpose", int(fn._saved_dim0), int(fn._saved_dim1))
+    if name == "CloneBackward0":
+        return ("clone",)
     return ("reshape", tuple(meta.shape))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """``t`` covers its storage span exactly, in some order of its dims (contiguous, channels-last, a permuted
+    copy), at offset 0: a rebuilt tensor of that size and strides holds the same elements at the same places."""
+    if t.storage_offset() != 0:
+        return False
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
@@ -126,13 +147,19 @@ def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
         return out.select(op[1], op[2])
     if kind == "slice":
         return torch.ops.aten.slice.Tensor(out, *op[1:])
+    if kind == "permute":
+        return out.permute(op[1])
+    if kind == "transpose":
+        return out.transpose(op[1], op[2])
+    if kind == "clone":
+        return out.clone()
     return out.reshape(op[1])
 
 
 def _chain(fn, device: torch.device, noted: Callable[[Any], bool] = lambda fn: False
            ) -> Optional[tuple[Any, tuple[tuple, ...]]]:
-    """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias) and selections (``x[:, 0]``,
-    ``x[:, a:b]``) back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
+    """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias), selections (``x[:, 0]``,
+    ``x[:, a:b]``), permutes, transposes and clones back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
     as `_replay` runs them), or None where a cast also moves devices or a node lacks the metadata (another
     torch). It stops early at a ``noted`` node (a LoRA layer's input is itself a reshape of the attention output)."""
     ops = []
@@ -165,11 +192,12 @@ class _Rebuild:
     """A noted tensor and its casts and reshapes, rebuilt once (on the first unpack) for every recipe that shares
     it (the forward's own ops in its order, so the value and its layout are the forward's)."""
 
-    __slots__ = ("rebuild", "parts", "versions", "ops", "value", "region")
+    __slots__ = ("rebuild", "parts", "versions", "ops", "value", "region", "stride")
 
     def __init__(self, region: "SharedSaves", rebuild: Optional[Callable], parts: list, versions: list,
-                 ops: tuple[tuple[str, Any], ...]) -> None:
+                 ops: tuple[tuple[str, Any], ...], stride: tuple[int, ...]) -> None:
         self.region, self.rebuild, self.parts, self.versions, self.ops = region, rebuild, parts, versions, ops
+        self.stride = stride  # the forward's layout of the saved tensor's base, which the recipes' strides index
         self.value: Optional[torch.Tensor] = None
 
     def get(self) -> torch.Tensor:
@@ -190,6 +218,9 @@ class _Rebuild:
                     out = self.rebuild(*args)
                 for op in ops:
                     out = _replay(out, op)
+                if out.stride() != self.stride:  # same values, the forward's layout (a clone's memory format)
+                    out = torch.empty_strided(out.shape, self.stride, dtype=out.dtype,
+                                              device=out.device).copy_(out)
             self.value = out
         return self.value
 
@@ -293,7 +324,7 @@ class SharedSaves(ChainedHooks):
         if not self.notes:
             return None
         src = t if t._base is None else t._base
-        if src.grad_fn is None or not src.is_contiguous():
+        if src.grad_fn is None or not _dense(src):
             return None
         walked = _chain(src.grad_fn, src.device, self.notes.__contains__)
         if walked is None:
@@ -311,7 +342,7 @@ class SharedSaves(ChainedHooks):
             # a copy that is a view of the noted tensor itself, or a narrower dtype, is not worth a recipe
             if not casts or any(torch.empty((), dtype=d).element_size() < base.element_size() for d in casts):
                 return None
-        key = (node, ops)
+        key = (node, ops, src.stride())
         shared = self._made.get(key)
         if shared is None:
             if found.hooks is None:
@@ -321,7 +352,7 @@ class SharedSaves(ChainedHooks):
                 parts = [(pack(s), unpack) if isinstance(s, torch.Tensor) else s for s in sources]
             parts = [(p.packed, p.unpack) if isinstance(p, _Prepacked) else p for p in parts]
             versions = [s._version if isinstance(s, torch.Tensor) else None for s in sources]
-            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, ops)
+            shared = self._made[key] = _Rebuild(self, found.rebuild, parts, versions, ops, src.stride())
         self.recipes += 1
         return _Recipe(shared, t)
 

@@ -112,3 +112,64 @@ def test_peft_modules_to_save_and_disabled_adapters():
         assert _close(model(IDS).logits, ref(IDS).logits)
         with model.disable_adapter(), ref.disable_adapter():
             assert _close(model(IDS).logits, ref(IDS).logits)
+
+
+#: norms read by functional consumers (BEiT, EVA02: F.linear on qkv.weight; PVT-v2: a conv on a channel-first
+#: view) or channel-first (ConvNeXt's LayerNorm2d, its head norm): the families whose norms the fold rewrote
+#: into consumers' parameters
+CONSUMER_FAMILIES = [pytest.param(f, marks=pytest.mark.slow) if f in ("timm_convnext", "timm_pvt_v2") else f
+                     for f in ("timm_convnext", "timm_beit", "timm_eva02", "timm_pvt_v2")]  # (slow: over 3 s each)
+
+
+def _timm_pair(name):
+    from benchmarks.families import randomize_norms, registry
+
+    torch.manual_seed(0)
+    model = randomize_norms(registry()[name]()).eval()  # γ ≠ 1, β ≠ 0: a lost affine shows
+    ref = copy.deepcopy(model)
+    convert(model, **EXACT)
+    assert not model.lmbp_report.inexact_training, str(model.lmbp_report)
+    return model, ref
+
+
+def _image(model):
+    from lmbp_convert.trace.probe import make_probe
+
+    return make_probe(model)[0]
+
+
+@pytest.mark.parametrize("name", CONSUMER_FAMILIES)
+def test_timm_consumer_families_features_head_and_reset(name):
+    model, ref = _timm_pair(name)
+    x = _image(ref)
+    with torch.no_grad():
+        f = ref.forward_features(x)
+        assert _close(model.forward_features(x), f)
+        assert _close(model.forward_head(f, pre_logits=True), ref.forward_head(f, pre_logits=True))
+        assert _close(model(x), ref(x))
+        model.reset_classifier(0)
+        ref.reset_classifier(0)
+        assert _close(model(x), ref(x))
+
+
+@pytest.mark.parametrize("name", CONSUMER_FAMILIES)
+def test_timm_consumer_families_state_dict_round_trips(name, tmp_path):
+    from benchmarks.families import registry
+
+    model, ref = _timm_pair(name)
+    x = _image(ref)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    model.load_state_dict(ref.state_dict())  # an original checkpoint, loaded into the converted model
+    with torch.no_grad():
+        assert _close(model(x), ref(x))
+    torch.save(model.state_dict(), tmp_path / "sd.pt")  # saved the plain way, loaded into the plain class
+    plain = registry()[name]().eval()
+    plain.load_state_dict(torch.load(tmp_path / "sd.pt"))
+    with torch.no_grad():
+        assert _close(plain(x), ref(x))
+        assert _close(plain.forward_features(x), ref.forward_features(x))

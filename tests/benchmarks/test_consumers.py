@@ -15,6 +15,7 @@ def test_help_names_the_module(capsys):
 
 def test_transformer_encoder_row_saves_more_with_consumer_folds():
     (r,) = B.main(["--models", "transformer_encoder"])
-    assert r["consumer_folds"] == 2 and r["after_verified"] and r["before_verified"]
+    assert r["consumer_folds"] == 2 and r["after_verified"] and r["before_verified"] and r["exact_verified"]
     for mode in B.MODES:
         assert r["after"][mode] < r["before"][mode] < r["original"][mode]
+        assert r["exact"][mode] <= r["after"][mode]  # the exact default keeps no more than the fold

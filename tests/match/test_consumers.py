@@ -97,6 +97,7 @@ def _check_exact(model, x, *, tol=1e-5, **kw):
     """Convert (norms only: approximate activations are inexact by design); outputs and the fp32 gradient of the
     input match the original's."""
     ref = copy.deepcopy(model)
+    kw.setdefault("fold_norms", True)  # the fold (the exact default: tests/match/test_norm_exact.py)
     rep = convert(model, probe=x, activations=False, **kw).lmbp_report
     assert rep.verified, str(rep)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -137,7 +138,7 @@ def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     torch.manual_seed(0)
     model = randomize_norms(FusedQKV(with_bias=False))
     with pytest.raises(NothingToConvertError, match="adds no bias, so the norm's β has nowhere to go"):
-        convert(copy.deepcopy(model), probe=torch.randn(2, 6, D))
+        convert(copy.deepcopy(model), probe=torch.randn(2, 6, D), fold_norms=True)
     model.norm = nn.RMSNorm(D)  # no β: nothing needs a bias
     with torch.no_grad():
         model.norm.weight.uniform_(0.5, 1.5)
@@ -169,7 +170,7 @@ def test_transformer_encoder_layer(norm_first):
         rep = convert(copy.deepcopy(model), probe=x, activations=False, fold_norms=True).lmbp_report
         assert {k.name for k in rep.plan.of(NormKeep)} >= {"layers.0.norm1", "layers.1.norm1"}
         # the exact default: exact norms, outputs and input gradient the original's
-        rep = _check_exact(model, x)
+        rep = _check_exact(model, x, fold_norms=False)
         assert {k.name for k in rep.plan.of(NormExact)} >= {"layers.0.norm1", "layers.1.norm1"}, str(rep)
         return
     before = _saved(model, x)
@@ -208,7 +209,7 @@ def test_conv_with_padding_refuses_beta_but_not_rms():
     torch.manual_seed(0)
     model = randomize_norms(ChannelFirstConv(padding=1, kernel=3))
     with pytest.raises(NothingToConvertError, match="pads its input .padding=.1, 1..: padded positions would see 0"):
-        convert(copy.deepcopy(model), probe=torch.randn(2, 16, D))
+        convert(copy.deepcopy(model), probe=torch.randn(2, 16, D), fold_norms=True)
     rms = nn.RMSNorm(D)
     with torch.no_grad():
         rms.weight.uniform_(0.5, 1.5)
@@ -222,7 +223,7 @@ def test_plan_round_trips_and_an_original_checkpoint_is_folded_on_load(make):
     model = randomize_norms(make())
     x = torch.randn(2, 16 if isinstance(model, ChannelFirstConv) else 6, D)
     ref, original = copy.deepcopy(model), copy.deepcopy(model.state_dict())
-    rep = convert(model, probe=x, activations=False).lmbp_report
+    rep = convert(model, probe=x, activations=False, fold_norms=True).lmbp_report
     back = Plan.from_dict(rep.plan.to_dict())
     assert back.of(ConsumerFold) == rep.plan.of(ConsumerFold) != []
     converted = copy.deepcopy(model.state_dict())
@@ -243,7 +244,7 @@ def test_converted_on_meta_then_loaded():
     with torch.device("meta"):
         model = FusedQKV(bias_buffer_persistent=True)
     x = torch.randn(2, 6, D)
-    rep = convert(model, probe=x.to("meta"), activations=False, verify=False).lmbp_report
+    rep = convert(model, probe=x.to("meta"), activations=False, verify=False, fold_norms=True).lmbp_report
     assert rep.plan.of(ConsumerFold)
     model.to_empty(device="cpu")
     model.load_state_dict(ref.state_dict())
@@ -311,4 +312,56 @@ def test_mha_with_separate_projection_weights_is_refused_with_its_reason():
 
     torch.manual_seed(0)
     with pytest.raises(NothingToConvertError, match="uses separate q/k/v projection weights"):
-        convert(randomize_norms(KDim()), probe=torch.randn(2, 6, D))
+        convert(randomize_norms(KDim()), probe=torch.randn(2, 6, D), fold_norms=True)
+
+
+# -- the exact default (fold_norms=False): no parameter changes, the fold's bytes ------------------------------
+def _grads(model, x):
+    model.zero_grad(set_to_none=True)
+    xa = x.clone().requires_grad_()
+    out = model(xa)
+    out = out[0] if isinstance(out, tuple) else out
+    out.float().pow(2).mean().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, xa.grad
+
+
+#: case → (model, input shape, saved bytes: original, fold, exact). The pre-LN encoder's exact form keeps one
+#: (2, 6, 32) fp32 tensor less than its fold.
+EXACT_CASES = {
+    "fused_qkv": (lambda: FusedQKV(), (2, 6, D), (9504, 7872, 7872)),
+    "cross_mha_kv": (lambda: CrossMHA("kv"), (2, 6, D), (10240, 8608, 8608)),
+    "channel_first_conv": (lambda: ChannelFirstConv(), (2, 16, D), (8448, 4096, 4096)),
+    "conv_mlp_layernorm2d": (lambda: ConvMlpBlock(_timm_layernorm2d()), (2, D, 6, 6), (46656, 37152, 37152)),
+    "conv_mlp_hf_channels_first": (lambda: ConvMlpBlock(_hf_channels_first()), (2, D, 6, 6), (46656, 37152, 37152)),
+    "encoder_pre_ln": (lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(
+        D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=True), 2, enable_nested_tensor=False), (2, 6, D),
+        (31488, 26640, 25104)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_CASES))
+def test_exact_default_keeps_every_parameter_and_saves_the_folds_bytes(case):
+    """What ``fold_norms=True`` folds into functional or channel-first consumers, the default makes exact: the
+    norm keeps γ, β (channel-first norms over dim 1), the consumers' parameters stay the original tensors, the
+    state dict and every gradient are the original's, and the saved bytes are the fold's (the consumers' saved
+    views of y, permuted, cast or copied, are rebuilt from x̂)."""
+    make, shape, nbytes = EXACT_CASES[case]
+    torch.manual_seed(0)
+    base = randomize_norms(make()).eval()
+    x = torch.randn(*shape)
+    folded = convert(copy.deepcopy(base), probe=x, activations=False, fold_norms=True)
+    assert folded.lmbp_report.plan.of(ConsumerFold), str(folded.lmbp_report)
+    model = copy.deepcopy(base)
+    rep = convert(model, probe=x, activations=False).lmbp_report
+    assert rep.verified and not rep.inexact_training and not rep.plan.of(ConsumerFold), str(rep)
+    exact = {it.name: it for it in rep.plan.of(NormExact)}
+    assert {f.name for f in folded.lmbp_report.plan.of(ConsumerFold)} <= set(exact), str(rep)
+    original = base.state_dict()
+    assert list(model.state_dict()) == list(original)
+    assert all(torch.equal(v, original[k]) for k, v in model.state_dict().items())
+    assert (_saved(base, x), _saved(folded, x), _saved(model, x)) == nbytes
+    (got, gx), (want, wx) = _grads(model, x), _grads(base, x)
+    assert set(got) == set(want)
+    for n, g in want.items():
+        assert float((got[n] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-9, n
+    assert float((gx - wx).norm()) <= 1e-5 * float(wx.norm())

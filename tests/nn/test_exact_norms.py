@@ -1,5 +1,7 @@
 """MSExactNorm: the original norm's output and gradients with its own γ, β, and the bytes of a fold when a Linear
 keeps its output inside a shared-saves region."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -124,3 +126,60 @@ def test_inside_checkpointing_a_layer_norm_saves_its_input(bias):
         grads.append((x.grad, norm.weight.grad))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channel_first_norm_is_the_original_and_shares_with_a_conv(dtype):
+    """Over dim 1 of NCHW (timm LayerNorm2d): the original's output and gradients with its own γ, β, and inside a
+    region a 1×1 conv's saved input (a channel-first view of the channels-last output) is rebuilt: x̂ and rstd
+    are all the pair keeps."""
+    from timm.layers import LayerNorm2d
+
+    torch.manual_seed(0)
+    ref = LayerNorm2d(16)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.normal_()
+    ref = ref.to(dtype)
+    new = MSExactNorm(NormType.LAYER, (16,), ref.eps, nn.Parameter(ref.weight.detach().clone()),
+                      nn.Parameter(ref.bias.detach().clone()), channel_dim=1)
+    conv = nn.Conv2d(16, 8, 1).to(dtype)
+    x0 = torch.randn(2, 16, 5, 5, dtype=dtype)
+
+    def run(norm, region):
+        x = x0.clone().requires_grad_()
+        for p in [*norm.parameters(), *conv.parameters()]:
+            p.grad = None
+        with SavedTensorLedger([*norm.parameters(), *conv.parameters()]) as led:
+            r = SharedSaves()
+            if region:
+                assert r.enter()
+            try:
+                y = norm(x * 1)
+                out = conv(y).float().sum()
+            finally:
+                r.exit()
+        out.backward()
+        return led.bytes, y.detach(), x.grad, norm.weight.grad, norm.bias.grad, conv.weight.grad
+
+    want, got = run(ref, False), run(new, True)
+    if dtype == torch.float32:
+        for a, b in zip(want[1:], got[1:]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:  # bf16: no farther from the fp32 result than the original's own bf16 run (its rounding), or bf16's eps
+        ref32, conv32, x32 = copy.deepcopy(ref).float(), copy.deepcopy(conv).float(), x0.float().requires_grad_()
+        for p in [*ref32.parameters(), *conv32.parameters()]:
+            p.grad = None  # (deepcopy copies the last run's gradients)
+        y32 = ref32(x32)
+        conv32(y32).sum().backward()
+        exact = (y32.detach(), x32.grad, ref32.weight.grad, ref32.bias.grad, conv32.weight.grad)
+
+        def err(t, e):
+            return float((t.float() - e).norm() / e.norm())
+
+        for w, g, e in zip(want[1:], got[1:], exact):
+            assert err(g, e) <= max(2 * err(w, e), 2 ** -7), (err(g, e), err(w, e))
+    size = torch.empty((), dtype=dtype).element_size()
+    rows = 2 * 5 * 5
+    assert got[0] == rows * 16 * size + rows * 4  # x̂ and rstd: the fold's bytes
+    assert want[0] - got[0] >= rows * 16 * size  # LayerNorm2d keeps its input beside the conv's copy of y

@@ -211,3 +211,44 @@ def test_a_source_that_is_none_is_a_value_not_a_freed_tensor():
         note(y, lambda t, b: t * 3.0, x, None)
         (y @ w).sum()
         assert region.recipes == 1
+
+
+@pytest.mark.parametrize("view", ["permute_cast", "transpose_reshape", "contiguous", "channels_last_clone"])
+def test_permuted_and_copied_views_of_a_noted_tensor_are_rebuilt_bitwise(view):
+    """A channel-first view of a channels-last output (ConvNeXt's LayerNorm2d under autocast), a transposed token
+    grid flattened (a copy), a contiguous or channels-last copy: the consumer's
+    saved copy is rebuilt from the noted tensor with the same permutes and copies, in the forward's layout."""
+    import torch.nn.functional as F
+
+    x = torch.randn(2, 4, 4, 16, requires_grad=True)  # channels-last, as a norm over the last dim sees it
+    w = torch.randn(8, 16, 1, 1, requires_grad=True)
+    gamma = torch.randn(16, requires_grad=True)
+
+    def consumer(y):
+        if view == "permute_cast":
+            return F.conv2d(y.permute(0, 3, 1, 2).to(torch.bfloat16), w.to(torch.bfloat16)).float()
+        if view == "transpose_reshape":
+            return F.linear(y.reshape(2, 16, 16).transpose(1, 2).reshape(32, 16), w.view(8, 16))  # a copy
+        t = y.permute(0, 3, 1, 2)
+        t = t.contiguous() if view == "contiguous" else t.transpose(2, 3).clone(memory_format=torch.channels_last)
+        return F.conv2d(t, w)
+
+    def run(region_open):
+        x.grad = w.grad = gamma.grad = None
+        with SavedTensorLedger([w, gamma]) as led:
+            src = x * 1
+            if region_open:
+                with _Open() as region:
+                    y = src * gamma
+                    note(y, lambda t, g: t * g, src, gamma)
+                    out = consumer(y)
+                    assert region.recipes == 1
+            else:
+                out = consumer(src * gamma)
+            out.pow(2).sum().backward()
+        return led.bytes, x.grad.clone(), w.grad.clone(), gamma.grad.clone()
+
+    plain, shared = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[1:], shared[1:]))
+    assert plain[0] - shared[0] == 2 * 4 * 4 * 16 * (2 if view == "permute_cast" else 4)
+

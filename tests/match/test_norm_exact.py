@@ -1,0 +1,42 @@
+"""match/norm_exact.py: under the exact default every norm fold becomes a `NormExact` (consumer folds and
+channel-first norms included), and a fold kind with no exact form is a skip, never applied."""
+import dataclasses
+import sys
+
+import torch
+
+from lmbp_convert import plan_conversion
+from lmbp_convert.match.consumers import ConsumerFold
+from lmbp_convert.match.norm_exact import NormExact, exact_plan
+from lmbp_convert.match.plan import Plan
+from benchmarks.families import randomize_norms
+
+sys.path.insert(0, "tests/match")
+from test_consumers import D, ConvMlpBlock, FusedQKV, _timm_layernorm2d  # noqa: E402
+
+
+def _fold(model, x) -> ConsumerFold:
+    (fold,) = plan_conversion(model, probe=x, activations=False, fold_norms=True).of(ConsumerFold)
+    return fold
+
+
+def test_consumer_folds_become_exact_norms_and_round_trip():
+    torch.manual_seed(0)
+    model, x = randomize_norms(ConvMlpBlock(_timm_layernorm2d())), torch.randn(2, D, 6, 6)
+    fold = _fold(model, x)
+    plan = plan_conversion(model, probe=x, activations=False)
+    (item,) = plan.of(NormExact)
+    assert (item.name, item.channel_dim, item.readers) == (fold.name, 1, ["conv2d in fc1"])
+    assert not plan.of(ConsumerFold) and "channels at dim 1" in item.describe()[0]
+    assert Plan.from_dict(plan.to_dict()).of(NormExact) == [item]
+
+
+def test_a_fold_kind_without_an_exact_form_is_a_skip_that_names_the_fold():
+    torch.manual_seed(0)
+    fold = _fold(randomize_norms(FusedQKV()), torch.randn(2, 6, D))
+    other = type("OtherFold", (ConsumerFold,), {})  # a fold kind norm_exact does not know
+    item = other(**{f.name: getattr(fold, f.name) for f in dataclasses.fields(ConsumerFold)})
+    items, (skip,) = exact_plan([item])
+    assert items == [] and skip.name == "norm"
+    assert skip.reason == ("no exact memory-sharing form for OtherFold yet: left as it is (fold_norms=True would fold "
+                           "it into qkv.weight via linear in <model> (+β into q_bias, k_bias, v_bias))")
