@@ -13,11 +13,11 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     gated_identity   gated MLPs behind Dropout / Identity / casts / an inner norm (T5, UMT5, ModernBERT, EVA02): bytes
     coverage    every family of the matrix, plain convert(model) in fp32 / bf16 / autocast: saved bytes, or why not
                 (docs/coverage.md; floors and causes tested from coverage_expected)
-    families    the tiny random-init model of every family (the tests build theirs here too)
+    (testsupport/families.py: the tiny random-init model of every family, shared with the tests)
     moe         MoE blocks at real sizes (Mixtral, Qwen3-MoE; experts as 3-D parameters): bytes, bf16 and autocast
     common      what they share: model families, machine line, interleaved timing, byte ledger, tables
 
 A new standalone benchmark is one module here with ``parse_args`` / ``main`` and its smoke test in
-tests/benchmarks/ (e.g. ``gated_recompute`` and tests/benchmarks/test_gated_recompute.py).
+benchmarks/tests/ (e.g. ``gated_recompute`` and benchmarks/tests/test_gated_recompute.py).
 GPU correctness is tested, not benchmarked: tests/ops/test_cuda.py. scripts/gpu_run.sh runs the CUDA parts.
 """

@@ -12,7 +12,7 @@ from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap, OutputActSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 SMALL = dict(num_key_value_heads=2)
 

@@ -9,7 +9,7 @@ import torch
 from lmbp_convert import ConvertOptions, NothingToConvertError, convert, plan_conversion
 from lmbp_convert.trace.probe import make_probe
 from model_state import assert_same, snapshot
-from benchmarks.families import FAMILIES
+from testsupport.families import FAMILIES
 
 
 def test_keywords_next_to_options_are_merged():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmbp_convert import convert
-from benchmarks.families import FAMILIES, hf_auto, SEQ2SEQ_SMALL
+from testsupport.families import FAMILIES, hf_auto, SEQ2SEQ_SMALL
 
 EXACT = dict(fold_norms=False, activations=False)  # approximate backprop changes gradients, never values
 

@@ -332,7 +332,7 @@ def test_compiled_block_matches_eager(mode):
 
 
 def _family(name):
-    from benchmarks.families import hf, timm_vit
+    from testsupport.families import hf, timm_vit
 
     b, t = 2, 16
     gen = torch.Generator().manual_seed(0)
