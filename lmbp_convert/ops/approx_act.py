@@ -338,19 +338,15 @@ def _check_triton(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"approx_act: the Triton path supports float32, float16, bfloat16; got {t.dtype} ({what})")
 
 
-#: Kernel variants: name -> (VARIANT constexpr, elements per program, num_warps). All write the same layout;
-#: benchmarks/kernels.py times each and prints the fastest. "sum" packs with tl.sum over a [BLOCK, P] tile (the
-#: original kernel); "split" loads a flat tile (vector loads) and packs with reshape + tl.split; "lanes" loads
-#: the P lanes of a byte as P strided vectors, so one thread owns a whole byte (no cross-thread reduction).
-FWD_VARIANTS = {"sum": (0, 2048, 4), "split": (1, 4096, 8), "lanes": (2, 4096, 8)}
-#: backward: "tile" (original: [BLOCK, P] tile, codes by broadcast shift), "gather" (flat tile; each element
-#: reads its own code byte, L1-resident), "join" (unpacks the P lanes in registers and interleaves with tl.join).
-BWD_VARIANTS = {"tile": (0, 2048, 4), "gather": (1, 4096, 8), "join": (2, 4096, 8)}
-# Defaults from benchmarks/kernels.py's "approx_act variants" table on an H200 (torch 2.11, Triton 3.6): the
-# tl.sum tile was fastest forward in all four cells (bf16/fp32 x 16M/64M, by 3-5 %); backward variants were
-# within 3 % of each other.
-FWD_VARIANT = "sum"
-BWD_VARIANT = "join"
+#: Launch shape per direction: (elements per program, num_warps). One kernel each way: the forward packs with
+#: tl.sum over a [BLOCK, P] tile, the backward unpacks the P lanes of a byte in registers and interleaves them
+#: with tl.join. Alternatives measured and deleted (H200, torch 2.11, Triton 3.6, bf16 / fp32 at 16M / 64M
+#: elements): forward flat tile packed with reshape + tl.split, and one strided vector per lane, both 3-5 %
+#: slower than the tl.sum tile in all four cells; backward [BLOCK, P] tile with broadcast shifts, and a flat tile
+#: loading each element's own code byte, within 3 % of tl.join (scripts/gpu_check.py's variant table, commit
+#: 96c0fff; the variants and that table were deleted afterwards).
+FWD_LAUNCH = (2048, 4)
+BWD_LAUNCH = (4096, 8)
 
 if HAS_TRITON:
 
@@ -381,26 +377,8 @@ if HAS_TRITON:
         return s
 
     @triton.jit
-    def _pack_pairs(code, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
-        """[BLOCK * PER_BYTE] codes (element order) -> [BLOCK] bytes, lane j at bit j*SLOT, in registers."""
-        if PER_BYTE == 2:
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2]))
-            out = a | (b << SLOT)
-        elif PER_BYTE == 4:
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2]))  # lanes (0, 2) and (1, 3)
-            a, b = tl.split(a | (b << SLOT))  # lanes 0|1 and 2|3
-            out = a | (b << (2 * SLOT))
-        else:
-            tl.static_assert(PER_BYTE == 8)
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2, 2]))
-            a, b = tl.split(a | (b << SLOT))
-            a, b = tl.split(a | (b << (2 * SLOT)))
-            out = a | (b << (4 * SLOT))
-        return out
-
-    @triton.jit
     def _unpack_pairs(packed, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
-        """Inverse of `_pack_pairs`: [BLOCK] bytes -> [BLOCK * PER_BYTE] codes in element order."""
+        """[BLOCK] bytes -> [BLOCK * PER_BYTE] codes in element order (lane j at bit j*SLOT), in registers."""
         mask = (1 << SLOT) - 1
         if PER_BYTE == 2:
             out = tl.reshape(tl.join(packed & mask, (packed >> SLOT) & mask), [BLOCK * 2])
@@ -420,58 +398,30 @@ if HAS_TRITON:
     @triton.jit
     def _approx_act_fwd_kernel(x_ptr, y_ptr, packed_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
                                ACT: tl.constexpr, THR: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
-                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
+        """act(x) and its step codes over a [BLOCK, PER_BYTE] tile; tl.sum across the lanes packs the bytes."""
         pid = tl.program_id(0).to(tl.int64)
         byte = pid * BLOCK + tl.arange(0, BLOCK)
-        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, tl.sum across the lanes
-            lane = tl.arange(0, PER_BYTE)
-            idx = byte[:, None] * PER_BYTE + lane[None, :]
-            mask = idx < n_elements
-            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                        other=0.0).to(tl.float32)
-            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-            code = tl.where(mask, _codes(x, THR), 0)
-            packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == or
-        elif VARIANT == 1:  # flat tile, packed in registers with reshape + split
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
-            mask = idx < n_elements
-            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                        other=0.0).to(tl.float32)
-            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-            packed = _pack_pairs(tl.where(mask, _codes(x, THR), 0), BLOCK, PER_BYTE, SLOT)
-        else:  # one strided vector per lane: a thread holds every lane of its bytes
-            tl.static_assert(VARIANT == 2)
-            packed = tl.zeros([BLOCK], dtype=tl.int32)
-            for j in tl.static_range(PER_BYTE):
-                idx = byte * PER_BYTE + j
-                mask = idx < n_elements
-                x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                            other=0.0).to(tl.float32)
-                tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-                packed |= tl.where(mask, _codes(x, THR), 0) << (j * SLOT)
+        lane = tl.arange(0, PER_BYTE)
+        idx = byte[:, None] * PER_BYTE + lane[None, :]
+        mask = idx < n_elements
+        x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                    other=0.0).to(tl.float32)
+        tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+        code = tl.where(mask, _codes(x, THR), 0)
+        packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == or
         tl.store(packed_ptr + byte, packed.to(tl.uint8), mask=byte < n_bytes)
 
     @triton.jit
     def _approx_act_bwd_kernel(g_ptr, packed_ptr, dx_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
                                SLOPES: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
-                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
+        """grad * slope[code]: one load per code byte, its lanes unpacked and interleaved in registers."""
         pid = tl.program_id(0).to(tl.int64)
-        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, codes by broadcast shift
-            byte = pid * BLOCK + tl.arange(0, BLOCK)
-            lane = tl.arange(0, PER_BYTE)
-            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-            code = (packed[:, None] >> (lane[None, :] * SLOT)) & ((1 << SLOT) - 1)
-            idx = byte[:, None] * PER_BYTE + lane[None, :]
-        elif VARIANT == 1:  # flat tile, each element loads its own code byte (cache hits)
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
-            packed = tl.load(packed_ptr + idx // PER_BYTE, mask=idx < n_elements, other=0).to(tl.int32)
-            code = (packed >> ((idx % PER_BYTE) * SLOT)) & ((1 << SLOT) - 1)
-        else:  # one load per byte, lanes interleaved in registers
-            tl.static_assert(VARIANT == 2)
-            byte = pid * BLOCK + tl.arange(0, BLOCK)
-            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-            code = _unpack_pairs(packed, BLOCK, PER_BYTE, SLOT)
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
+        byte = pid * BLOCK + tl.arange(0, BLOCK)
+        packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+        code = _unpack_pairs(packed, BLOCK, PER_BYTE, SLOT)
+        idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
         mask = idx < n_elements
         g = tl.load(g_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
                     other=0.0).to(tl.float32)
@@ -501,38 +451,36 @@ _KCONSTS = {key: _KernelConsts(ACTIVATIONS[key[0]].code, c.c_f32,
 
 
 class _Plan:
-    """Launch constants of one (kind, bits, variant, direction), made once: hashed by identity in the launch key.
+    """Launch constants of one (kind, bits, direction), made once: hashed by identity in the launch key.
     ``consts[contiguous]``: the kernel's trailing constexprs for a contiguous / strided input."""
 
     __slots__ = ("per_byte", "block", "warps", "consts")
 
-    def __init__(self, kind: str, bits: int, variant: str, fwd: bool) -> None:
+    def __init__(self, kind: str, bits: int, fwd: bool) -> None:
         k = _KCONSTS[(kind, bits)]
-        vcode, elems, self.warps = (FWD_VARIANTS if fwd else BWD_VARIANTS)[variant]
+        elems, self.warps = FWD_LAUNCH if fwd else BWD_LAUNCH
         self.per_byte, self.block = k.per_byte, elems // k.per_byte
         head = ((k.act, k.thresholds) if fwd else (k.slopes,)) + (k.slot, k.per_byte, self.block)
-        self.consts = (head + (False, vcode), head + (True, vcode))
+        self.consts = (head + (False,), head + (True,))
 
 
 _PLANS: dict = {}
 
 
-def _plan(kind: str, bits: int, variant: str, fwd: bool) -> _Plan:
-    p = _PLANS.get((kind, bits, variant, fwd))
+def _plan(kind: str, bits: int, fwd: bool) -> _Plan:
+    p = _PLANS.get((kind, bits, fwd))
     if p is None:
-        p = _PLANS[(kind, bits, variant, fwd)] = _Plan(kind, bits, variant, fwd)
+        p = _PLANS[(kind, bits, fwd)] = _Plan(kind, bits, fwd)
     return p
 
 
-def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = None,
+def _fwd_triton(x: torch.Tensor, kind: str, bits: int,
                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward launcher: (activation in x's dtype, contiguous, x's shape; packed codes).
 
-    ``variant``: a `FWD_VARIANTS` name (default `FWD_VARIANT`). ``traced``: launch through ``wrap_triton``
-    (inside the ``triton_op``, so inductor emits the launch itself).
+    ``traced``: launch through ``wrap_triton`` (inside the ``triton_op``, so inductor emits the launch itself).
     """
-    variant = variant or FWD_VARIANT
-    p = _PLANS.get((kind, bits, variant, True)) or _plan(kind, bits, variant, True)
+    p = _PLANS.get((kind, bits, True)) or _plan(kind, bits, True)
     n = x.numel()
     nbytes = -(-n // p.per_byte)
     y = torch.empty_like(x, memory_format=_CONTIGUOUS)  # empty_like: a third of torch.empty's host time
@@ -555,11 +503,10 @@ def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = 
     return y, packed
 
 
-def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, variant: Optional[str] = None,
+def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str,
                 traced: bool = False) -> torch.Tensor:
     """Triton backward launcher: grad_out * slope[code], contiguous, in grad's dtype and shape."""
-    variant = variant or BWD_VARIANT
-    p = _PLANS.get((kind, bits, variant, False)) or _plan(kind, bits, variant, False)
+    p = _PLANS.get((kind, bits, False)) or _plan(kind, bits, False)
     n = grad.numel()
     dx = torch.empty_like(grad, memory_format=_CONTIGUOUS)
     if n == 0:
@@ -661,7 +608,7 @@ def _host_entry(kind: str, bits: int):
     ext = cuda_host.ext() if HAS_TRITON else None
     fn = False
     if ext is not None:
-        pf, pb = _plan(kind, bits, FWD_VARIANT, True), _plan(kind, bits, BWD_VARIANT, False)
+        pf, pb = _plan(kind, bits, True), _plan(kind, bits, False)
         plan = ext.register_act_plan(
             cuda_host.slot(_FWD, pf.consts[False], pf.warps), cuda_host.slot(_FWD, pf.consts[True], pf.warps),
             cuda_host.slot(_BWD, pb.consts[False], pb.warps), cuda_host.slot(_BWD, pb.consts[True], pb.warps),
