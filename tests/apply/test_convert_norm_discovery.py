@@ -31,7 +31,7 @@ def _convert_and_measure(arch, mode):
         model = model.to(torch.bfloat16)
     model.eval()
     ref = copy.deepcopy(model)
-    _, rep = convert(model, return_report=True)  # no probe: convert() builds it
+    rep = convert(model).lmbp_report  # no probe: convert() builds it
     assert rep.verification == "passed", str(rep)
     probe, _, _ = make_probe(ref, batch=2, seq=32)
     before, after = _saved(ref, probe, mode), _saved(model, probe, mode)
