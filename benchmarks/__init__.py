@@ -4,9 +4,10 @@ checkout root (``python -m benchmarks.<name>``); not shipped in the wheel.
     all         regenerate docs/benchmarks.md and its charts (runs memory, host, speed; renders GPU JSON)
     memory      exact saved-for-backward bytes per block, LLaMA / ViT / BERT, and how they scale
     speed       CPU step time, convert() time vs model size; ``--gpu``: ViT LoRA, LLaMA slice, Liger (CUDA)
-    host        host time of the ops' CUDA path, measured on a CPU with Triton launches stubbed (triton_stub)
+                (speed_gpu: the GPU mode; speed_report: its tables and charts)
+    host        host time of the ops' CUDA path, measured on a CPU with Triton launches stubbed (testsupport/triton_stub.py)
     ops         each op's forward + backward time and saved bytes next to the torch op it replaces
-    kernels     per-kernel GB/s and the approx_act kernel variants on a CUDA GPU
+    kernels     per-kernel GB/s on a CUDA GPU, next to torch's kernels
     qlora       the QLoRA flow: fold on disk, 4-bit load, convert(), LoRA, steps; vs plain QLoRA (CUDA)
     checkpoint  the checkpoint CLI's streaming fold vs a plain copy: throughput and peak RSS
     gated_recompute  the gated MLP's down projection fused vs called unchanged with h recomputed: bytes, CPU time
