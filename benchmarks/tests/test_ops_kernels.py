@@ -144,7 +144,7 @@ def test_kernels_accounting_and_table():
 def k_cpu(monkeypatch):
     """The bandwidth bench's code on CPU tensors (Triton's interpreter is on in tests)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs Triton's interpreter (tests/conftest.py sets it)")
+        pytest.skip("needs Triton's interpreter (the root conftest.py sets it)")
     pytest.importorskip("triton")
     monkeypatch.setattr(K, "DEVICE", "cpu")
     return K
