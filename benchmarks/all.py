@@ -262,7 +262,7 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "",
         "What a GPU step pays on the host for each op, measured on this CPU: the ops' Triton path with the "
         "kernels compiled for the GPU and every launch a no-op (Triton's real launcher on a stub driver; "
-        "`benchmarks/triton_stub.py`), tiny tensors, against the native op it replaces on the same tiny tensors "
+        "`testsupport/triton_stub.py`), tiny tensors, against the native op it replaces on the same tiny tensors "
         "(their CPU kernels there cost little more than their dispatch). The step proxies run ViT-B/16's, a LLaMA "
         "decoder's and BERT-base's (post-LN) modules at tiny width: their ratios are the host-bound limit of the "
         "GPU ratios.",

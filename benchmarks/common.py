@@ -31,6 +31,8 @@ from typing import Callable, ContextManager, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
+from testsupport.blocks import block_list, ledger_bytes, truncated  # noqa: F401 (C.block_list and friends)
+
 #: The checkout's root: default output folders (docs/, build/) and the working directory of subprocesses.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -242,35 +244,6 @@ def forward(fam: Family, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x).last_hidden_state
 
 
-def block_list(model: nn.Module) -> nn.Module:
-    if hasattr(model, "blocks"):  # timm
-        return model.blocks
-    if hasattr(model, "layers"):  # LLaMA-style
-        return model.layers
-    return model.encoder.layer  # BERT
-
-
-def _set_blocks(model: nn.Module, blocks: nn.Module) -> None:
-    if hasattr(model, "blocks"):
-        model.blocks = blocks
-    elif hasattr(model, "layers"):
-        model.layers = blocks
-    else:
-        model.encoder.layer = blocks
-
-
-@contextlib.contextmanager
-def truncated(model: nn.Module, n: int):
-    """The model with only its first ``n`` blocks (the same module objects), restored on exit."""
-    full = block_list(model)
-    short = type(full)(*list(full)[:n]) if isinstance(full, nn.Sequential) else nn.ModuleList(list(full)[:n])
-    _set_blocks(model, short)
-    try:
-        yield model
-    finally:
-        _set_blocks(model, full)
-
-
 def set_checkpointing(model: nn.Module, on: bool) -> None:
     """Per-block activation checkpointing (non-reentrant), the usual way each library exposes it."""
     if hasattr(model, "set_grad_checkpointing"):  # timm
@@ -305,17 +278,6 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------- memory
-def ledger_bytes(fn: Callable[[], object], params=None) -> int:
-    """Exact saved-for-backward bytes of ``fn()`` (``lmbp_convert.SavedTensorLedger``: unique storages kept for
-    backward; the parameters of ``params``, a module or a list, and their autocast casts excluded)."""
-    from lmbp_convert import SavedTensorLedger
-
-    with SavedTensorLedger(params) as led:
-        out = fn()
-    del out
-    return led.bytes
-
-
 def saved_bytes(fam: Family, model: nn.Module, x: torch.Tensor, autocast: bool) -> int:
     """Exact saved-for-backward bytes of one forward of the family's model."""
     def fwd():

@@ -1,10 +1,10 @@
 """Conversion coverage: for every family of the matrix, a plain ``convert(model)`` (no probe) in fp32, bf16 and
 bf16 autocast, with its verification and the exact saved-for-backward bytes it saves.
 
-Families: ``benchmarks.families.registry()``, the tiny models the tests convert; nothing is downloaded. Bytes: one
+Families: ``testsupport.families.registry()``, the tiny models the tests convert; nothing is downloaded. Bytes: one
 training forward on the probe ``make_probe`` builds, counted by ``SavedTensorLedger`` with parameters excluded,
 before and after conversion. The "why < 20 %" column prints the documented causes of
-``benchmarks.coverage_expected`` that the report bears out (tests/benchmarks/test_coverage.py asserts them).
+``benchmarks.coverage_expected`` that the report bears out (benchmarks/tests/test_coverage.py asserts them).
 
     python -m benchmarks.coverage --out docs/coverage.md     # the whole table
     python -m benchmarks.coverage --families bart --modes fp32
@@ -21,15 +21,15 @@ from torch import nn
 
 from benchmarks import common as C
 from benchmarks import coverage_expected as E
-from benchmarks.families import GROUPS, group_of, registry
+from testsupport.families import GROUPS, group_of, registry
 
 MODES = ("fp32", "bf16", "autocast")
-INTRO = """Each family is a tiny random-init model (`benchmarks/families.py`, nothing downloaded) converted with a plain
+INTRO = """Each family is a tiny random-init model (`testsupport/families.py`, nothing downloaded) converted with a plain
 `convert(model)`: no probe, no options. Each mode's cell is the fraction of saved-for-backward bytes the conversion
 saves on one training forward of the automatic probe (`SavedTensorLedger`; parameters and autocast weight copies
 excluded; fp32 weights, bf16 weights, fp32 weights under bf16 autocast). "why < 20 %" gives, for a family under
 20 % in some mode, the documented causes (`benchmarks/coverage_expected.py`) that `model.lmbp_report` bears out;
-tests/benchmarks/test_coverage.py asserts every cell's floor and cause. Tiny widths weigh embeddings, heads and
+benchmarks/tests/test_coverage.py asserts every cell's floor and cause. Tiny widths weigh embeddings, heads and
 attention more than full-size models do, so the fractions are not those of the released sizes. ReLU feed-forwards
 (OPT, T5 v1.0) are left as they are; the report lists each such activation with why."""
 

@@ -3,7 +3,7 @@ fraction of saved-for-backward bytes in each mode and, for every mode under 20 %
 is checked against ``model.lmbp_report``: some skip reason must match its pattern (``re.search``); the cause
 ``NOTHING_SKIPPED`` asserts instead that the report skips nothing.
 
-tests/benchmarks/test_coverage.py runs every family against this table; docs/coverage.md prints the causes in
+benchmarks/tests/test_coverage.py runs every family against this table; docs/coverage.md prints the causes in
 its "why < 20 %" column. When a change moves the figures on purpose (a new fold, a matcher), update the table:
 
     python -m benchmarks.coverage --suggest            # prints EXPECTED for the code as it is now

@@ -1,5 +1,5 @@
 """Saved-for-backward bytes of the families whose norms feed functional consumers or are channel-first (timm
-ConvNeXt, BEiT, EVA02, PVT-v2; `benchmarks.families`): the original model, ``fold_norms=True`` (the affine folded
+ConvNeXt, BEiT, EVA02, PVT-v2; `testsupport.families`): the original model, ``fold_norms=True`` (the affine folded
 into the consumers' parameters) and the exact default (``fold_norms=False``: every original parameter kept), one
 training forward each under `lmbp_convert.SavedTensorLedger`, in fp32, bf16 weights and fp32 weights under bf16
 autocast. Norm affines are randomised first, so verification sees a wrong fold. Activations off (their bytes are
@@ -22,7 +22,7 @@ from lmbp_convert.trace.tracer import call_model
 
 from . import common as C
 from .consumers import randomized
-from .families import registry
+from testsupport.families import registry
 
 FAMILIES = ("timm_convnext", "timm_beit", "timm_eva02", "timm_pvt_v2")
 MODES = ("fp32", "bf16", "autocast")

@@ -2,7 +2,7 @@
 
 On a GPU a converted training step of a mid-sized model is bound by host time: the Python launchers, Triton's
 argument specialisation and cache lookup, autograd plumbing. This measures exactly that part, without a GPU,
-through benchmarks/triton_stub.py (Triton's real launcher on a stub libcuda; CPU tensors, tiny shapes):
+through testsupport/triton_stub.py (Triton's real launcher on a stub libcuda; CPU tensors, tiny shapes):
 
 1. Per op, forward + backward per call, µs: ours (approx GELU / SiLU, MS-LayerNorm, MS-RMSNorm, gated MLP;
    and the MSLayerNorm / ApproxActivation modules a converted model calls) against the native op it replaces (F.gelu, F.silu, F.layer_norm and F.rms_norm with their frozen affine,
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import common as C
-from benchmarks import triton_stub as stub
+from testsupport import triton_stub as stub
 
 #: Issue 13's targets: per op, ours ≤ native + 10 µs (fwd+bwd); each step proxy ≤ 1.05× the original.
 OP_BUDGET_US = 10.0
@@ -146,7 +146,7 @@ def bench_ops(dtype: torch.dtype, rounds: int, inner: int, log=print) -> list[di
                "within_budget": mo - mn <= OP_BUDGET_US}
         if row["launches"] == 0:
             raise RuntimeError(f"{op}: no Triton launch: the op did not take its Triton path, so this would time "
-                               "the PyTorch path; update benchmarks/triton_stub.py for the ops' dispatch")
+                               "the PyTorch path; update testsupport/triton_stub.py for the ops' dispatch")
         rows.append(row)
         log(f"  {op:<30} {mo:8.1f} µs vs {native:<24} {mn:8.1f} µs  +{mo - mn:6.1f} µs  ×{mo / mn:.2f}  "
             f"({row['launches']:.0f} launches)")

@@ -1,17 +1,15 @@
-"""Per-kernel bandwidth on a CUDA machine: each Triton kernel's forward / backward GB/s next to torch's own kernel,
-and the approx_act kernel variants timed against each other.
+"""Per-kernel bandwidth on a CUDA machine: each Triton kernel's forward / backward GB/s next to torch's own kernel.
 
-    python -m benchmarks.kernels                 # bf16 + fp32 at 16M / 64M / 256M elements, variants
+    python -m benchmarks.kernels                 # bf16 + fp32 at 16M / 64M / 256M elements
     python -m benchmarks.kernels --quick         # small sizes, fewer runs
-    python -m benchmarks.kernels --dtypes bf16 --sizes 64M --skip-variants
+    python -m benchmarks.kernels --dtypes bf16 --sizes 64M
 
 Bytes moved: every tensor a kernel must read plus every tensor it writes, once (``io_bytes``); a kernel at the
 memory roofline reaches the peak. Time: CUDA events, median of ``--runs`` (L2 flushed and the GPU kept busy ahead
 of the timed launch, so host launch latency is not timed). Bandwidth is printed as % of the datasheet HBM peak
-(H200: 4.8 TB/s) and of a measured device-to-device copy (the practical ceiling). The variant table times every
-approx_act forward / backward kernel variant (``FWD_VARIANTS`` / ``BWD_VARIANTS`` in lmbp_convert/ops/approx_act.py)
-and names the fastest; the defaults there are ``FWD_VARIANT`` / ``BWD_VARIANT``. A time budget (``--budget-s``)
-skips what would overrun it; skipped work is listed. Writes ``$OUT/kernels.md`` when OUT is set (or ``--out``).
+(H200: 4.8 TB/s) and of a measured device-to-device copy (the practical ceiling). (The approx_act kernel variants
+this benchmark once timed against each other are deleted; what they measured: lmbp_convert/ops/approx_act.py,
+``FWD_LAUNCH``.) A time budget (``--budget-s``) skips what would overrun it; skipped work is listed. Writes ``$OUT/kernels.md`` when OUT is set (or ``--out``).
 Exit status 2 without CUDA (or with Triton's interpreter on).
 
 The kernels' correctness on a GPU is tested, not benchmarked: ``TRITON_INTERPRET=0 python -m pytest
@@ -107,7 +105,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bits", type=int, default=2, help="approx_act bits")
     p.add_argument("--quick", action="store_true", help="1M/4M only, 5 runs")
-    p.add_argument("--skip-variants", action="store_true", help="skip the approx_act kernel-variant timings")
     p.add_argument("--budget-s", type=float, default=170.0, help="skip remaining work past this many seconds")
     p.add_argument("--peak-gbps", type=float, default=HBM_PEAK_GBPS, help="HBM peak for the %% column")
     p.add_argument("--out", default=None, help="markdown file (default $OUT/kernels.md when OUT is set)")
@@ -345,89 +342,15 @@ def measure_copy_gbps(runs: int = 10) -> float:
     return gbps(2 * 2 ** 30, t)
 
 
-@dataclass
-class VariantResult:
-    direction: str
-    variant: str
-    dtype: str
-    numel: int
-    seconds: float
-    nbytes: int
-
-
-def bench_variants(args: argparse.Namespace, deadline: float, skipped: list) -> list:
-    """Every approx_act forward / backward kernel variant (gelu, ``--bench-bits``), same data, same timing."""
-    from lmbp_convert.ops import approx_act as A
-
-    flush = torch.empty(256 * 2 ** 20, dtype=torch.int8, device=DEVICE) if torch.device(DEVICE).type == "cuda" \
-        else None
-    out = []
-    bits = args.bits
-    for dtype in args.dtype_list:
-        for numel in args.size_list:
-            if time.perf_counter() > deadline:
-                skipped.append(f"approx_act variants {DTYPE_NAMES[dtype]} {size_label(numel)} (out of time)")
-                continue
-            x = _randn((numel // args.row, args.row), dtype, 3.0)
-            g = _randn((numel // args.row, args.row), dtype)
-            y, packed = A._fwd_triton(x, "gelu", bits)
-            fwd_bytes, bwd_bytes = io_bytes([x], [y, packed]), io_bytes([g, packed], [y])
-            del y
-            for v in A.FWD_VARIANTS:
-                t = time_device(lambda v=v: A._fwd_triton(x, "gelu", bits, variant=v), args.runs, args.warmup, flush)
-                out.append(VariantResult("fwd", v, DTYPE_NAMES[dtype], numel, t, fwd_bytes))
-            for v in A.BWD_VARIANTS:
-                t = time_device(lambda v=v: A._bwd_triton(g, packed, bits, "gelu", variant=v), args.runs,
-                                args.warmup, flush)
-                out.append(VariantResult("bwd", v, DTYPE_NAMES[dtype], numel, t, bwd_bytes))
-            x = g = packed = None  # free before the next size (the lambdas keep the cells)
-            torch.cuda.empty_cache() if torch.device(DEVICE).type == "cuda" else None
-            print(f"  approx_act variants {DTYPE_NAMES[dtype]} {size_label(numel)} done "
-                  f"({time.perf_counter() - START:.0f} s)", flush=True)
-    return out
-
-
-def variant_report(results: Sequence[VariantResult], peak: float, copy_gbps: Optional[float],
-                   defaults: tuple[str, str]) -> str:
-    """Table of every variant and, per direction, the variant fastest in most (dtype, size) cells."""
-    rows, lines = [], []
-    for r in results:
-        bw = gbps(r.nbytes, r.seconds)
-        rows.append((r.direction, r.variant, r.dtype, size_label(r.numel), f"{r.seconds * 1e6:.1f}", _g(bw),
-                     f"{pct_peak(bw, peak):.0f}%", f"{pct_peak(bw, copy_gbps):.0f}%" if copy_gbps else "-"))
-    for direction, default in zip(("fwd", "bwd"), defaults):
-        cells: dict = {}
-        for r in results:
-            if r.direction == direction:
-                cells.setdefault((r.dtype, r.numel), []).append(r)
-        wins: dict = {}
-        for cell in cells.values():
-            best = min(cell, key=lambda r: r.seconds)
-            wins[best.variant] = wins.get(best.variant, 0) + 1
-        if wins:
-            best = max(wins, key=wins.get)
-            var = "FWD_VARIANT" if direction == "fwd" else "BWD_VARIANT"
-            advice = ("the default" if best == default else
-                      f"differs from the default {default!r}: set {var} = {best!r} in lmbp_convert/ops/approx_act.py")
-            lines.append(f"- fastest {direction} variant: **{best}** in {wins[best]} of {len(cells)} cells; {advice}")
-    table = markdown_table(("dir", "variant", "dtype", "elements", "µs", "GB/s", "% peak", "% copy"), rows)
-    return table + "\n\n" + "\n".join(lines)
-
-
-
 def render(bench: Sequence[BenchResult], skipped: Sequence[str], args: argparse.Namespace, elapsed: float,
-           copy_gbps: Optional[float] = None, variants: Sequence[VariantResult] = (),
-           defaults: tuple[str, str] = ("", "")) -> str:
-    """The markdown report: the bandwidth table, the variant table, and what was skipped."""
+           copy_gbps: Optional[float] = None) -> str:
+    """The markdown report: the bandwidth table and what was skipped."""
     body = []
     if bench:
         copy_note = f"; measured device-to-device copy {copy_gbps:.0f} GB/s" if copy_gbps else ""
         body += ["", f"## Bandwidth (bytes moved / time; CUDA events, median of {args.runs}; norms row "
                  f"{args.row}; torch norms with a frozen affine; peak {args.peak_gbps:.0f} GB/s{copy_note})", "",
                  bench_table(bench, args.peak_gbps, copy_gbps)]
-    if variants:
-        body += ["", f"## approx_act kernel variants (gelu, {args.bits}-bit; same timing as above)", "",
-                 variant_report(variants, args.peak_gbps, copy_gbps, defaults)]
     if skipped:
         body += ["", "## Skipped", ""] + [f"- {s}" for s in skipped]
     body += ["", f"Total {elapsed:.0f} s."]
@@ -448,8 +371,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import triton
 
-    from lmbp_convert.ops import approx_act as A
-
     deadline = START + args.budget_s
     torch.manual_seed(0)
     head = ["# lmbp kernels: Triton kernels' bandwidth next to torch's", "",
@@ -464,9 +385,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"the {args.peak_gbps:.0f} GB/s peak)", flush=True)
     skipped: list = []
     bench = run_bench(args, deadline, skipped, bench_specs(args))
-    variants = [] if args.skip_variants else bench_variants(args, deadline, skipped)
-    report = render(bench, skipped, args, time.perf_counter() - START, copy_gbps, variants,
-                    (A.FWD_VARIANT, A.BWD_VARIANT))
+    report = render(bench, skipped, args, time.perf_counter() - START, copy_gbps)
     print(report, flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

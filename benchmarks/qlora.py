@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks import common as C
+from testsupport.blocks import block_bytes
 
 V_BASE, V_OURS = "QLoRA", "lmbp-convert + QLoRA"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -129,23 +130,6 @@ def add_lora(m: nn.Module, rank: int) -> nn.Module:
     cfg = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=LORA_TARGETS,
                           task_type="CAUSAL_LM")
     return peft.get_peft_model(m, cfg).train()
-
-
-def _layers_owner(m: nn.Module) -> nn.Module:
-    """The LlamaModel inside PEFT's and the causal LM's wrappers (it holds ``layers``)."""
-    for mod in m.modules():
-        if hasattr(mod, "layers") and isinstance(mod.layers, nn.ModuleList):
-            return mod
-    raise RuntimeError("no decoder layer list found")
-
-
-def block_bytes(m: nn.Module, ids: torch.Tensor) -> int:
-    """Exact saved-for-backward bytes of one decoder block: the whole model with L blocks minus L - 1."""
-    inner = _layers_owner(m)
-    full = C.ledger_bytes(lambda: m(input_ids=ids, labels=ids, use_cache=False), m)
-    with C.truncated(inner, len(inner.layers) - 1):
-        short = C.ledger_bytes(lambda: m(input_ids=ids, labels=ids, use_cache=False), m)
-    return full - short
 
 
 def train(m: nn.Module, args, row: dict) -> None:

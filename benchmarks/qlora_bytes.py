@@ -4,7 +4,7 @@
     python -m benchmarks.qlora_bytes --quant standin --dtype bf16
 
 Flow per row: a LLaMA-shaped model from a config (random weights, norm gains in U(0.5, 1.5)), ``save_pretrained``
-(SRC) → ``lmbp-convert SRC DST`` (in process) → load DST → 4-bit projections (``benchmarks.quant_standin``'s
+(SRC) → ``lmbp-convert SRC DST`` (in process) → load DST → 4-bit projections (``testsupport.quant_standin``'s
 Packed4bitLinear, or bitsandbytes' Linear4bit through ``BitsAndBytesConfig``, which runs on CPU since 0.48) →
 ``convert()`` → PEFT LoRA (r 8 on q/k/v/o/gate/up/down, dropout 0) → exact saved bytes of one block
 (SavedTensorLedger: L blocks minus L - 1). The baseline is plain QLoRA on SRC (no lmbp-convert).
@@ -18,8 +18,8 @@ import warnings
 import torch
 
 from benchmarks import common as C
-from benchmarks.qlora import block_bytes
-from benchmarks.quant_standin import quantize_linears
+from testsupport.blocks import block_bytes
+from testsupport.quant_standin import quantize_linears
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 #: public name → the module that defines it
 _LAZY = {
-    "convert": ".apply.convert", "last_report": ".apply.convert", "plan_conversion": ".apply.convert",
+    "convert": ".apply.convert", "plan_conversion": ".apply.convert",
     "LmbpError": ".errors", "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
     "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
@@ -28,12 +28,12 @@ _LAZY = {
 __all__ = [
     "ActivationBudget", "BudgetError", "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions",
     "ExportError", "LmbpError",
-    "NothingToConvertError", "ProbeError", "Probes", "SavedTensorLedger", "TraceError", "convert", "last_report",
+    "NothingToConvertError", "ProbeError", "Probes", "SavedTensorLedger", "TraceError", "convert",
     "plan_conversion", "checkpoint_for_budget",
 ]
 
 if TYPE_CHECKING:  # what static tools and IDEs see
-    from .apply.convert import convert, last_report, plan_conversion
+    from .apply.convert import convert, plan_conversion
     from .budget import ActivationBudget, checkpoint_for_budget
     from .checkpoint.errors import CheckpointError
     from .errors import BudgetError, ConversionError, LmbpError, NothingToConvertError, ProbeError, TraceError

@@ -10,7 +10,6 @@ import functools
 import math
 import numbers
 import re
-import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,7 +28,6 @@ class ConvertOptions:
     gated_mlp: replace gated MLPs (act(gate)·up → down) by the memory-sharing fused op.
     bits: bits per element the approximate activations keep for backward (1..4, default 2).
     include / exclude: module names, exact or regular expressions (full match); exclude wins.
-    probe: deprecated here (it is input data, not an option): pass ``convert(model, probe=...)``.
     verify: check the rewritten model's outputs on the probe against the original's and roll back rewrites
         that change them (real weights only; meta models are planned but not verified).
     rtol: relative error (‖Δ‖/‖ref‖ over all outputs) that verification accepts; None: 1e-4 for fp32 models, and
@@ -66,7 +64,6 @@ class ConvertOptions:
     bits: int = 2
     include: Sequence[str] | None = None
     exclude: Sequence[str] | None = None
-    probe: Any = None
     verify: bool = True
     rtol: float | None = None
     untie: bool = False
@@ -116,9 +113,6 @@ class ConvertOptions:
         if not (self.activations or self.norms or self.gated_mlp or self.lora_inputs or self.loss):
             raise ValueError("all of activations, norms, gated_mlp, lora_inputs and loss are off: nothing to "
                              "convert")
-        if self.probe is not None:
-            warnings.warn("ConvertOptions(probe=...) is deprecated: the probe is input data, not an option; "
-                          "pass convert(model, probe=...) instead", DeprecationWarning, stacklevel=4)
 
     @staticmethod
     def _hit(name: str, pats: Sequence[str] | None, rxs: list) -> bool:
@@ -172,10 +166,9 @@ class ConvertOptions:
             if name in self._explicit and _normal(value) != _normal(getattr(self, name)):
                 raise TypeError(f"convert(): {name}={value!r} conflicts with the options' {name}="
                                 f"{getattr(self, name)!r}; give it in one place")
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init and f.name != "probe"}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
         values.update(overrides)
         merged = ConvertOptions(**values)
-        merged.probe = self.probe  # already warned about when self was built
         merged._explicit = self._explicit | frozenset(overrides)
         return merged
 
@@ -202,7 +195,7 @@ def compile_patterns(attr: str, patterns: Sequence[str]) -> list[re.Pattern]:
     return compiled
 
 
-OPTION_NAMES = tuple(f.name for f in fields(ConvertOptions) if f.init and f.name != "probe")
+OPTION_NAMES = tuple(f.name for f in fields(ConvertOptions) if f.init)
 
 
 def _check_names(kwargs: dict) -> None:
@@ -242,7 +235,5 @@ def resolve_options(options: ConvertOptions | None, probe: Any, overrides: dict)
         return ConvertOptions(**overrides), probe
     if not isinstance(options, ConvertOptions):
         raise TypeError(f"options must be a ConvertOptions, got {type(options).__name__}")
-    if probe is not None and options.probe is not None and probe is not options.probe:
-        raise TypeError("convert(): probe= conflicts with the (deprecated) ConvertOptions(probe=...); give it once")
     merged = options.with_overrides(**overrides)  # rebuilt even without overrides: fields set later are checked
-    return merged, probe if probe is not None else options.probe
+    return merged, probe

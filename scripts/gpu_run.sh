@@ -10,8 +10,7 @@
 #      the public ops on CUDA (bytes, autocast sharing), CUDA graphs, torch.compile; test_cuda_host.py: the C++ host
 #      path bitwise against the Python launch (its first use builds the extension, ~20 s); the kept-affine norm's
 #      CUDA tests (no host sync under set_sync_debug_mode) (cap 170 s)
-#   2. kernels      python -m benchmarks.kernels: per-kernel GB/s next to torch's kernels, approx_act kernel
-#      variants (cap 50 s)
+#   2. kernels      python -m benchmarks.kernels: per-kernel GB/s next to torch's kernels (cap 50 s)
 #   3. bench_speed  python -m benchmarks.speed --gpu: ViT-B/16 LoRA r4 bs64 (eager, compile, reduce-overhead) and
 #      the LLaMA-7B slice (eager, torch.compile, Liger-Kernel, converted, converted + compile); img/s, tokens/s,
 #      peak memory, GPU busy fraction (cap 170 s; the last full run took 88 s)

@@ -10,7 +10,7 @@ from torch import nn
 
 from lmbp_convert import ActivationBudget, BudgetError, LmbpError, SavedTensorLedger, checkpoint_for_budget, convert
 from lmbp_convert.budget import find_layers
-from benchmarks.families import hf
+from testsupport.families import hf
 
 
 class Block(nn.Module):

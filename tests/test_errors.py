@@ -12,7 +12,7 @@ from torch import nn
 
 import lmbp_convert
 from lmbp_convert import LmbpError, convert
-from benchmarks.families import FAMILIES
+from testsupport.families import FAMILIES
 
 #: exception classes that are control flow, not errors a user sees: (module, name) → why
 _NOT_ERRORS = {

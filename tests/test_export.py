@@ -12,7 +12,7 @@ from lmbp_convert.export import ExportError, plain_state_dict, save_pretrained
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf, timm_swin
+from testsupport.families import hf, timm_swin
 
 FOLD = dict(fold_norms=True)
 

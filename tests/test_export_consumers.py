@@ -10,7 +10,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.export import ExportError, plain_state_dict, saves_plainly
 from lmbp_convert.match.consumers import ConsumerFold
-from benchmarks.families import randomize_norms
+from testsupport.families import randomize_norms
 
 D = 32
 

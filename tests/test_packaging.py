@@ -84,3 +84,13 @@ def test_every_data_file_is_declared_package_data():
                     and f.resolve() not in shipped):
                 undeclared.append(str(f.relative_to(ROOT)))
     assert not undeclared, f"files inside packages that the wheel would leave out: {sorted(set(undeclared))}"
+
+
+def test_test_fixtures_and_benchmarks_are_not_shipped():
+    """testsupport/ (the tests' and benchmarks' shared fixtures) and benchmarks/ live in the checkout only."""
+    cfg = _setuptools()
+    roots = {pkg.split(".")[0] for pkg in cfg["packages"]}
+    assert roots == {"lmbp_convert"}, roots
+    mapped = {str(d) for d in cfg.get("package-dir", {}).values()}
+    assert not mapped & {"testsupport", "benchmarks", "tests"}, mapped
+    assert (ROOT / "testsupport" / "__init__.py").is_file()  # what the tests import instead of benchmarks/

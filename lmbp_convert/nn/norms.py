@@ -68,25 +68,6 @@ class _MSNorm(ConvertedModule, nn.Module):
         norm.param = WeightParam(param)
         return norm
 
-    def __setstate__(self, state: dict) -> None:
-        """Modules pickled before the state was declared: derive it from what they held."""
-        super().__setstate__(state)
-        if "affine" not in self.__dict__:
-            legacy = self.__dict__.pop("reapply_param", None)
-            self.affine = AffineState.REAPPLIED if legacy is not None else AffineState.FOLDED
-            fill = self.__dict__.get("identity_affine")
-            self.param = WeightParam(legacy) if legacy is not None else _IDENTITY_PARAM.get(fill, WeightParam.W)
-        self.__dict__.setdefault("out_dtype", None)
-
-    @property
-    def reapply_param(self) -> WeightParam:
-        """The parameterisation the re-apply hooks read ``weight`` with (alias of ``param``)."""
-        return self.param
-
-    @reapply_param.setter
-    def reapply_param(self, value: WeightParam | str) -> None:
-        self.affine, self.param = AffineState.REAPPLIED, WeightParam(value)
-
     def extra_repr(self) -> str:
         s = f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}"
         if self.identity_affine is not None:

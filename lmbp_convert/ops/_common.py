@@ -55,7 +55,7 @@ _TRITON_DEVICE_TYPES = {"cuda"} if HAS_TRITON else set()
 
 def set_triton_device_types(*device_types: str) -> None:
     """Route tensors of these device types to the Triton launchers (default: "cuda"). Host-time benchmarks add
-    "cpu" together with `_launch.stub_triton_driver` to time the CUDA launch path without a GPU."""
+    "cpu" together with testsupport's `stub_triton_driver` to time the CUDA launch path without a GPU."""
     if device_types and not HAS_TRITON:
         raise RuntimeError("Triton is not available")
     _TRITON_DEVICE_TYPES.clear()

@@ -10,26 +10,44 @@ costs ~1-2 µs per launch on its own; kernels that need scratch buffers keep it)
 interpreter, launch hooks set by a profiler, a tensor on a device that is not the current one) takes the
 ordinary ``kernel[grid](...)`` call.
 
-Host-time benchmarks stub the two points that touch the GPU (see `stub_triton_driver`): the first launch's
-compile and the driver launch; everything else runs as in production.
+Internals read here, guarded rather than pinned (pyproject allows ``triton>=3.0``): the launch hooks in
+``triton.knobs.runtime`` (`triton_launch_knobs`; without them no kernel is cached and every launch is Triton's
+own) and the ``CudaLauncher`` fields the direct launch passes (checked per compiled kernel by
+`_direct_launchable`; without them that kernel goes through Triton's Python launcher). Host-time benchmarks stub
+the compile and the driver from the outside (testsupport/triton_compile.py, testsupport/triton_stub.py).
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from ._common import HAS_TRITON, triton_interpreting
 
-if HAS_TRITON:
-    from triton import knobs
-    _RUNTIME = knobs.runtime
-    _HookChain = getattr(knobs, "HookChain", type(None))
-    from triton.runtime import driver as _triton_driver
+__all__ = ["LeanKernel", "spec_key", "kernel_op", "triton_launch_knobs", "cdiv", "next_pow2", "rows_view"]
 
-__all__ = ["LeanKernel", "spec_key", "kernel_op", "stub_triton_driver", "cdiv", "next_pow2", "rows_view"]
+
+def triton_launch_knobs() -> Optional[tuple[Any, type]]:
+    """(``triton.knobs.runtime``, ``knobs.HookChain``) where this Triton has them, else None. The cached direct
+    launch must see a profiler's launch hooks to step aside for them; a Triton without ``knobs.runtime``'s hooks
+    therefore gets no cache (every launch is Triton's own ``kernel[grid](...)``: same results, a few µs more host
+    time) and no C++ host path."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return None
+    runtime = getattr(knobs, "runtime", None)
+    if not all(hasattr(runtime, h) for h in ("launch_enter_hook", "launch_exit_hook")):
+        return None
+    return runtime, getattr(knobs, "HookChain", type(None))
+
+
+_KNOBS = triton_launch_knobs() if HAS_TRITON else None
+_RUNTIME, _HookChain = _KNOBS if _KNOBS is not None else (None, type(None))
+if HAS_TRITON:
+    from triton.runtime import driver as _triton_driver
 
 
 def cdiv(a: int, b: int) -> int:
@@ -178,8 +196,10 @@ class LeanKernel:
         with ctx:
             compiled = self.fn[grid](*args, num_warps=num_warps, **meta)
         # Cache only real compiled kernels on the current device: the interpreter returns none, and a launch
-        # on a non-current device must go through Triton's own device switch every time.
-        if (compiled is None or not hasattr(compiled, "packed_metadata") or not _is_current(device_index)):
+        # on a non-current device must go through Triton's own device switch every time. Without the launch
+        # hooks to check (`triton_launch_knobs`), nothing is cached.
+        if (_KNOBS is None or compiled is None or not hasattr(compiled, "packed_metadata")
+                or not _is_current(device_index)):
             return
         if len(self.cache) >= _MAX_ENTRIES:  # one entry per shape class: bounded even for ever-changing shapes
             self.cache.clear()
@@ -219,74 +239,3 @@ def _is_current(device_index: Optional[int]) -> bool:
         return max(device_index or 0, 0) == _triton_driver.active.get_current_device()
     except Exception:  # pragma: no cover - no driver
         return False
-
-
-# -----------------------------------------------------------------------------------------------------------
-# Host-time benchmarking without a GPU
-# -----------------------------------------------------------------------------------------------------------
-class _StubCompiled:
-    """Stands in for a CompiledKernel: launching it does nothing (counts launches)."""
-
-    function = 0
-    packed_metadata = None
-    launches = 0
-
-    def launch_metadata(self, *args: Any) -> None:
-        return None
-
-    def run(self, *args: Any) -> None:
-        _StubCompiled.launches += 1
-
-
-class _StubDriver:
-    def get_current_device(self) -> int:
-        return 0
-
-    def get_current_stream(self, device: Any = None) -> int:
-        return 0
-
-    def get_current_target(self) -> Any:
-        from triton.backends.compiler import GPUTarget
-        return GPUTarget("cuda", 90, 32)
-
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def stub_triton_driver() -> Iterator[type]:
-    """Run Triton's real launch path on CPU tensors with the GPU parts stubbed: a fake active driver (device 0,
-    stream 0, an sm_90 target) and a compile step that returns a do-nothing kernel. Everything a launch costs on
-    the host (Triton's binder and cache key, or `LeanKernel`'s cache) still runs. Yields the stub kernel class,
-    whose ``launches`` counts driver launches. Clears the `LeanKernel` caches it filled on exit.
-
-    For host-time benchmarks and tests only (not thread-safe; not under TRITON_INTERPRET=1).
-    """
-    from triton.runtime.jit import JITFunction
-
-    touched = []
-
-    def _do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = _StubCompiled()
-        self.device_caches[device][0][key] = kernel
-        touched.append((self, device, key))
-        return kernel
-
-    old_compile, old_driver = JITFunction._do_compile, _triton_driver._active
-    _triton_driver.set_active(_StubDriver())
-    JITFunction._do_compile = _do_compile
-    _StubCompiled.launches = 0
-    try:
-        yield _StubCompiled
-    finally:
-        JITFunction._do_compile = old_compile
-        _triton_driver._active = old_driver
-        for fn, device, key in touched:
-            fn.device_caches[device][0].pop(key, None)
-        for lk in list(_ALL_KERNELS):
-            for k in [k for k, e in lk.cache.items() if isinstance(e.compiled, _StubCompiled)]:
-                del lk.cache[k]
-        from . import cuda_host
-        cuda_host.clear()  # its entries may name the stub's kernels
-
-

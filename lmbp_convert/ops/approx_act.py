@@ -28,24 +28,27 @@ tuples (no device tables). Eager calls run in C++ where the host path is on (`cu
 and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
 inductor emits the launches itself; the PyTorch path is traced normally.
+
+Files: the constants, the packing and the PyTorch path are `approx_codes` (re-exported here); this file holds the
+Triton kernels, their launchers, the autograd Functions and the dispatch.
 """
 from __future__ import annotations
 
 import functools
-import json
-import math
 import struct
-import sys
-from importlib import resources
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
-from . import cpu_native, cuda_host, func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, TRITON_DTYPES, check_dtype, use_triton
+from . import cuda_host, func_transforms
+from ._common import HAS_TRITON, TRITON_DTYPES, check_dtype, use_triton
 from ._launch import LeanKernel, kernel_op
-from .activations import ACT_NAMES, ACTIVATIONS
+from .activations import ACTIVATIONS
+# The constants, the code layout and the PyTorch path (re-exported: this module is the op's one import).
+from .approx_codes import (_CONSTANTS, _DEVICE_SLOPE_TABLES, _DTYPE_SET, _SLOPE_TABLES,  # noqa: F401
+                           _TRITON_DTYPE_SET, ACT_BITS, ACT_KINDS, ApproxConstants, _act_native,
+                           _bwd_torch, _fwd_torch, _slope_table_on, _validate, get_constants, pack_codes,
+                           packed_nbytes, slot_bits, unpack_codes)
 
 if HAS_TRITON:
     from .activations import act_f32
@@ -66,253 +69,6 @@ __all__ = [
     "unpack_codes",
     "slot_bits",
 ]
-
-ACT_KINDS = ACT_NAMES  # every kind of the shared activation table has fitted constants
-ACT_BITS = (1, 2, 3, 4)
-_DTYPE_SET = frozenset(SUPPORTED_DTYPES)
-_TRITON_DTYPE_SET = frozenset(TRITON_DTYPES)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Constants
-# ---------------------------------------------------------------------------------------------------------
-class ApproxConstants(NamedTuple):
-    """Constants of one approximate activation. ``c`` ascending; ``slopes[j]`` is f' past j thresholds."""
-
-    kind: str
-    bits: int
-    a: tuple[float, ...]
-    c: tuple[float, ...]
-    slopes: tuple[float, ...]
-    source: str
-    c_f32: tuple[float, ...]  # c rounded to fp32: what the fp32 comparisons (both paths) actually use
-
-
-def _load_constants() -> dict[tuple[str, int], ApproxConstants]:
-    text = resources.files("lmbp_convert").joinpath("data/approx_constants.json").read_text()
-    table = json.loads(text)["constants"]
-    out = {}
-    for kind in ACT_KINDS:
-        for bits in ACT_BITS:
-            e = table[kind][str(bits)]
-            a, c = tuple(float(v) for v in e["a"]), tuple(float(v) for v in e["c"])
-            if len(a) != 2**bits - 1 or len(c) != len(a) or list(c) != sorted(c):
-                raise ValueError(f"approx_constants.json: bad entry {kind}/{bits}")
-            slopes = tuple(math.fsum(a[:j]) for j in range(len(a) + 1))
-            c_f32 = tuple(struct.unpack("f", struct.pack("f", v))[0] for v in c)
-            out[(kind, bits)] = ApproxConstants(kind, bits, a, c, slopes, e["source"], c_f32)
-    return out
-
-
-# A plain dict (not an lru_cache) so that torch.compile can trace the lookups.
-_CONSTANTS = _load_constants()
-
-
-def _validate(kind: str, bits: int) -> None:
-    if kind not in ACTIVATIONS:
-        raise ValueError(f"unknown activation kind {kind!r}; expected one of {', '.join(ACT_KINDS)}")
-    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in ACT_BITS:
-        raise ValueError(f"bits must be an int in 1..4, got {bits!r}")
-
-
-def get_constants(kind: str, bits: int = 2) -> ApproxConstants:
-    """The constants the op uses for ``kind`` at ``bits`` bits."""
-    _validate(kind, bits)
-    return _CONSTANTS[(kind, bits)]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Code packing (PyTorch; the Triton kernels implement the same layout)
-# ---------------------------------------------------------------------------------------------------------
-def slot_bits(bits: int) -> int:
-    """Bits per stored code: k, except 3-bit codes use 4-bit slots."""
-    return 4 if bits == 3 else bits
-
-
-def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes of the saved code tensor for ``numel`` elements: ceil(numel / (8 // slot_bits(bits)))."""
-    per_byte = 8 // slot_bits(bits)
-    return -(-numel // per_byte)
-
-
-_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}  # slot bits -> int holding one packed byte's codes
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a flat uint8 tensor of codes (each < 2**bits) into ceil(N / P) bytes, low slot first.
-
-    The P code bytes of one packed byte are read as one little-endian integer, so packing is a handful of
-    shifts and masks over N/P words instead of P strided passes.
-    """
-    s = slot_bits(bits)
-    per_byte = 8 // s
-    n = codes.numel()
-    nbytes = packed_nbytes(n, bits)
-    codes = codes.reshape(-1)
-    if nbytes * per_byte != n:
-        codes = F.pad(codes, (0, nbytes * per_byte - n))
-    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
-        lanes = codes.view(nbytes, per_byte)
-        packed = lanes[:, 0].clone()
-        for j in range(1, per_byte):
-            packed |= lanes[:, j] << (j * s)
-        return packed
-    # One multiply gathers the P code bytes of a word into its top byte: byte j (value < 2**s) times
-    # 2**(8(P-1) - k(8-s)) lands at bit 8(P-1) + j*s when k == j; the cross terms (k ≠ j) land on distinct
-    # fields below the top byte (no carries) or overflow past the word (wrap-around is harmless).
-    words = codes.contiguous().view(_WORD[s])
-    top = 8 * (per_byte - 1)
-    k = sum(1 << (top - j * (8 - s)) for j in range(per_byte))
-    k = k - (1 << 64) if k >= 1 << 63 else k  # as a signed int64 scalar
-    return ((words * k) >> top).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_codes`: a flat uint8 tensor of ``numel`` codes."""
-    s = slot_bits(bits)
-    shifts = torch.arange(0, 8, s, dtype=torch.uint8, device=packed.device)
-    lanes = (packed[:, None] >> shifts[None, :]) & ((1 << s) - 1)
-    return lanes.reshape(-1)[:numel]
-
-
-def _byte_slope_table(const: "ApproxConstants", dtype: torch.dtype) -> torch.Tensor:
-    """[256, P] table: the P slopes a packed byte stands for, so unpacking is one gather."""
-    all_bytes = torch.arange(256, dtype=torch.uint8, device="cpu")  # import-time: never the ambient device
-    codes = unpack_codes(all_bytes, 256 * (8 // slot_bits(const.bits)), const.bits).long()
-    slopes = torch.tensor(const.slopes + (0.0,) * (16 - len(const.slopes)), dtype=torch.float64, device="cpu")
-    return slopes[codes].view(256, -1).to(dtype)
-
-
-def _threshold_below(c: float, dtype: torch.dtype) -> float:
-    """Largest value of ``dtype`` ≤ c: for x in ``dtype``, x > c ⟺ x > that value (no value lies between),
-    so the code compare runs in the input's own dtype with exactly the fp32 result."""
-    t = torch.tensor(c, dtype=torch.float64, device="cpu").to(dtype)
-    if float(t) > c:
-        t = torch.nextafter(t, torch.tensor(-math.inf, dtype=dtype, device="cpu"))
-    return float(t)
-
-
-# Precomputed once at import, so tracing (torch.compile) meets no cache mutation and no tensor-to-float
-# conversion (either would break the graph).
-_SLOPE_TABLES = {(key, dtype): _byte_slope_table(const, dtype)
-                 for key, const in _CONSTANTS.items() for dtype in (torch.float32, torch.float64)}
-_THRESHOLDS = {
-    (key, dtype): tuple(_threshold_below(c, dtype) for c in const.c_f32)
-    for key, const in _CONSTANTS.items()
-    for dtype in (torch.float32, torch.float16, torch.bfloat16)
-}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# PyTorch path (every non-CUDA device; the reference for the Triton kernels)
-# ---------------------------------------------------------------------------------------------------------
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _act_native(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The activation in x's own dtype via the table's ATen kernels (fp32 inside, fp64 for fp64), one rounding
-    like the Triton path. gelu: ATen's vectorised CPU gelu returns nan at +inf; the true limit (and the Triton
-    kernel) give +inf."""
-    native = cpu_native.act(x, kind)  # the native CPU kernel's values, as its forward with codes gives
-    if native is not None:
-        return native
-    y = ACTIVATIONS[kind].torch_fwd(x)
-    if kind == "gelu":
-        y = y.masked_fill_(torch.isposinf(x), math.inf)
-    return y
-
-
-#: Elements per chunk of the eager PyTorch path: the temporaries of the forward's codes and of the backward's
-#: compute-dtype slopes and products cover one chunk, not the whole tensor, as the C++ and Triton paths hold none.
-BWD_CHUNK = 1 << 20
-
-
-def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(activation in x's dtype, packed codes) on any device."""
-    const = _CONSTANTS[(kind, bits)]
-    native = cpu_native.act_fwd(x, kind, bits, const.c_f32)  # one-pass CPU kernel; None where it does not apply
-    if native is not None:
-        return native
-    y = _act_native(x, kind)
-    # no fp32 copy of x: compare against thresholds moved onto x's own grid
-    thresholds = const.c if x.dtype == torch.float64 else _THRESHOLDS[((kind, bits), x.dtype)]
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if n <= BWD_CHUNK or torch.compiler.is_compiling():
-        return y, pack_codes(_step_codes(flat, thresholds), bits)
-    # in chunks of whole packed words: the code bytes and the packing's words cover one chunk, not the tensor
-    per = 8 // slot_bits(bits)
-    step = max(BWD_CHUNK // (8 * per), 1) * 8 * per
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
-    for s in range(0, n, step):
-        e = min(s + step, n)
-        packed[s // per:-(-e // per)] = pack_codes(_step_codes(flat[s:e], thresholds), bits)
-    return y, packed
-
-
-def _step_codes(flat: torch.Tensor, thresholds) -> torch.Tensor:
-    """The step index of each element (uint8): how many thresholds it exceeds."""
-    codes = (flat > thresholds[0]).to(torch.uint8)
-    for c in thresholds[1:]:
-        codes += flat > c
-    return codes
-
-
-#: Per-device [256, P] slope tables for the PyTorch backward off the CPU (double backward, fp64,
-#: backend="torch" on CUDA): built on the device from Python scalars (no host->device copy) and kept.
-_DEVICE_SLOPE_TABLES: dict = {}
-
-
-def _slope_table_on(const: ApproxConstants, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`_byte_slope_table` computed on ``device`` with scalar arithmetic (no upload, capture-safe)."""
-    s = slot_bits(const.bits)
-    byte = torch.arange(256, dtype=torch.int32, device=device)
-    shifts = torch.arange(0, 8, s, dtype=torch.int32, device=device)
-    codes = (byte[:, None] >> shifts[None, :]) & ((1 << s) - 1)
-    table = torch.zeros(codes.shape, dtype=dtype, device=device)
-    for j in range(1, len(const.slopes)):  # the exact (fsum) slope of each code, rounded once: equal to the CPU table
-        table = torch.where(codes == j, const.slopes[j], table)
-    return table
-
-
-def _slope_table(key: tuple[str, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":
-        return _SLOPE_TABLES[(key, dtype)]
-    if torch.compiler.is_compiling():  # traced into the graph (a constant), never a cache mutation
-        return _slope_table_on(_CONSTANTS[key], dtype, device)
-    hit = _DEVICE_SLOPE_TABLES.get((key, dtype, device))
-    if hit is None:
-        hit = _slope_table_on(_CONSTANTS[key], dtype, device)
-        if not _capturing(device):  # a table made inside a CUDA-graph capture lives in the graph's pool
-            _DEVICE_SLOPE_TABLES[(key, dtype, device)] = hit
-    return hit
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
-    """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
-    native = cpu_native.act_bwd(grad, packed, bits, _SLOPE_TABLES[((kind, bits), torch.float32)])
-    if native is not None:
-        return native
-    compute = _compute_dtype(grad.dtype)
-    n = grad.numel()
-    table = _slope_table((kind, bits), compute, grad.device)
-    if n <= BWD_CHUNK or torch.compiler.is_compiling() or (grad.requires_grad and torch.is_grad_enabled()):
-        slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
-        return (grad * slope).to(grad.dtype)
-    per = table.shape[1]  # codes per packed byte
-    step = max(BWD_CHUNK // per, 1) * per
-    flat = grad.reshape(-1)
-    out = torch.empty(n, dtype=grad.dtype, device=grad.device)
-    for s in range(0, n, step):  # the same products, rounded once to grad's dtype as above
-        e = min(s + step, n)
-        slope = table.index_select(0, packed[s // per:-(-e // per)].to(torch.int32)).view(-1)[:e - s]
-        out[s:e] = slope.mul_(flat[s:e])
-    return out.view(grad.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -338,19 +94,15 @@ def _check_triton(t: torch.Tensor, what: str) -> None:
         raise TypeError(f"approx_act: the Triton path supports float32, float16, bfloat16; got {t.dtype} ({what})")
 
 
-#: Kernel variants: name -> (VARIANT constexpr, elements per program, num_warps). All write the same layout;
-#: benchmarks/kernels.py times each and prints the fastest. "sum" packs with tl.sum over a [BLOCK, P] tile (the
-#: original kernel); "split" loads a flat tile (vector loads) and packs with reshape + tl.split; "lanes" loads
-#: the P lanes of a byte as P strided vectors, so one thread owns a whole byte (no cross-thread reduction).
-FWD_VARIANTS = {"sum": (0, 2048, 4), "split": (1, 4096, 8), "lanes": (2, 4096, 8)}
-#: backward: "tile" (original: [BLOCK, P] tile, codes by broadcast shift), "gather" (flat tile; each element
-#: reads its own code byte, L1-resident), "join" (unpacks the P lanes in registers and interleaves with tl.join).
-BWD_VARIANTS = {"tile": (0, 2048, 4), "gather": (1, 4096, 8), "join": (2, 4096, 8)}
-# Defaults from benchmarks/kernels.py's "approx_act variants" table on an H200 (torch 2.11, Triton 3.6): the
-# tl.sum tile was fastest forward in all four cells (bf16/fp32 x 16M/64M, by 3-5 %); backward variants were
-# within 3 % of each other.
-FWD_VARIANT = "sum"
-BWD_VARIANT = "join"
+#: Launch shape per direction: (elements per program, num_warps). One kernel each way: the forward packs with
+#: tl.sum over a [BLOCK, P] tile, the backward unpacks the P lanes of a byte in registers and interleaves them
+#: with tl.join. Alternatives measured and deleted (H200, torch 2.11, Triton 3.6, bf16 / fp32 at 16M / 64M
+#: elements): forward flat tile packed with reshape + tl.split, and one strided vector per lane, both 3-5 %
+#: slower than the tl.sum tile in all four cells; backward [BLOCK, P] tile with broadcast shifts, and a flat tile
+#: loading each element's own code byte, within 3 % of tl.join (scripts/gpu_check.py's variant table, commit
+#: 96c0fff; the variants and that table were deleted afterwards).
+FWD_LAUNCH = (2048, 4)
+BWD_LAUNCH = (4096, 8)
 
 if HAS_TRITON:
 
@@ -381,26 +133,8 @@ if HAS_TRITON:
         return s
 
     @triton.jit
-    def _pack_pairs(code, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
-        """[BLOCK * PER_BYTE] codes (element order) -> [BLOCK] bytes, lane j at bit j*SLOT, in registers."""
-        if PER_BYTE == 2:
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2]))
-            out = a | (b << SLOT)
-        elif PER_BYTE == 4:
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2]))  # lanes (0, 2) and (1, 3)
-            a, b = tl.split(a | (b << SLOT))  # lanes 0|1 and 2|3
-            out = a | (b << (2 * SLOT))
-        else:
-            tl.static_assert(PER_BYTE == 8)
-            a, b = tl.split(tl.reshape(code, [BLOCK, 2, 2, 2]))
-            a, b = tl.split(a | (b << SLOT))
-            a, b = tl.split(a | (b << (2 * SLOT)))
-            out = a | (b << (4 * SLOT))
-        return out
-
-    @triton.jit
     def _unpack_pairs(packed, BLOCK: tl.constexpr, PER_BYTE: tl.constexpr, SLOT: tl.constexpr):
-        """Inverse of `_pack_pairs`: [BLOCK] bytes -> [BLOCK * PER_BYTE] codes in element order."""
+        """[BLOCK] bytes -> [BLOCK * PER_BYTE] codes in element order (lane j at bit j*SLOT), in registers."""
         mask = (1 << SLOT) - 1
         if PER_BYTE == 2:
             out = tl.reshape(tl.join(packed & mask, (packed >> SLOT) & mask), [BLOCK * 2])
@@ -420,58 +154,30 @@ if HAS_TRITON:
     @triton.jit
     def _approx_act_fwd_kernel(x_ptr, y_ptr, packed_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
                                ACT: tl.constexpr, THR: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
-                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
+        """act(x) and its step codes over a [BLOCK, PER_BYTE] tile; tl.sum across the lanes packs the bytes."""
         pid = tl.program_id(0).to(tl.int64)
         byte = pid * BLOCK + tl.arange(0, BLOCK)
-        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, tl.sum across the lanes
-            lane = tl.arange(0, PER_BYTE)
-            idx = byte[:, None] * PER_BYTE + lane[None, :]
-            mask = idx < n_elements
-            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                        other=0.0).to(tl.float32)
-            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-            code = tl.where(mask, _codes(x, THR), 0)
-            packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == or
-        elif VARIANT == 1:  # flat tile, packed in registers with reshape + split
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
-            mask = idx < n_elements
-            x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                        other=0.0).to(tl.float32)
-            tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-            packed = _pack_pairs(tl.where(mask, _codes(x, THR), 0), BLOCK, PER_BYTE, SLOT)
-        else:  # one strided vector per lane: a thread holds every lane of its bytes
-            tl.static_assert(VARIANT == 2)
-            packed = tl.zeros([BLOCK], dtype=tl.int32)
-            for j in tl.static_range(PER_BYTE):
-                idx = byte * PER_BYTE + j
-                mask = idx < n_elements
-                x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
-                            other=0.0).to(tl.float32)
-                tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
-                packed |= tl.where(mask, _codes(x, THR), 0) << (j * SLOT)
+        lane = tl.arange(0, PER_BYTE)
+        idx = byte[:, None] * PER_BYTE + lane[None, :]
+        mask = idx < n_elements
+        x = tl.load(x_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
+                    other=0.0).to(tl.float32)
+        tl.store(y_ptr + idx, act_f32(x, ACT).to(y_ptr.dtype.element_ty), mask=mask)
+        code = tl.where(mask, _codes(x, THR), 0)
+        packed = tl.sum(code << (lane[None, :] * SLOT), axis=1)  # slots do not overlap: sum == or
         tl.store(packed_ptr + byte, packed.to(tl.uint8), mask=byte < n_bytes)
 
     @triton.jit
     def _approx_act_bwd_kernel(g_ptr, packed_ptr, dx_ptr, n_elements, n_bytes, n_cols, stride_row, stride_col,
                                SLOPES: tl.constexpr, SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
-                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr, VARIANT: tl.constexpr):
+                               BLOCK: tl.constexpr, CONTIGUOUS: tl.constexpr):
+        """grad * slope[code]: one load per code byte, its lanes unpacked and interleaved in registers."""
         pid = tl.program_id(0).to(tl.int64)
-        if VARIANT == 0:  # [BLOCK, PER_BYTE] tile, codes by broadcast shift
-            byte = pid * BLOCK + tl.arange(0, BLOCK)
-            lane = tl.arange(0, PER_BYTE)
-            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-            code = (packed[:, None] >> (lane[None, :] * SLOT)) & ((1 << SLOT) - 1)
-            idx = byte[:, None] * PER_BYTE + lane[None, :]
-        elif VARIANT == 1:  # flat tile, each element loads its own code byte (cache hits)
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
-            packed = tl.load(packed_ptr + idx // PER_BYTE, mask=idx < n_elements, other=0).to(tl.int32)
-            code = (packed >> ((idx % PER_BYTE) * SLOT)) & ((1 << SLOT) - 1)
-        else:  # one load per byte, lanes interleaved in registers
-            tl.static_assert(VARIANT == 2)
-            byte = pid * BLOCK + tl.arange(0, BLOCK)
-            packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
-            code = _unpack_pairs(packed, BLOCK, PER_BYTE, SLOT)
-            idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
+        byte = pid * BLOCK + tl.arange(0, BLOCK)
+        packed = tl.load(packed_ptr + byte, mask=byte < n_bytes, other=0).to(tl.int32)
+        code = _unpack_pairs(packed, BLOCK, PER_BYTE, SLOT)
+        idx = pid * (BLOCK * PER_BYTE) + tl.arange(0, BLOCK * PER_BYTE)
         mask = idx < n_elements
         g = tl.load(g_ptr + _source_offsets(idx, n_cols, stride_row, stride_col, CONTIGUOUS), mask=mask,
                     other=0.0).to(tl.float32)
@@ -501,38 +207,36 @@ _KCONSTS = {key: _KernelConsts(ACTIVATIONS[key[0]].code, c.c_f32,
 
 
 class _Plan:
-    """Launch constants of one (kind, bits, variant, direction), made once: hashed by identity in the launch key.
+    """Launch constants of one (kind, bits, direction), made once: hashed by identity in the launch key.
     ``consts[contiguous]``: the kernel's trailing constexprs for a contiguous / strided input."""
 
     __slots__ = ("per_byte", "block", "warps", "consts")
 
-    def __init__(self, kind: str, bits: int, variant: str, fwd: bool) -> None:
+    def __init__(self, kind: str, bits: int, fwd: bool) -> None:
         k = _KCONSTS[(kind, bits)]
-        vcode, elems, self.warps = (FWD_VARIANTS if fwd else BWD_VARIANTS)[variant]
+        elems, self.warps = FWD_LAUNCH if fwd else BWD_LAUNCH
         self.per_byte, self.block = k.per_byte, elems // k.per_byte
         head = ((k.act, k.thresholds) if fwd else (k.slopes,)) + (k.slot, k.per_byte, self.block)
-        self.consts = (head + (False, vcode), head + (True, vcode))
+        self.consts = (head + (False,), head + (True,))
 
 
 _PLANS: dict = {}
 
 
-def _plan(kind: str, bits: int, variant: str, fwd: bool) -> _Plan:
-    p = _PLANS.get((kind, bits, variant, fwd))
+def _plan(kind: str, bits: int, fwd: bool) -> _Plan:
+    p = _PLANS.get((kind, bits, fwd))
     if p is None:
-        p = _PLANS[(kind, bits, variant, fwd)] = _Plan(kind, bits, variant, fwd)
+        p = _PLANS[(kind, bits, fwd)] = _Plan(kind, bits, fwd)
     return p
 
 
-def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = None,
+def _fwd_triton(x: torch.Tensor, kind: str, bits: int,
                 traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward launcher: (activation in x's dtype, contiguous, x's shape; packed codes).
 
-    ``variant``: a `FWD_VARIANTS` name (default `FWD_VARIANT`). ``traced``: launch through ``wrap_triton``
-    (inside the ``triton_op``, so inductor emits the launch itself).
+    ``traced``: launch through ``wrap_triton`` (inside the ``triton_op``, so inductor emits the launch itself).
     """
-    variant = variant or FWD_VARIANT
-    p = _PLANS.get((kind, bits, variant, True)) or _plan(kind, bits, variant, True)
+    p = _PLANS.get((kind, bits, True)) or _plan(kind, bits, True)
     n = x.numel()
     nbytes = -(-n // p.per_byte)
     y = torch.empty_like(x, memory_format=_CONTIGUOUS)  # empty_like: a third of torch.empty's host time
@@ -555,11 +259,10 @@ def _fwd_triton(x: torch.Tensor, kind: str, bits: int, variant: Optional[str] = 
     return y, packed
 
 
-def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str, variant: Optional[str] = None,
+def _bwd_triton(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str,
                 traced: bool = False) -> torch.Tensor:
     """Triton backward launcher: grad_out * slope[code], contiguous, in grad's dtype and shape."""
-    variant = variant or BWD_VARIANT
-    p = _PLANS.get((kind, bits, variant, False)) or _plan(kind, bits, variant, False)
+    p = _PLANS.get((kind, bits, False)) or _plan(kind, bits, False)
     n = grad.numel()
     dx = torch.empty_like(grad, memory_format=_CONTIGUOUS)
     if n == 0:
@@ -661,7 +364,7 @@ def _host_entry(kind: str, bits: int):
     ext = cuda_host.ext() if HAS_TRITON else None
     fn = False
     if ext is not None:
-        pf, pb = _plan(kind, bits, FWD_VARIANT, True), _plan(kind, bits, BWD_VARIANT, False)
+        pf, pb = _plan(kind, bits, True), _plan(kind, bits, False)
         plan = ext.register_act_plan(
             cuda_host.slot(_FWD, pf.consts[False], pf.warps), cuda_host.slot(_FWD, pf.consts[True], pf.warps),
             cuda_host.slot(_BWD, pb.consts[False], pb.warps), cuda_host.slot(_BWD, pb.consts[True], pb.warps),

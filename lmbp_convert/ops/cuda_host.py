@@ -43,7 +43,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from . import cpu_native
+from . import _launch, cpu_native
 from ._common import env_off, env_on, triton_interpreting
 
 __all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
@@ -136,10 +136,11 @@ def _load() -> Any:
                 _state = "ready"
             else:
                 try:
+                    knobs = _launch.triton_launch_knobs()
+                    if knobs is None:
+                        raise RuntimeError("this Triton has no triton.knobs.runtime launch hooks")
                     mod = _build_and_load()
-                    from triton import knobs
-
-                    mod.set_launcher(_miss, knobs.runtime, getattr(knobs, "HookChain", None))
+                    mod.set_launcher(_miss, *knobs)
                     mod.set_self_check(not env_off(ENV_CHECK))
                     _ext, _state = mod, "ready"
                 except Exception as e:  # any failure: the Python launch path runs instead
@@ -252,10 +253,8 @@ def slot(kernel: Any, consts: tuple, num_warps: int) -> int:
 
 def _miss(sid: int, gx: int, gy: int, gz: int, args: tuple, device: int) -> Optional[tuple]:
     """Launch through `LeanKernel` (Triton's path the first time) and describe the compiled kernel for C++."""
-    from ._launch import spec_key
-
     kernel, consts, warps = _SLOTS[sid]
-    key = ("cuda_host", spec_key(args, device, consts, warps))
+    key = ("cuda_host", _launch.spec_key(args, device, consts, warps))
     kernel.launch(key, (gx, gy, gz), args, device, consts, warps)
     return describe(kernel.cache.get(key), len(args))
 

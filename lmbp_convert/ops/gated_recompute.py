@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .gated_mlp import GatedActFunction, _check_gu, _fwd_torch, _fwd_triton, gated_act
+from .gated_act import GatedActFunction, _check_gu, _fwd_torch, _fwd_triton, gated_act
 
 __all__ = ["gated_act_recomputed"]
 

@@ -50,7 +50,7 @@ def test_the_cast_survives_the_plan_round_trip():
 
 
 def _family(name: str):
-    from benchmarks.families import FAMILIES, PROBE_FAMILIES, randomize_norms
+    from testsupport.families import FAMILIES, PROBE_FAMILIES, randomize_norms
 
     torch.manual_seed(0)
     return randomize_norms({**FAMILIES, **PROBE_FAMILIES}[name]()).eval()

@@ -22,7 +22,7 @@ from lmbp_convert.apply.verify import float_tensors
 from lmbp_convert.match.plan import NormFold
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES as DENSE, registry
+from testsupport.families import FAMILIES as DENSE, registry
 
 RTOL = 1e-4
 FLOOR = 1e-5
@@ -121,7 +121,7 @@ def check_exact(family: str, lora: bool) -> None:
 #: over 3 s a family on a 2-core CPU (windowed attention, the timm CNN-hybrids, ALBERT's shared layer)
 SLOW = {"albert", "timm_convnext", "timm_hiera_160", "timm_pvt_v2", "timm_swin"}
 CASES = [pytest.param(f, marks=pytest.mark.slow) if f in SLOW else f for f in sorted(FAMILIES)]
-#: with LoRA, the fast loop runs the dense families (benchmarks.families.FAMILIES); the slow stage all of them
+#: with LoRA, the fast loop runs the dense families (testsupport.families.FAMILIES); the slow stage all of them
 LORA_CASES = [f if f in DENSE and f not in SLOW else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 
 

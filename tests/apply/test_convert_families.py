@@ -10,7 +10,7 @@ from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
 from approx_reference import step_derivative, with_step_backward
-from benchmarks.families import FAMILIES, hf, hf_auto, timm_model
+from testsupport.families import FAMILIES, hf, hf_auto, timm_model
 
 
 def _outputs(model, probe):

@@ -12,7 +12,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.errors import NothingToConvertError
 from lmbp_convert.trace.probe import make_probe
-from benchmarks.families import hf
+from testsupport.families import hf
 
 
 def test_convert_inside_inference_mode_leaves_a_trainable_model():
@@ -185,7 +185,7 @@ def test_output_hidden_states_match_the_original(family, fold):
 def _scripted_case(family: str, what: str):
     """A family model (random γ, β) with one module replaced by its ``torch.jit.script`` version: the first norm the
     plan folds (``what="norm"``) or the first Linear that norm folds into (``"linear"``)."""
-    from benchmarks.families import FAMILIES, randomize_norms
+    from testsupport.families import FAMILIES, randomize_norms
     from lmbp_convert import plan_conversion
     from lmbp_convert.match.plan import NormFold
 

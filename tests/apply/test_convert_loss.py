@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from benchmarks.families import HF_SMALL, hf, hf_auto
+from testsupport.families import HF_SMALL, hf, hf_auto
 from lmbp_convert import convert, plan_conversion
 from lmbp_convert.apply.rewrite import UnitBuilder
 from lmbp_convert.match.loss import LossSwap

@@ -168,7 +168,7 @@ def _routes(model, probe):
 @pytest.mark.parametrize("arch", list(MOE))
 def test_moe_families_verify_on_a_second_probe_keep_routing_and_fold_into_the_parameter_experts(arch):
     from lmbp_convert.trace.probe import make_probe
-    from benchmarks.families import hf
+    from testsupport.families import hf
 
     model = hf(arch, num_key_value_heads=2, **MOE[arch]).eval()
     original = copy.deepcopy(model)
@@ -194,7 +194,7 @@ def test_moe_families_verify_on_a_second_probe_keep_routing_and_fold_into_the_pa
 def test_unseen_targets_serialise_and_the_layer_stack_a_norm_lives_in_is_not_mirrored():
     from lmbp_convert import plan_conversion
     from lmbp_convert.match.plan import Plan
-    from benchmarks.families import hf
+    from testsupport.families import hf
 
     torch.manual_seed(0)
     plan = plan_conversion(TinyMoE(D).eval(), probe=silent_probe(D), fold_norms=True)

@@ -11,7 +11,7 @@ from lmbp_convert import convert
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 MOE = dict(num_key_value_heads=2, num_experts_per_tok=2)
 CASES = {

@@ -12,7 +12,7 @@ from torch import nn
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.match.moe import RecomputeRegion
 from lmbp_convert.match.norm_exact import NormExact
-from benchmarks.families import hf
+from testsupport.families import hf
 
 MOE = dict(num_key_value_heads=2, num_experts_per_tok=2, num_hidden_layers=1)
 CASES = {

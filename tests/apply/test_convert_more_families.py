@@ -10,7 +10,7 @@ from lmbp_convert import convert
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 SMALL_LM = dict(num_key_value_heads=2)
 CASES = {
@@ -59,7 +59,7 @@ def test_unlisted_family(arch):
 def _distilbert():
     from transformers import AutoConfig, AutoModel
 
-    from benchmarks.families import randomize_norms
+    from testsupport.families import randomize_norms
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("distilbert", dim=64, hidden_dim=256, n_layers=2, n_heads=4, vocab_size=128)

@@ -12,7 +12,7 @@ from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import NormSwap, OutputActSwap
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 SMALL = dict(num_key_value_heads=2)
 
@@ -31,7 +31,7 @@ def _convert_and_measure(arch, mode):
         model = model.to(torch.bfloat16)
     model.eval()
     ref = copy.deepcopy(model)
-    _, rep = convert(model, return_report=True)  # no probe: convert() builds it
+    rep = convert(model).lmbp_report  # no probe: convert() builds it
     assert rep.verification == "passed", str(rep)
     probe, _, _ = make_probe(ref, batch=2, seq=32)
     before, after = _saved(ref, probe, mode), _saved(model, probe, mode)

@@ -9,7 +9,7 @@ import torch
 from lmbp_convert import ConvertOptions, NothingToConvertError, convert, plan_conversion
 from lmbp_convert.trace.probe import make_probe
 from model_state import assert_same, snapshot
-from benchmarks.families import FAMILIES
+from testsupport.families import FAMILIES
 
 
 def test_keywords_next_to_options_are_merged():
@@ -33,19 +33,15 @@ def test_keyword_contradicting_an_explicit_option_is_a_type_error():
     assert model.lmbp_report.plan.act_swaps[0].bits == 3
 
 
-def test_probe_is_an_argument_and_the_options_field_is_deprecated():
+def test_probe_is_an_argument_not_an_option():
     model = FAMILIES["llama"]()
     probe = make_probe(model)[0]
-    with pytest.warns(DeprecationWarning, match="probe"):
-        opts = ConvertOptions(probe=probe)
-    rep = convert(FAMILIES["llama"](), opts).lmbp_report
-    assert rep.verified
+    with pytest.raises(TypeError, match="probe"):
+        ConvertOptions(probe=probe)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rep = convert(model, probe=probe).lmbp_report
     assert rep.verified and rep.plan.probe_unit == "sample"
-    with pytest.raises(TypeError, match="probe"):
-        convert(FAMILIES["llama"](), opts, probe={"input_ids": torch.ones(1, 3, dtype=torch.long)})
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -100,8 +96,10 @@ def test_exclude_that_matches_nothing_warns():
 
 
 def test_the_report_is_model_lmbp_report_and_the_other_ways_warn():
-    from lmbp_convert import last_report
     from torch import nn
+
+    import lmbp_convert
+    from lmbp_convert.apply.convert import last_report
 
     def model():
         return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
@@ -120,3 +118,4 @@ def test_the_report_is_model_lmbp_report_and_the_other_ways_warn():
         assert last_report(m) is m.lmbp_report
     with pytest.warns(DeprecationWarning):
         assert last_report(model()) is None
+    assert "last_report" not in lmbp_convert.__all__ and not hasattr(lmbp_convert, "last_report")

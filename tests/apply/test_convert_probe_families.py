@@ -9,7 +9,7 @@ from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.apply.verify import float_tensors
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import PROBE_FAMILIES
+from testsupport.families import PROBE_FAMILIES
 
 # Families that save less than 20 % in fp32 on these tiny configs, with the skip reason the report gives for the
 # norms left as they are (matcher gaps other work addresses): the test accepts ≥ 20 % or that reason.

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.qlora import block_bytes
-from benchmarks.quant_standin import quantize_linears
+from testsupport.blocks import block_bytes
+from testsupport.quant_standin import quantize_linears
 from lmbp_convert import convert
 from lmbp_convert.checkpoint import mark_prefolded
 from lmbp_convert.nn.gated_mlp import MSGatedMLP
-from benchmarks.families import hf
+from testsupport.families import hf
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

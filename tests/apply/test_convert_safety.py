@@ -11,7 +11,7 @@ from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.nn import exact_norms
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES, hf
+from testsupport.families import FAMILIES, hf
 
 
 def _state(model):

@@ -11,7 +11,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.apply.verify import TRAIN_DRAWS
 from lmbp_convert.nn.exact_norms import MSExactNorm
-from benchmarks.families import FAMILIES, SEQ2SEQ_SMALL, hf_auto
+from testsupport.families import FAMILIES, SEQ2SEQ_SMALL, hf_auto
 
 IDS = torch.tensor([[3, 17, 42, 9, 5, 77, 1, 2]])
 

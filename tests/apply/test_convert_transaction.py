@@ -15,7 +15,7 @@ from lmbp_convert import convert
 from lmbp_convert.enums import ConvertedModule
 from lmbp_convert.match.loss import LossSwap
 from model_state import assert_same, snapshot
-from benchmarks.families import hf
+from testsupport.families import hf
 
 class Injector:
     """Counts whole-model forwards (and, per forward, calls of converted modules); raises at a chosen point:

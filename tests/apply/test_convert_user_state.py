@@ -12,7 +12,7 @@ from lmbp_convert import convert
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.nn.activations import ApproxActivation
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES, hf
+from testsupport.families import FAMILIES, hf
 
 
 def test_hooks_on_a_swapped_activation_and_gated_mlp_move_to_the_new_module():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmbp_convert import convert
-from benchmarks.families import FAMILIES, hf_auto, SEQ2SEQ_SMALL
+from testsupport.families import FAMILIES, hf_auto, SEQ2SEQ_SMALL
 
 EXACT = dict(fold_norms=False, activations=False)  # approximate backprop changes gradients, never values
 
@@ -122,7 +122,7 @@ CONSUMER_FAMILIES = [pytest.param(f, marks=pytest.mark.slow) if f in ("timm_conv
 
 
 def _timm_pair(name):
-    from benchmarks.families import randomize_norms, registry
+    from testsupport.families import randomize_norms, registry
 
     torch.manual_seed(0)
     model = randomize_norms(registry()[name]()).eval()  # γ ≠ 1, β ≠ 0: a lost affine shows
@@ -154,7 +154,7 @@ def test_timm_consumer_families_features_head_and_reset(name):
 
 @pytest.mark.parametrize("name", CONSUMER_FAMILIES)
 def test_timm_consumer_families_state_dict_round_trips(name, tmp_path):
-    from benchmarks.families import registry
+    from testsupport.families import registry
 
     model, ref = _timm_pair(name)
     x = _image(ref)

@@ -15,12 +15,12 @@ from lmbp_convert import convert
 from lmbp_convert.apply.verify import compare_outputs
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES as DENSE, registry
+from testsupport.families import FAMILIES as DENSE, registry
 
 FAMILIES = registry()
 TOL = 1e-5
 CONVERT: dict = {}  # the defaults (a fold, `fold_norms=True`, fails this test on most families)
-#: over 3 s a family on a 2-core CPU; the fast loop runs the dense families (benchmarks.families.FAMILIES)
+#: over 3 s a family on a 2-core CPU; the fast loop runs the dense families (testsupport.families.FAMILIES)
 SLOW = {"albert", "timm_convnext", "timm_hiera_160", "timm_pvt_v2", "timm_swin"}
 CASES = [f if f in DENSE and f not in SLOW else pytest.param(f, marks=pytest.mark.slow) for f in sorted(FAMILIES)]
 

@@ -180,7 +180,7 @@ def test_convert_again_after_get_peft_model_adopts_the_new_adapters():
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 def test_lora_over_a_quantized_base_shares_its_input_too(dropout):
     """QLoRA: the 4-bit stand-in (an nn.Linear subclass with packed frozen weights) under PEFT's LoRA Linear."""
-    from benchmarks.quant_standin import quantize_linears
+    from testsupport.quant_standin import quantize_linears
 
     ids = _ids()
     m = _lora(quantize_linears(_llama(torch.bfloat16), tuple(TARGETS)), dropout)

@@ -7,7 +7,7 @@ import torch
 
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.apply.measure import measure_saved
-from benchmarks.families import FAMILIES
+from testsupport.families import FAMILIES
 
 
 def _ledger(model, probe, autocast=False):

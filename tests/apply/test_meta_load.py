@@ -20,7 +20,7 @@ from lmbp_convert import convert
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES, hf
+from testsupport.families import FAMILIES, hf
 
 pytestmark = pytest.mark.compat  # meta init and the state-dict load paths differ across transformers releases
 

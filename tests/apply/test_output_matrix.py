@@ -25,7 +25,7 @@ from lmbp_convert import convert
 from lmbp_convert.export import plain_state_dict, save_pretrained, saves_plainly
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import FAMILIES, hf, randomize_norms
+from testsupport.families import FAMILIES, hf, randomize_norms
 
 RTOL = 1e-5
 _LM = dict(num_key_value_heads=2)

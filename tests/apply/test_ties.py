@@ -7,7 +7,7 @@ import torch
 
 from lmbp_convert import convert
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 IDS = torch.tensor([[3, 17, 42, 9, 100, 5], [7, 7, 1, 64, 2, 90]])
 

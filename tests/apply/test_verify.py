@@ -12,7 +12,7 @@ import lmbp_convert.apply.rewrite as rewrite_mod
 from lmbp_convert import convert
 from lmbp_convert.apply.verify import CANNOT_VERIFY, FAILED, PASSED, compare_outputs
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf
+from testsupport.families import hf
 
 INF, NAN = math.inf, math.nan
 
@@ -128,7 +128,7 @@ def test_nan_appearing_only_after_a_rewrite_is_rolled_back(monkeypatch):
 
 # ------------------------------------------------------------------------------ half precision: a calibrated budget
 def _bf16(family):
-    from benchmarks.families import registry
+    from testsupport.families import registry
 
     return registry()[family]().to(torch.bfloat16).eval()
 
@@ -184,7 +184,7 @@ def test_user_rtol_wins_and_fp32_keeps_the_fixed_budget():
     model = _bf16("llama")
     report = convert(model, rtol=0.3, measure=False).lmbp_report
     assert report.rtol == 0.3 and not any(n.startswith("verification tolerance") for n in report.notes)
-    from benchmarks.families import FAMILIES
+    from testsupport.families import FAMILIES
 
     assert convert(FAMILIES["llama"](), measure=False).lmbp_report.rtol == 1e-4
 

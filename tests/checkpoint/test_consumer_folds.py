@@ -7,7 +7,7 @@ import torch
 from ckpt_helpers import save_model
 from lmbp_convert import convert
 from lmbp_convert.match.consumers import ConsumerFold
-from benchmarks.families import randomize_norms
+from testsupport.families import randomize_norms
 
 
 def _siglip():

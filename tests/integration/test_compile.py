@@ -17,7 +17,7 @@ import torch
 from lmbp_convert import SavedTensorLedger, convert
 from torch import nn
 
-from benchmarks.families import SEQ2SEQ_SMALL, hf, hf_auto, randomize_norms, timm_model, timm_vit
+from testsupport.families import SEQ2SEQ_SMALL, hf, hf_auto, randomize_norms, timm_model, timm_vit
 
 slow = pytest.mark.slow  # inductor compiles of whole models: minutes on 2 cores
 
@@ -244,7 +244,7 @@ def test_fullgraph_inductor_matches_eager_for_each_kind(family):
 def test_fullgraph_aot_eager_prefolded_norms_over_quantized_projections():
     """The QLoRA flow (norms folded on disk, 4-bit stand-in projections, LoRA over them, the gated MLP fused over
     the quantized gate/up): one graph, the eager loss and adapter gradients."""
-    from benchmarks.quant_standin import quantize_linears
+    from testsupport.quant_standin import quantize_linears
     from lmbp_convert.checkpoint import mark_prefolded
 
     peft = pytest.importorskip("peft")

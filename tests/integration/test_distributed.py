@@ -49,7 +49,7 @@ WORKER_TIMEOUT_S = 240
 # ------------------------------------------------------------------------------------------ shared by all runs
 def build(name: str) -> torch.nn.Module:
     """The tiny model, converted with defaults (no dropout anywhere: LLaMA has none, timm's ViT defaults to 0)."""
-    from benchmarks import families
+    from testsupport import families
     from lmbp_convert import convert
 
     model = families.FAMILIES[name]()
@@ -209,7 +209,7 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     """Single process, same converted model, whole global batch each step."""
-    from benchmarks import families
+    from testsupport import families
 
     out = {}
     for name in MODELS:

@@ -10,7 +10,7 @@ import torch
 
 from lmbp_convert import convert
 from lmbp_convert.match.norm_exact import NormExact
-from benchmarks.families import hf
+from testsupport.families import hf
 
 NEW = 8
 

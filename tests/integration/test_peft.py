@@ -20,7 +20,7 @@ from lmbp_convert.export import ExportError, plain_state_dict  # noqa: E402
 from lmbp_convert.match.norm_exact import NormExact  # noqa: E402
 from lmbp_convert.nn.exact_norms import MSExactNorm  # noqa: E402
 from lmbp_convert.nn.norms import MSLayerNorm, MSRMSNorm  # noqa: E402
-from benchmarks.families import hf  # noqa: E402
+from testsupport.families import hf  # noqa: E402
 
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]  # exactly the norm-fed Linears
 BERT_TARGETS = ["query", "key", "value", "intermediate.dense"]

@@ -16,11 +16,11 @@ from lmbp_convert import convert
 from lmbp_convert.export import plain_state_dict, save_pretrained
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import hf, timm_swin, timm_vit
+from testsupport.families import hf, timm_swin, timm_vit
 
 pytestmark = pytest.mark.slow  # trains, saves and reloads every family
 
-# the checkout root: the loader subprocess imports the tiny-model builders (benchmarks.families) from it
+# the checkout root: the loader subprocess imports the tiny-model builders (testsupport.families) from it
 ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name → (builder, convert kwargs, parameters to freeze during "fine-tuning", plain loader)
@@ -87,7 +87,7 @@ _LOADER = textwrap.dedent(r"""
             model, info = cls.from_pretrained(job["path"], output_loading_info=True)
             info = {k: [str(x) for x in v] for k, v in info.items()}
         else:
-            from benchmarks import families
+            from testsupport import families
             model = getattr(families, name)()
             res = model.load_state_dict(torch.load(job["path"]), strict=True)
             info = {"missing_keys": list(res.missing_keys), "unexpected_keys": list(res.unexpected_keys)}

@@ -7,7 +7,7 @@ import torch
 from lmbp_convert import convert
 from lmbp_convert.export import save_pretrained
 from lmbp_convert.nn.exact_norms import MSExactNorm
-from benchmarks.families import hf
+from testsupport.families import hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

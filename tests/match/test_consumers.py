@@ -16,7 +16,7 @@ from lmbp_convert.match.norm_kept import NormKeep
 from lmbp_convert.match.plan import NormFold
 from lmbp_convert.match.consumers import ConsumerFold
 from lmbp_convert.match.plan import Plan
-from benchmarks.families import randomize_norms
+from testsupport.families import randomize_norms
 
 D, H = 32, 4
 

@@ -75,7 +75,7 @@ def test_plain_convert_fuses_gated_mlps_and_keeps_gradients(family):
     make, mlps, pre, post, cast = FAMILIES[family]
     model = make()
     ref = copy.deepcopy(model)
-    _, rep = convert(model, return_report=True)
+    rep = convert(model).lmbp_report
     assert rep.verified, str(rep)
     swaps = {s.name: s for s in rep.plan.gated_mlps}
     assert sorted(swaps) == sorted(mlps), str(rep)
@@ -85,7 +85,7 @@ def test_plain_convert_fuses_gated_mlps_and_keeps_gradients(family):
     # the gated swap alone (no norm folds, no approximate activations): the same state_dict keys, outputs and
     # fp32 gradients in training mode (dropout p = 0 in these configs)
     model = copy.deepcopy(ref)
-    _, rep = convert(model, norms=False, activations=False, return_report=True)
+    rep = convert(model, norms=False, activations=False).lmbp_report
     assert sorted(s.name for s in rep.plan.gated_mlps) == sorted(mlps), str(rep)
     assert model.state_dict().keys() == ref.state_dict().keys()
     probe = _probe(model)
@@ -174,7 +174,7 @@ def test_t5_fp32_wo_in_a_bf16_model_keeps_the_cast():
     ref = copy.deepcopy(model)
     # norms=False: the norm fold drops T5LayerNorm's own cast of its output to a half weight dtype (its issue,
     # not the gated MLP's: the layer after an fp32 wo then gets fp32 input)
-    _, rep = convert(model, norms=False, return_report=True)
+    rep = convert(model, norms=False).lmbp_report
     assert rep.verified, str(rep)
     assert [s.cast_to_down for s in rep.plan.gated_mlps] == [True, True], str(rep)
     name = "encoder.block.0.layer.1.DenseReluDense"
@@ -246,7 +246,7 @@ class _Wrap(nn.Module):
 
 def test_a_gated_looking_mlp_that_is_not_fused_is_reported():
     model = _Wrap(_Scaled())
-    _, rep = convert(model, probe=torch.randn(2, 4, D), return_report=True)
+    rep = convert(model, probe=torch.randn(2, 4, D)).lmbp_report
     assert not rep.plan.gated_mlps
     skip = next(s for s in rep.plan.skips if s.name == "mlp")
     assert "between the product and the down projection mlp.down" in skip.reason, str(rep)
@@ -255,14 +255,14 @@ def test_a_gated_looking_mlp_that_is_not_fused_is_reported():
 def test_identity_modules_between_product_and_down_are_walked():
     for middle in (nn.Identity(), nn.Dropout(0.3)):
         model = _Wrap(middle)
-        _, rep = convert(model, probe=torch.randn(2, 4, D), return_report=True)
+        rep = convert(model, probe=torch.randn(2, 4, D)).lmbp_report
         assert [s.pre_down for s in rep.plan.gated_mlps] == [["middle"]], str(rep)
 
 
 def test_mambaout_gated_conv_mlp_becomes_a_recompute_region():
     torch.manual_seed(0)
     model = timm.create_model("mambaout_femto", pretrained=False)
-    _, rep = convert(model, probe=torch.randn(1, 3, 64, 64), return_report=True)
+    rep = convert(model, probe=torch.randn(1, 3, 64, 64)).lmbp_report
     assert rep.verified and not rep.plan.gated_mlps
     blocks = [n for n, m in model.named_modules() if type(m).__name__ == "GatedConvBlock"]
     # not a fused gated MLP (its up half goes through a depthwise conv), but a recompute region: act(g)·u is rebuilt
@@ -289,7 +289,7 @@ def test_timm_glumlp_gated_half_follows_gate_last(gate_last):
     model = _TimmMlp(GluMlp(D, 2 * FF, act_layer=nn.GELU, gate_last=gate_last))
     ref = copy.deepcopy(model)
     x = torch.randn(2, 4, D)
-    _, rep = convert(model, probe=x, norms=False, activations=False, return_report=True)
+    rep = convert(model, probe=x, norms=False, activations=False).lmbp_report
     assert [(s.gate_up, s.gate_first) for s in rep.plan.gated_mlps] == [("fc1", not gate_last)], str(rep)
     xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     oa, ob = model.train()(xa), ref.train()(xb)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.families import HF_SMALL, hf, hf_auto
+from testsupport.families import HF_SMALL, hf, hf_auto
 from lmbp_convert import plan_conversion
 from lmbp_convert.match.loss import LossSwap, reference, semantics
 

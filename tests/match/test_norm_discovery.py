@@ -161,7 +161,7 @@ def test_convert_by_behaviour_verifies_and_saves_exact_bytes():
     net = _net()
     ref = copy.deepcopy(net)
     x = torch.randn(2, 8, D)
-    _, rep = convert(net, probe=x, return_report=True)
+    rep = convert(net, probe=x).lmbp_report
     assert rep.verification == "passed", str(rep)
     folded = {f.name: f for f in rep.plan.of(NormExact)}  # the exact default: the norms a fold would rewrite
     assert set(folded) == {"norms.0", "norms.1", "norms.3"} and not rep.plan.norm_folds, str(rep)

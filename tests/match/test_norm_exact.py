@@ -9,7 +9,7 @@ from lmbp_convert import plan_conversion
 from lmbp_convert.match.consumers import ConsumerFold
 from lmbp_convert.match.norm_exact import NormExact, exact_plan
 from lmbp_convert.match.plan import Plan
-from benchmarks.families import randomize_norms
+from testsupport.families import randomize_norms
 
 sys.path.insert(0, "tests/match")
 from test_consumers import D, ConvMlpBlock, FusedQKV, _timm_layernorm2d  # noqa: E402

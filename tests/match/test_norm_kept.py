@@ -212,7 +212,7 @@ def test_module_compiles_with_fullgraph_as_the_plain_norm():
 
 @pytest.mark.parametrize("family", ["bart", "hubert"])
 def test_tiny_families_keep_the_affine_of_their_in_layer_norms(family):
-    from benchmarks.families import PROBE_FAMILIES
+    from testsupport.families import PROBE_FAMILIES
 
     model = PROBE_FAMILIES[family]().eval()
     rep = convert(model, **FOLD).lmbp_report

@@ -3,7 +3,7 @@ import json
 from lmbp_convert import plan_conversion
 from lmbp_convert.match.norm_exact import NormExact
 from lmbp_convert.match.plan import Plan
-from benchmarks.families import hf
+from testsupport.families import hf
 
 
 def test_plan_round_trips_through_json():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from benchmarks.quant_standin import Packed4bitLinear
+from testsupport.quant_standin import Packed4bitLinear
 from lmbp_convert.match.projection import projection_problem
 
 

@@ -193,7 +193,7 @@ def test_plan_conversion_returns_the_plan_with_its_probe_and_reference_output():
 
 def test_claimed_modules_are_left_to_their_claimant():
     """A gated MLP claims its activation: the activation matcher, which runs after it, skips it."""
-    from benchmarks.families import hf
+    from testsupport.families import hf
 
     plan = plan_conversion(hf("llama"))
     gated = plan.gated_mlps

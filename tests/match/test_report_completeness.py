@@ -10,7 +10,7 @@ from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.match.plan import OutputActSwap
 from lmbp_convert.match.roles import ModuleRole, assign_roles
 
-from benchmarks.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
+from testsupport.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES, T5_SMALL, hf, hf_auto
 
 _NORM_NAME = re.compile(r"(?i).*norm.*")
 _ACT_NAME = re.compile(r"(?i).*(gelu|silu|swish|relu|tanh).*")

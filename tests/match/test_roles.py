@@ -122,7 +122,7 @@ def test_plain_norms_pass_beyond_the_probe(name):
 
 
 def _all_families():
-    from benchmarks.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES
+    from testsupport.families import FAMILIES, MORE_FAMILIES, PROBE_FAMILIES
 
     return {**FAMILIES, **PROBE_FAMILIES, **MORE_FAMILIES}
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from lmbp_convert.memory import SavedTensorLedger
 from lmbp_convert.ops import approx_act as M
+from lmbp_convert.ops import approx_codes
 from lmbp_convert.ops._common import HAS_TRITON
 from lmbp_convert.ops.approx_act import ACT_KINDS, approx_act, get_constants, pack_codes, packed_nbytes, unpack_codes
 
@@ -438,7 +439,7 @@ def test_torch_backward_in_chunks_is_bitwise_the_whole_and_holds_a_chunk(dtype, 
 
     with cpu_native.disabled():
         whole = M._bwd_torch(g, packed, bits, "gelu")
-        monkeypatch.setattr(M, "BWD_CHUNK", chunk)
+        monkeypatch.setattr(approx_codes, "BWD_CHUNK", chunk)
         with Allocations():
             chunked = M._bwd_torch(g, packed, bits, "gelu")
     assert torch.equal(chunked, whole) and chunked.shape == g.shape and chunked.dtype == dtype
@@ -454,6 +455,6 @@ def test_torch_forward_in_chunks_packs_the_same_codes(bits, monkeypatch):
     x = torch.randn(10_000 + 5, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with cpu_native.disabled():
         y, whole = M._fwd_torch(x, "gelu", bits)
-        monkeypatch.setattr(M, "BWD_CHUNK", 1000)
+        monkeypatch.setattr(approx_codes, "BWD_CHUNK", 1000)
         y2, chunked = M._fwd_torch(x, "gelu", bits)
     assert torch.equal(y, y2) and torch.equal(chunked, whole) and chunked.dtype == torch.uint8

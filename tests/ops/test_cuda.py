@@ -4,7 +4,7 @@ Run on a GPU machine with compiled kernels (scripts/gpu_run.sh does this first):
 
     TRITON_INTERPRET=0 python -m pytest -q tests/ops/test_cuda.py
 
-Compiled Triton kernels against the PyTorch path on the same device (every op, kind, variant and dtype; short,
+Compiled Triton kernels against the PyTorch path on the same device (every op, kind and dtype; short,
 non-power-of-2, max fused and looped norm rows; strided inputs), the public ops end to end on CUDA (dispatch to
 the kernels, autograd, saved bytes, norm → Linear sharing under autocast), the
 lean cached launch against Triton's own launch, CUDA-graph capture of eager steps (nothing allocated through a
@@ -57,7 +57,7 @@ def test_approx_act_kernels_match_torch_path(kind, dtype):
     from lmbp_convert.ops import approx_act as A
 
     for name, x in _act_inputs(dtype).items():
-        for bits in (2, 4) if dtype == torch.bfloat16 else (2,):  # other widths: the variant test below
+        for bits in (2, 4) if dtype == torch.bfloat16 else (2,):  # other widths: the approx-act test below
             y, packed = A._fwd_triton(x, kind, bits)
             y_ref, packed_ref = A._fwd_torch(x, kind, bits)
             assert torch.equal(packed, packed_ref), (name, bits)
@@ -95,19 +95,17 @@ def test_approx_act_op_on_cuda_matches_cpu_and_saves_only_codes(kind, dtype):
 
 @pytest.mark.parametrize("bits", (1, 2, 3))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-def test_approx_act_every_variant_matches_torch_path(bits, dtype):
+def test_approx_act_kernels_match_torch_path_at_every_width(bits, dtype):
     from lmbp_convert.ops import approx_act as A
 
     for name, x in _act_inputs(dtype, strided=False).items():  # the strided source path: the test above
         y_ref, packed_ref = A._fwd_torch(x, "gelu", bits)
-        for variant in A.FWD_VARIANTS:
-            y, packed = A._fwd_triton(x, "gelu", bits, variant=variant)
-            assert torch.equal(packed, packed_ref), (name, variant)
-            torch.testing.assert_close(y, y_ref, **tol(dtype))
+        y, packed = A._fwd_triton(x, "gelu", bits)
+        assert torch.equal(packed, packed_ref), name
+        torch.testing.assert_close(y, y_ref, **tol(dtype))
         g = torch.randn_like(x)
         dx_ref = A._bwd_torch(g, packed_ref, bits, "gelu")
-        for variant in A.BWD_VARIANTS:
-            _same_rounding(A._bwd_triton(g, packed_ref, bits, "gelu", variant=variant), dx_ref)
+        _same_rounding(A._bwd_triton(g, packed_ref, bits, "gelu"), dx_ref)
 
 
 @pytest.mark.parametrize("is_rms", (False, True))
@@ -332,7 +330,7 @@ def test_compiled_block_matches_eager(mode):
 
 
 def _family(name):
-    from benchmarks.families import hf, timm_vit
+    from testsupport.families import hf, timm_vit
 
     b, t = 2, 16
     gen = torch.Generator().manual_seed(0)

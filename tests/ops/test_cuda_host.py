@@ -1,6 +1,6 @@
 """The C++ host path (`ops/cuda_host.py`, ``csrc/cuda_host.cpp``) without a GPU.
 
-Proof by the driver call itself: with the stub libcuda of benchmarks/triton_stub.py recording every
+Proof by the driver call itself: with the stub libcuda of testsupport/triton_stub.py recording every
 ``cuLaunchKernelEx`` (config, attributes, the word at each parameter address), each op runs once through the
 Python path (Triton's own C launcher) and again through C++, on the same tensors; the two launches must be
 identical parameter by parameter (pointers resolved to the tensors they point at), for every variant class:
@@ -42,7 +42,7 @@ PARITY_SCRIPT = r"""
 import struct, sys
 from types import SimpleNamespace
 import torch
-from benchmarks import triton_stub as stub
+from testsupport import triton_stub as stub
 
 st = stub.activate(native=True)
 assert st.mode == "native-launch", st.note

@@ -72,7 +72,7 @@ def test_exact_ops_are_the_same_function_under_every_transform(op):
 
 
 def _family(name: str):
-    from benchmarks.families import FAMILIES, randomize_norms
+    from testsupport.families import FAMILIES, randomize_norms
 
     torch.manual_seed(0)
     model = randomize_norms(FAMILIES[name]()).eval()

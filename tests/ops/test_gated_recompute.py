@@ -154,16 +154,18 @@ def test_create_graph_first_order_matches():
 @pytest.mark.skipif(not gm.HAS_TRITON, reason="triton not installed")
 def test_triton_path_recomputes_with_the_forward_kernel(monkeypatch):
     """Forced Triton dispatch (CPU tensors, interpreter): the recompute runs the Triton kernel, bitwise."""
-    monkeypatch.setattr(gm, "use_triton", lambda t: True)
+    import lmbp_convert.ops.gated_act as ga
+    import lmbp_convert.ops.gated_recompute as gr
+
+    monkeypatch.setattr(ga, "use_triton", lambda t: True)  # the elementwise op's own dispatch
     calls = []
-    real = gm._fwd_triton
+    real = ga._fwd_triton
 
     def spy(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
-    import lmbp_convert.ops.gated_recompute as gr
-    monkeypatch.setattr(gm, "_fwd_triton", spy)
+    monkeypatch.setattr(ga, "_fwd_triton", spy)
     monkeypatch.setattr(gr, "_fwd_triton", spy)
     y = (torch.randn(T, 2 * F_) * 2).requires_grad_()
     g, u = y.chunk(2, dim=-1)

@@ -1,14 +1,15 @@
 """The lean launch path and the compile registration of the Triton path, without a GPU.
 
 Triton's interpreter bypasses both, so these run in a fresh process with TRITON_INTERPRET=0 and the GPU stubbed at
-Triton's level (`stub_triton_driver`: a fake sm_90 driver, a compile step returning a do-nothing kernel). What is
-checked is host-side plumbing: the cached launch passes exactly the arguments Triton's own launch path passes,
+Triton's level (testsupport's `stub_triton_driver`: a fake sm_90 driver, a compile step returning a do-nothing
+kernel). What is checked is host-side plumbing: the cached launch passes exactly the arguments Triton's own launch path passes,
 Triton's path runs once per specialisation (not per call), a new specialisation (alignment, size class) is not
 served from a stale entry, and under torch.compile every op is a traced ``triton_op`` with its registered autograd.
 """
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from lmbp_convert.ops._common import HAS_TRITON
 from lmbp_convert.ops._launch import cdiv, next_pow2
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: the scripts import testsupport from it
 
 
 def test_integer_helpers():
@@ -26,7 +28,7 @@ def test_integer_helpers():
 
 def _run(script: str) -> str:
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                         timeout=600, env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+                         timeout=600, cwd=ROOT, env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
     assert res.returncode == 0, res.stderr[-4000:]
     return res.stdout
 
@@ -34,8 +36,9 @@ def _run(script: str) -> str:
 LAUNCH_SCRIPT = """
     import torch
     from triton.runtime.jit import JITFunction
-    from lmbp_convert.ops import _launch, approx_act as A, gated_mlp as G, ms_norm as N
+    from lmbp_convert.ops import approx_act as A, gated_mlp as G, ms_norm as N
     from lmbp_convert.ops._common import set_triton_device_types
+    from testsupport.triton_compile import stub_triton_driver
 
     calls = {"triton": 0}
     launched = []
@@ -45,7 +48,7 @@ LAUNCH_SCRIPT = """
         return orig_run(self, *args, **kw)
     JITFunction.run = counting_run
 
-    with _launch.stub_triton_driver() as stub:
+    with stub_triton_driver() as stub:
         orig_stub_run = stub.run
         stub.run = lambda self, *a: launched.append(a)
         set_triton_device_types("cpu")
@@ -97,10 +100,11 @@ def test_cached_launch_matches_tritons_own_launch():
 COMPILE_SCRIPT = """
     import torch
     from torch._dynamo.testing import AotEagerAndRecordGraphs
-    from lmbp_convert.ops import _launch, approx_act as A, gated_mlp as G, ms_norm as N
+    from lmbp_convert.ops import approx_act as A, gated_mlp as G, ms_norm as N
     from lmbp_convert.ops._common import set_triton_device_types
+    from testsupport.triton_compile import stub_triton_driver
 
-    with _launch.stub_triton_driver():
+    with stub_triton_driver():
         set_triton_device_types("cpu")
         lin = torch.nn.Linear(32, 32)
         def block(x, u):
@@ -142,6 +146,7 @@ def test_direct_launch_passes_what_tritons_launcher_passes():
     call must be exactly the one Triton's ``CudaLauncher.__call__`` makes (same arguments, same order)."""
     nvidia = pytest.importorskip("triton.backends.nvidia.driver")
     from lmbp_convert.ops import _launch, approx_act
+    from testsupport.triton_compile import stub_triton_driver
 
     calls = []
 
@@ -167,7 +172,7 @@ def test_direct_launch_passes_what_tritons_launcher_passes():
         kernel.launch("test-key", (2, 3, 1), args, 0, (7, True), 4)
     finally:
         del kernel.cache["test-key"]
-    with _launch.stub_triton_driver():  # CudaLauncher.__call__ reads the active driver
+    with stub_triton_driver():  # CudaLauncher.__call__ reads the active driver
         nvidia.CudaLauncher.__call__(Compiled.run, 2, 3, 1, 55, 1234, (4, 1, 0), None, None, None, *args, 7, True)
     assert len(calls) == 2 and len(calls[0]) == len(calls[1])
     for ours, theirs in zip(*calls):
@@ -182,3 +187,49 @@ def test_direct_launch_passes_what_tritons_launcher_passes():
 
     assert not _launch._direct_launchable(Compiled2.run)
     assert _launch._Entry(Compiled2(), (), lambda dev: 0, None).c != CudaLauncher.launch
+
+
+def test_launch_knobs_guard_reads_what_this_triton_has(monkeypatch):
+    """The Triton internals the cached launch reads are guarded, not assumed from the declared floor: without
+    ``triton.knobs`` (or without its runtime launch hooks) `triton_launch_knobs` says so, and with it it returns
+    the hooks' holder."""
+    triton = pytest.importorskip("triton")
+    from lmbp_convert.ops import _launch
+
+    if hasattr(getattr(getattr(triton, "knobs", None), "runtime", None), "launch_enter_hook"):
+        runtime, _chain = _launch.triton_launch_knobs()
+        assert runtime is triton.knobs.runtime
+    monkeypatch.setattr(triton, "knobs", type("Knobs", (), {"runtime": object()}), raising=False)
+    assert _launch.triton_launch_knobs() is None  # knobs without launch hooks
+    monkeypatch.delattr(triton, "knobs")
+    monkeypatch.setitem(sys.modules, "triton.knobs", None)  # a Triton without the module
+    assert _launch.triton_launch_knobs() is None
+
+
+def test_without_launch_knobs_every_launch_is_tritons_own(monkeypatch):
+    """The fallback of the guard: no launch hooks to check, so no compiled kernel is cached and every call is the
+    ordinary ``kernel[grid](...)`` (a kernel object standing in for a ``@triton.jit`` function counts them)."""
+    from lmbp_convert.ops import _launch
+
+    class Param:
+        def __init__(self, name, const):
+            self.name, self.is_constexpr = name, const
+
+    calls = []
+
+    class Compiled:  # what a real launch returns: a compiled kernel that would be cached
+        packed_metadata = (4, 1, 0)
+
+    class Kernel:
+        __name__ = "fake_kernel"
+        params = [Param("x", False), Param("BLOCK", True)]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw)) or Compiled()
+
+    monkeypatch.setattr(_launch, "_KNOBS", None)
+    k = _launch.LeanKernel(Kernel())
+    for _ in range(3):
+        k.launch("key", (1, 1, 1), (5,), None, (64,))
+    assert len(calls) == 3 and calls[0] == ((1, 1, 1), (5,), {"num_warps": 4, "BLOCK": 64})
+    assert k.cache == {}

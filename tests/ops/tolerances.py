@@ -7,7 +7,7 @@ differs between a Triton kernel and ATen.
 
 Usage::
 
-    from tolerances import tol          # tests/conftest.py puts tests/ops on sys.path
+    from tolerances import tol          # conftest.py (checkout root) puts tests/ops on sys.path
     torch.testing.assert_close(out, ref, **tol(out.dtype))          # forward
     torch.testing.assert_close(dx, dx_ref, **tol(dx.dtype, "bwd"))  # backward
 """

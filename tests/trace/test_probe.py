@@ -9,7 +9,7 @@ from lmbp_convert import plan_conversion
 from lmbp_convert.apply.verify import TRAIN_DRAWS
 from lmbp_convert.trace.probe import find_probe, make_probe, search_probe
 from lmbp_convert.trace.tracer import call_model
-from benchmarks.families import PROBE_FAMILIES
+from testsupport.families import PROBE_FAMILIES
 
 
 def _shapes(probe):
@@ -18,7 +18,7 @@ def _shapes(probe):
     return {k: tuple(v.shape) for k, v in probe.items()}
 
 
-# what each family's probe must be, from the tiny configs in benchmarks.families.PROBE_FAMILIES (batch 2, seq 8)
+# what each family's probe must be, from the tiny configs in testsupport.families.PROBE_FAMILIES (batch 2, seq 8)
 EXPECTED = {
     # decoder ids sized like the text, opening with decoder_start_token_id where the config sets one
     "t5": {"input_ids": (2, 8), "decoder_input_ids": (2, 8)},
@@ -237,7 +237,7 @@ def test_meta_model_is_traced_with_one_forward():
     """On the meta device the trace is the probe's check: the model runs once, not once to check and once to trace."""
     from lmbp_convert.apply.convert import plan_conversion
     from lmbp_convert.match.norm_exact import NormExact
-    from benchmarks.families import hf
+    from testsupport.families import hf
 
     with torch.device("meta"):
         model = hf("llama")
@@ -283,7 +283,7 @@ def test_a_candidate_tried_first_that_the_model_refuses_falls_back_to_the_usual_
 def test_out_of_memory_during_the_search_is_raised_not_taken_for_a_refusal(oom, call):
     """Out of memory is the machine's limit, not the probe's: once, the search tried a smaller candidate (batch 1)
     and the conversion went on as if nothing had happened; now it is raised as it is, and the model left alone."""
-    from benchmarks.families import FAMILIES
+    from testsupport.families import FAMILIES
 
     model = FAMILIES["llama"]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -305,7 +305,7 @@ def test_out_of_memory_during_the_search_is_raised_not_taken_for_a_refusal(oom, 
 
 
 def test_one_channel_hf_vit_probes_with_its_config_channels():
-    from benchmarks.families import hf_auto
+    from testsupport.families import hf_auto
 
     model = hf_auto("AutoModelForImageClassification", "vit", image_size=32, patch_size=8, num_channels=1,
                     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_labels=3)

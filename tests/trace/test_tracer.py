@@ -6,7 +6,7 @@ from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.match.roles import assign_roles, is_leaf_factory
 from lmbp_convert.trace import TraceError, trace
 from lmbp_convert.trace.probe import ProbeError, make_probe
-from benchmarks.families import hf
+from testsupport.families import hf
 
 
 def _trace(model, probe=None):
@@ -27,7 +27,7 @@ def test_records_leaf_modules_ops_and_scopes():
     assert g.root_outputs  # the logits
 
 
-# Tiny configs (benchmarks/families.py): probe batch 2 x 8 tokens, hidden 64, 4 heads; LLaMA has 2 KV heads
+# Tiny configs (testsupport/families.py): probe batch 2 x 8 tokens, hidden 64, 4 heads; LLaMA has 2 KV heads
 # (k/v width 32) and a 172-wide gated MLP, GPT-2 and BERT a 256-wide MLP; vocab 128.
 _EXPECTED_SHAPES = {  # module -> (input shapes, output shapes) the trace must record
     "llama": {

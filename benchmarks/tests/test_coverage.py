@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks import coverage
 from benchmarks import coverage_expected as E
-from benchmarks.families import GROUPS, FamilyUnavailable, group_of, registry
+from testsupport.families import GROUPS, FamilyUnavailable, group_of, registry
 
 #: (family, mode) cells run in the fast loop: each cause and each kind of model at least once (seconds each);
 #: the other cells are `slow` (the whole matrix takes minutes on 2 cores)

@@ -1,7 +1,7 @@
 """The whole-step peak harness: its live-tensor tracker is exact (a hand-computed case, and MemTracker's total on
 a model MemTracker can hook), and on tiny configurations the variants keep their relations (checkpointing lowers
 the activations at the peak, conversion never raises the peak; converted + checkpointing against checkpointing
-alone: tests/integration/test_grad_checkpointing.py)."""
+alone: the last test here)."""
 import pytest
 import torch
 from torch import nn
@@ -134,3 +134,18 @@ def test_step_time_runs_interleaved_rounds_on_a_tiny_config():
     row = step_time.run(SP.TINY["a"], ["original", "converted"], rounds=2, convert_kwargs={}, log=lambda *_: None)
     assert row["ratio"]["original"] == 1.0 and row["ratio"]["converted"] > 0
     assert all(len(ts) == 2 for ts in row["times_s"].values())
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+@pytest.mark.parametrize("config,ckpt", [("a", "ckpt"), ("a", "ckpt-reentrant"), ("c", "ckpt")])
+def test_converted_checkpointed_step_peaks_below_checkpointing_alone(config, ckpt):
+    """The whole training step's peak (live tensors: parameters, gradients, AdamW state, activations and
+    temporaries; benchmarks.step_peak) on a PEFT LoRA model: tiny LLaMA in bf16 with HF's loss under HF's
+    non-reentrant and reentrant checkpointing, tiny timm ViT under autocast with set_grad_checkpointing."""
+    cfg = SP.TINY[config]
+    alone = SP.measure_variant(cfg, ckpt)
+    both = SP.measure_variant(cfg, "converted+" + ckpt)
+    assert both["verified"] and both["untracked"] == alone["untracked"] == 0
+    assert both["params"] == alone["params"] and both["optimizer"] == alone["optimizer"]
+    assert both["peak"] < alone["peak"], (both, alone)
+    assert both["activations"] < alone["activations"], (both, alone)

@@ -241,7 +241,7 @@ class _Routing:
                 self.mods.append((mod, mod.use_triton))
         if not self.mods:
             raise RuntimeError("lmbp_convert.ops exposes no use_triton to route CPU tensors to the Triton path; "
-                               "update benchmarks/triton_stub.py for the new dispatch")
+                               "update testsupport/triton_stub.py for the new dispatch")
         self.stub = use_triton_any_device
 
     def set(self, on: bool) -> None:

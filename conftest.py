@@ -1,4 +1,4 @@
-"""Test session setup.
+"""Test session setup, for tests/ and benchmarks/tests/ (the checkout root's conftest, so both get it).
 
 Triton's interpreter must be switched on before any kernel is defined, so this runs before the package is
 imported: in CI (no GPU) the Triton kernels then execute on CPU tensors and are compared with the PyTorch path.
@@ -14,7 +14,7 @@ import sys  # noqa: E402
 
 # Test files mirror the package (tests/ops/test_gated_mlp.py and tests/nn/test_gated_mlp.py), so pytest runs
 # with --import-mode=importlib; shared helpers are imported by name from these folders.
-_here = os.path.dirname(os.path.abspath(__file__))
+_here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests")
 for _p in (_here, os.path.join(_here, "ops")):
     if _p not in sys.path:
         sys.path.insert(0, _p)

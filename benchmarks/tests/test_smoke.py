@@ -17,6 +17,7 @@ from benchmarks import host as H
 from benchmarks import memory as M
 from benchmarks import qlora as Q
 from benchmarks import speed as S
+from benchmarks import speed_gpu as SG
 
 ROOT = C.ROOT
 
@@ -163,8 +164,8 @@ def test_gpu_mode_phases(monkeypatch, tmp_path):
         into["rows"] += [{"mode": "bf16", "variant": v} for v in sorted(only)]
         return into
 
-    monkeypatch.setattr(S, "vit_lora", fake_vit)
-    monkeypatch.setattr(S, "llama_slice", fake_llama)
+    monkeypatch.setattr(SG, "vit_lora", fake_vit)  # gpu_run's own module
+    monkeypatch.setattr(SG, "llama_slice", fake_llama)
     args = S.parse_args(["--gpu", "--device", "cpu", "--tiny", "--sections", "vit_lora,llama_slice",
                          "--json", str(tmp_path / "g.json")])
     data = S.gpu_run(args, log=lambda *a: None)
@@ -180,7 +181,7 @@ def test_gpu_mode_phases(monkeypatch, tmp_path):
 def test_gpu_mode_compiled_vit_row_on_cpu(monkeypatch):
     """A compiled ViT LoRA row (dynamo with the eager backend, to keep it fast): counted graphs, no break,
     and a table row that compares it with the compiled original."""
-    monkeypatch.setattr(S, "COMPILE_BACKEND", "eager")
+    monkeypatch.setattr(SG, "COMPILE_BACKEND", "eager")
     fam = S.C.TINY["vit"].with_(batch=2)
     row = S._vit_lora_variant(fam, "cpu", True, S.V_CONV_COMPILE, 1, 0, convert_=True, compile_mode="default")
     assert row["graphs"] >= 1 and row["graph_breaks"] == 0 and row["img_s"] > 0

@@ -1,6 +1,6 @@
 """Tiny random-init models of the families lmbp-convert must convert, built from configs (no network).
 
-One place for the tests (``from benchmarks.families import hf, FAMILIES``) and the benchmarks
+One place for the tests (``from testsupport.families import hf, FAMILIES``) and the benchmarks
 (``benchmarks.coverage``): the conversion matrix and the tests run on the same models. Every norm gets a
 non-trivial γ, β (``randomize_norms``) so that a wrong fold shows. Nothing here imports lmbp_convert: a subprocess
 that blocks it (tests/integration/test_save_load.py) still builds the models.
