@@ -30,7 +30,7 @@ from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, ca
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
                      rng_kept, run_probe, run_probe_train, TRAIN_DRAWS)
 
-__all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
+__all__ = ["CONFIG_KEY", "convert", "plan_conversion", "prefolded_norms"]
 
 REPORT_ATTR = "lmbp_report"
 
@@ -85,12 +85,13 @@ def _batch_of(probe: Any) -> int:
 
 @keeps_model_device
 def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
-            return_report: bool = False, **overrides: Any):
+            **overrides: Any) -> nn.Module:
     """Convert ``model`` in place for memory-lean fine-tuning and return it.
 
     Approximate-backprop activations replace GELU/SiLU modules; memory-sharing norms replace LayerNorm/RMSNorm
-    whose output feeds Linear layers, with the affine folded into those Linears (and re-applied on any other
-    branch, e.g. the residual of a post-LN encoder); gated MLPs use the memory-sharing fused op.
+    whose output a consumer keeps (exact by default: γ, β, W, b stay the original parameters and the consumers'
+    copies of the output are rebuilt from x̂; ``fold_norms=True`` folds the affine into the next Linears
+    instead); gated MLPs, PEFT LoRA inputs and the LM loss use memory-sharing ops.
     Options: a ``ConvertOptions`` and/or its fields as keyword arguments (merged; a keyword contradicting a
     value the options object was built with is a TypeError). ``probe``: the input of the tracing and
     verification forwards when the model's config cannot provide one; ``Probes(first, second, ...)`` for
@@ -100,22 +101,19 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     exception (including KeyboardInterrupt) the model is restored exactly and the exception re-raised. Each
     rewrite is checked against the original outputs, on the traced probe and on a second input the trace did
     not see (so a branch only other data takes, such as an MoE expert the probe routed no token to, shows up;
-    see `lmbp_convert.trace.second_probe`), and rolled back if it changes them. The report is
-    ``model.lmbp_report`` (``return_report=True`` is deprecated: it changes the return type).
+    see `lmbp_convert.trace.second_probe`), and on the traced probe in train mode on fixed RNG draws, and rolled
+    back if it changes them. The report is ``model.lmbp_report``.
     Errors: see ``lmbp_convert.errors``.
     """
-    if return_report:
-        _deprecated("convert(..., return_report=True)", stacklevel=4)  # 4: past the device-keeping wrapper
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
     # Under torch.autocast, verification would compare rounding, not the rewrite: see `outside_autocast`.
     # Its probes and checks draw random numbers: the caller's RNG stream is left where it was (`rng_kept`).
     with torch.inference_mode(False), outside_autocast() as amp, rng_kept(model):
-        return _convert(model, options, probe, return_report, overrides, amp)
+        return _convert(model, options, probe, overrides, amp)
 
 
-def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, return_report: bool,
-             overrides: dict[str, Any], amp: list[tuple[str, torch.dtype]] = ()):
+def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overrides: dict[str, Any], amp: list[tuple[str, torch.dtype]] = ()):
     t0 = time.perf_counter()
     opt, given = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
@@ -135,7 +133,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
             report.notes.append("nothing left to convert: the model is already converted")
             report.seconds = time.perf_counter() - t0
             _attach(model, report)
-            return (model, report) if return_report else model
+            return model
         skipped = "\n".join(f"  {s.name}: {s.reason}" for s in plan.skips) or "  (no candidate modules found)"
         raise NothingToConvertError(
             f"nothing to convert in {type(model).__name__}: no GELU/SiLU-family activation, no LayerNorm/RMSNorm "
@@ -173,7 +171,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, retur
     except BaseException as exc:
         _restore(model, units, had_report, old_report, exc)
         raise
-    return (model, report) if return_report else model
+    return model
 
 
 @dataclass(frozen=True)
@@ -402,15 +400,3 @@ def _attach(model: nn.Module, report: ConversionReport) -> None:
     if isinstance(prev, ConversionReport) and prev is not report:
         report.previous = prev
     object.__setattr__(model, REPORT_ATTR, report)
-
-
-def last_report(model: nn.Module) -> ConversionReport | None:
-    """Deprecated: read ``model.lmbp_report`` (``getattr(model, "lmbp_report", None)`` if it may be unconverted)."""
-    _deprecated("lmbp_convert.last_report(model)", stacklevel=3)
-    return getattr(model, REPORT_ATTR, None)
-
-
-def _deprecated(old: str, stacklevel: int) -> None:
-    """One way to get the report: ``model.lmbp_report``. The other two still work, with this warning."""
-    warnings.warn(f"{old} is deprecated: read the report as model.{REPORT_ATTR} (convert() returns the model)",
-                  DeprecationWarning, stacklevel=stacklevel)

@@ -95,27 +95,17 @@ def test_exclude_that_matches_nothing_warns():
         plan_conversion(FAMILIES["llama"](), exclude=["model.layer.0"])
 
 
-def test_the_report_is_model_lmbp_report_and_the_other_ways_warn():
+def test_the_report_is_model_lmbp_report_and_the_only_way():
+    """One way to the report (issue 22, item 7: the pre-1.0 `return_report=True` and `last_report()` are gone)."""
     from torch import nn
 
     import lmbp_convert
-    from lmbp_convert.apply.convert import last_report
+    from lmbp_convert.apply import convert as convert_module
 
-    def model():
-        return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
-
-    probe = torch.randn(2, 8)
+    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.GELU())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the documented way warns about nothing
-        m = model()
-        assert convert(m, probe=probe) is m and m.lmbp_report.verified
-    m = model()
-    with pytest.warns(DeprecationWarning, match=r"return_report=True.*model\.lmbp_report") as rec:
-        out = convert(m, probe=probe, return_report=True)
-    assert rec[0].filename == __file__  # points at the caller
-    assert isinstance(out, tuple) and out[0] is m and out[1] is m.lmbp_report  # still works as before
-    with pytest.warns(DeprecationWarning, match=r"last_report.*model\.lmbp_report"):
-        assert last_report(m) is m.lmbp_report
-    with pytest.warns(DeprecationWarning):
-        assert last_report(model()) is None
-    assert "last_report" not in lmbp_convert.__all__ and not hasattr(lmbp_convert, "last_report")
+        assert convert(m, probe=torch.randn(2, 8)) is m and m.lmbp_report.verified
+    with pytest.raises(TypeError, match="return_report"):
+        convert(m, probe=torch.randn(2, 8), return_report=True)
+    assert not hasattr(lmbp_convert, "last_report") and not hasattr(convert_module, "last_report")
