@@ -14,7 +14,9 @@ b + W·β, which a plain model computes identically. Two kinds of fold are not e
   4C → 2C, and before training otherwise), and the norm's other targets compensate with b − W'·β*.
   When no β* reproduces the function, ``ExportError`` says so rather than writing a different model.
 
-``model.save_pretrained`` and Trainer checkpoints keep writing the converted parametrisation, which is what
+Where the converted state dict is not plain (the first kind above), ``model.save_pretrained`` — and so Trainer's
+``save_model``, its checkpoints and ``push_to_hub`` — raises `ExportError` (`PlainSaveGuard`, set by
+``convert()``); ``torch.save(model.state_dict())`` still writes the converted parametrisation, which is what
 resuming *into a converted model* needs (``load_state_dict`` of the same keys); a checkpoint meant for plain
 transformers/timm comes from ``save_pretrained`` / ``plain_state_dict`` here. Unfolding runs in float64 and
 rounds once to each tensor's dtype (bf16 weights: bf16 rounding). Nothing here changes the model, and

@@ -202,6 +202,9 @@ def test_plain_save_pretrained_of_post_ln(tmp_path, fold):
         model.save_pretrained(tmp_path)
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
     probe, _, _ = make_probe(ref, batch=2, seq=9)
-    with torch.no_grad():  # the encoder output (the tiny random classifier head shrinks differences)
-        a, b = loaded.bert(**probe).last_hidden_state, ref.bert(**probe).last_hidden_state
-    assert float((a - b).norm() / b.norm()) < 1e-6
+    with torch.no_grad():
+        a, b = loaded(**probe).logits, ref(**probe).logits
+        assert float((a - b).norm() / b.norm()) < 1e-5
+        if not fold:  # and the encoder alone (a fold into the pooler cannot be undone: see docs/usage.md)
+            a, b = loaded.bert(**probe).last_hidden_state, ref.bert(**probe).last_hidden_state
+            assert float((a - b).norm() / b.norm()) < 1e-6
