@@ -22,13 +22,14 @@ _LAZY = {
     "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
     "Probes": ".trace.second_probe", "checkpoint_for_budget": ".budget", "ActivationBudget": ".budget",
-    "BudgetError": ".errors",
+    "BudgetError": ".errors", "ReplacedModuleError": ".errors",
 }
 
 __all__ = [
     "ActivationBudget", "BudgetError", "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions",
     "ExportError", "LmbpError",
-    "NothingToConvertError", "ProbeError", "Probes", "SavedTensorLedger", "TraceError", "convert",
+    "NothingToConvertError", "ProbeError", "Probes", "ReplacedModuleError", "SavedTensorLedger", "TraceError",
+    "convert",
     "plan_conversion", "checkpoint_for_budget",
 ]
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .apply.convert import convert, plan_conversion
     from .budget import ActivationBudget, checkpoint_for_budget
     from .checkpoint.errors import CheckpointError
-    from .errors import BudgetError, ConversionError, LmbpError, NothingToConvertError, ProbeError, TraceError
+    from .errors import (BudgetError, ConversionError, LmbpError, NothingToConvertError, ProbeError,
+                         ReplacedModuleError, TraceError)
     from .export import ExportError
     from .memory import SavedTensorLedger
     from .options import ConvertOptions

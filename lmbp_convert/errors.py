@@ -7,6 +7,7 @@
     │   ├── ProbeError                     (ValueError)     no probe input can be built for the model
     │   └── ExportError                                     (lmbp_convert.export) not expressible as a plain checkpoint
     ├── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
+    ├── ReplacedModuleError                (RuntimeError)   a module a fold lives in was replaced by one it cannot follow
     └── BudgetError                                         checkpoint_for_budget cannot meet the budget or find the layers
 
 The builtin second bases are the ones each class had before it joined the hierarchy, so ``except RuntimeError`` /
@@ -51,4 +52,10 @@ class BudgetError(LmbpError):
     find or measure the layers; the model is left as it was."""
 
 
-__all__ = ["BudgetError", "ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "TraceError"]
+class ReplacedModuleError(LmbpError, RuntimeError):
+    """A module that carries part of a fold (a shift or re-applied affine hook) was replaced after convert() by a
+    module the hook cannot act on; raised by the converted model's forward instead of returning wrong values."""
+
+
+__all__ = ["BudgetError", "ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "ReplacedModuleError",
+           "TraceError"]

@@ -14,7 +14,9 @@ b + W·β, which a plain model computes identically. Two kinds of fold are not e
   4C → 2C, and before training otherwise), and the norm's other targets compensate with b − W'·β*.
   When no β* reproduces the function, ``ExportError`` says so rather than writing a different model.
 
-``model.save_pretrained`` and Trainer checkpoints keep writing the converted parametrisation, which is what
+Where the converted state dict is not plain (the first kind above), ``model.save_pretrained`` — and so Trainer's
+``save_model``, its checkpoints and ``push_to_hub`` — raises `ExportError` (`PlainSaveGuard`, set by
+``convert()``); ``torch.save(model.state_dict())`` still writes the converted parametrisation, which is what
 resuming *into a converted model* needs (``load_state_dict`` of the same keys); a checkpoint meant for plain
 transformers/timm comes from ``save_pretrained`` / ``plain_state_dict`` here. Unfolding runs in float64 and
 rounds once to each tensor's dtype (bf16 weights: bf16 rounding). Nothing here changes the model, and
@@ -35,7 +37,7 @@ from .enums import AffineState, ConvertedModule
 from .match.plan import NormFold
 from .report import ConversionReport
 
-__all__ = ["ExportError", "plain_state_dict", "save_pretrained", "saves_plainly"]
+__all__ = ["ExportError", "PlainSaveGuard", "plain_state_dict", "save_pretrained", "saves_plainly"]
 
 #: relative residual ‖W'·β* − b'‖ / ‖b'‖ up to which a bias moved back into a norm's shift counts as exact
 DEFAULT_RTOL = 1e-4
@@ -290,7 +292,10 @@ def _untied_tie_flags(model: nn.Module) -> list[Any]:
     cfg = getattr(model, "config", None)
     if cfg is None or get_in is None or get_out is None:
         return []
-    emb_in, emb_out = get_in(), get_out()
+    try:
+        emb_in, emb_out = get_in(), get_out()
+    except NotImplementedError:  # transformers 5: a model without token embeddings (speech encoders)
+        return []
     if emb_in is None or emb_out is None or getattr(emb_out, "weight", None) is None:
         return []
     if emb_out.weight is emb_in.weight:
@@ -318,7 +323,52 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, *,
     for c in flags:
         c.tie_word_embeddings = False
     try:
-        model.save_pretrained(save_directory, state_dict=sd, **kwargs)
+        type(model).save_pretrained(model, save_directory, state_dict=sd, **kwargs)  # past a `PlainSaveGuard`
     finally:
         for c in flags:
             c.tie_word_embeddings = True
+
+
+class PlainSaveGuard:
+    """A converted transformers model's ``save_pretrained`` (an instance attribute `convert()` sets): the class's
+    own method while ``saves_plainly(model)``, else `ExportError`, since that checkpoint would load into plain
+    transformers as a different model (folded Linears next to the γ, β their norm keeps: post-LN folds). Trainer's
+    ``save_model`` and checkpoints, and ``push_to_hub``, call it too, so none of them writes such a file silently."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not saves_plainly(self.model):
+            raise ExportError(
+                f"save_pretrained() of this converted {type(self.model).__name__} would write folded Linears next to "
+                "the γ, β their norms keep (a fold_norms=True conversion whose norm affine is re-applied on other "
+                "branches, e.g. post-LN), which plain from_pretrained loads as a different model. Write a plain "
+                "checkpoint with lmbp_convert.export.save_pretrained(model, path); to resume a converted model, "
+                "torch.save(model.state_dict()) and load_state_dict it; or convert with fold_norms=False (the "
+                "default: exact norms, the same saving, a plain state dict).")
+        return type(self.model).save_pretrained(self.model, *args, **kwargs)
+
+
+def guard_plain_save(model: nn.Module) -> tuple[Callable[[], None], Callable[[], None]] | None:
+    """The (do, undo) step that sets `PlainSaveGuard` on a transformers model whose state dict is not plain
+    (None otherwise: nothing to guard)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency of every HF model
+        return None
+    if not isinstance(model, PreTrainedModel) or saves_plainly(model):
+        return None
+    had = "save_pretrained" in model.__dict__
+    old = model.__dict__.get("save_pretrained")
+
+    def do() -> None:
+        model.__dict__["save_pretrained"] = PlainSaveGuard(model)
+
+    def undo() -> None:
+        if had:
+            model.__dict__["save_pretrained"] = old
+        else:
+            model.__dict__.pop("save_pretrained", None)
+
+    return do, undo

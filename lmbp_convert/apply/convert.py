@@ -168,6 +168,16 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
         _warn_orphans(model, params_before)
         report.seconds = time.perf_counter() - t0
         _attach(model, report)
+        from ..export import guard_plain_save  # export reads the report just attached (a call-time import: no cycle)
+
+        step = guard_plain_save(model)
+        if step is not None:  # plain save_pretrained would write a different model: it raises instead
+            guard = Unit("plain save_pretrained refused")
+            guard.steps.append(step)
+            units.append((guard, None))
+            guard.apply()
+            report.notes.append("save_pretrained() raises ExportError: this model's state dict is not a plain "
+                                "checkpoint (lmbp_convert.export.save_pretrained writes one)")
     except BaseException as exc:
         _restore(model, units, had_report, old_report, exc)
         raise

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ReplacedModuleError
 from ..fold import apply_affine, norm_scale, shift_behind_scale, shift_of
 from ..enums import ConvertedHook
 from ..trace.containers import children, has_child, replace_child
@@ -139,3 +140,71 @@ class AddShift(ConvertedHook):
             if not isinstance(beta, torch.Tensor):
                 return None
         return output + shift_of(module.weight, beta, self.layout).to(output.dtype)
+
+
+class FollowModule(ConvertedHook):
+    """Keeps one fold hook on whatever module sits at ``path`` of the converted root, checked by a root forward
+    pre-hook at every call.
+
+    A hook lives on a module object, and transformers replaces whole modules after convert(): resizing the
+    vocabulary builds a new head and copies the old rows into it, so the folded rows survive but a shift hook on
+    the old head would not (GPT-2's untied head: 0.27 off on the old tokens' logits). The hook moves to the new
+    module, which is then taken as holding folded weights, as a resized copy does; its new rows w are those of an
+    original head w/γ. A new module the hook cannot act on (an `AddShift` target without a weight of the folded
+    width: ``nn.Identity``, another width) raises `ReplacedModuleError` rather than return unshifted values."""
+
+    def __init__(self, root: nn.Module, path: str, hook: ConvertedHook, pre: bool) -> None:
+        self.path, self.hook, self.pre = path, hook, pre
+        self.module = root.get_submodule(path)
+        self.width = _in_width(self.module, hook)
+        self._handle = None
+
+    def _register(self, module: nn.Module) -> None:
+        if self.pre:
+            self._handle = module.register_forward_pre_hook(self.hook, with_kwargs=True, prepend=True)
+        else:
+            self._handle = module.register_forward_hook(self.hook)
+        self.module = module
+
+    def root_pre(self, root: nn.Module, args: tuple, kwargs: dict):
+        try:
+            current = root.get_submodule(self.path)
+        except AttributeError:
+            current = None
+        if current is self.module:
+            return None
+        if current is None or _in_width(current, self.hook) != self.width:
+            raise ReplacedModuleError(
+                f"{self.path!r} was replaced after convert() by {type(current).__name__}, which cannot take the "
+                f"shift convert() folded into the module it replaced (a weight of input width {self.width} is "
+                "needed). Replace or resize modules before convert(), or convert with fold_norms=False (exact "
+                "norms: no fold to keep).")
+        self._handle.remove()
+        self._register(current)
+        return None
+
+    def attach(self, root: nn.Module) -> _Handles:
+        self._register(self.module)
+        follow = root.register_forward_pre_hook(self.root_pre, with_kwargs=True, prepend=True)
+        return _Handles(follow, _Later(self))
+
+
+class _Later:
+    """Removes the hook from the module it is on when removal runs (it may have moved since registration)."""
+
+    def __init__(self, follow: FollowModule) -> None:
+        self.follow = follow
+
+    def remove(self) -> None:
+        if self.follow._handle is not None:
+            self.follow._handle.remove()
+
+
+def _in_width(module: nn.Module | None, hook: ConvertedHook) -> int | None:
+    """The input width an `AddShift` needs of its module's weight (None for hooks that need no weight)."""
+    if not isinstance(hook, AddShift):
+        return None
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return -1
+    return int(w.shape[-1] if hook.layout == "out_in" else w.shape[0])

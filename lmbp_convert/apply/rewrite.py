@@ -21,7 +21,7 @@ from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
 from ..match.kinds import declared
 from ..match.plan import ActSwap, GatedMLPSwap, LinearTarget, NormFold, NormSwap, OutputActSwap, PlanItem
-from .hooks import AddShift, ReapplyInput, ReapplyOutput, register_output_reapply
+from .hooks import AddShift, FollowModule, ReapplyInput, ReapplyOutput, register_output_reapply
 from .load_hooks import FoldOnLoad, FoldParamsOnLoad
 
 
@@ -253,16 +253,16 @@ class UnitBuilder:
                 lin = self.modules[t.name]
                 lin = getattr(lin, t.base) if t.base else lin
                 hook = AddShift(new, t.layout, behind_scale=bool(fold.reapply))
-                self.add_hook(unit, lambda h=hook, m=lin: m.register_forward_hook(h))
+                path = f"{t.name}.{t.base}" if t.base else t.name
+                self.add_hook(unit, lambda h=hook, p=path: FollowModule(self.model, p, h, pre=False).attach(self.model))
         for site in fold.reapply:
             if site.kind is ReapplyKind.ROOT_OUTPUT:
                 hook = ReapplyOutput(new, site.paths)
                 self.add_hook(unit, lambda h=hook: register_output_reapply(self.model, h))
             else:
                 hook = ReapplyInput(new, site.position, site.keyword)
-                target = self.modules[site.module]
-                self.add_hook(unit, lambda h=hook, m=target: m.register_forward_pre_hook(h, with_kwargs=True,
-                                                                                          prepend=True))
+                self.add_hook(unit, lambda h=hook, p=site.module: FollowModule(self.model, p, h, pre=True)
+                              .attach(self.model))
 
     def _set_weight(self, unit: Unit, lin: nn.Module, w_new: torch.Tensor, attr: str = "weight") -> None:
         weight = getattr(lin, attr)

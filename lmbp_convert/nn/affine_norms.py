@@ -5,24 +5,26 @@ Used where the affine cannot be folded into the next Linears but a consumer keep
 post-LN residual add in the same forward, a tied head): the norm's input is then no longer kept.
 
 The guard: channels whose x̂ cannot be recovered from y to the documented bound (|γ| tiny, or |β| ≫ |γ|) keep their
-input columns instead. Which channels those are is decided once per parameter update (keyed on the parameters'
-version counters); when more than half the channels would need it, the forward is the plain norm (saving its
-input, as the original did): exact, nothing gained, nothing lost.
+input columns instead. Which channels those are is recomputed on the device at every forward, from γ and β as they
+are then: an O(n) elementwise test and a sort of n flags, small beside the norm itself. No key on version counters
+or data pointers decides it, since ``p.data.copy_(t)`` and ``p.data = t`` (master-weight copy-back, EMA,
+hand-written optimisers) move neither, and a key would keep a stale set for every later step. When more than half
+the channels would need it, the forward is the plain norm (saving its input, as the original did): exact, nothing
+gained, nothing lost.
 
 No host sync in a training step. The channel mask is computed on the device, and the index set is the first k of
 the channels ordered unreliable-first (a static-shape sort, no ``nonzero``), k being the count the host knows.
-After an update the new count is copied to the host without blocking (`HostCount`) and read once it has arrived,
-so a GPU step never waits on it. While the set stays the same — every step but the rare one where a channel
-crosses the guard's threshold — the kept columns, the saved bytes and the gradients are exactly those of a guard
-read at every update. When the set changes, the host learns it by the next forward: a shrinking set keeps a few
-reliable columns more for that step (exact); a growing one recovers the new channels from y for that step (a
-channel with γ = 0 gives x̂ = 0, never inf). ``deferred_guard = False`` reads the count at every update instead (one
-host sync per update), for exact guarding from the very first step. The first forward (and one after a move to
-another device) reads the count once.
+Each forward copies the new count to the host without blocking (`HostCount`), read once it has arrived, so a GPU
+step never waits on it. While the set's size stays the same — every step but the rare one where a channel crosses
+the guard's threshold — the kept columns, the saved bytes and the gradients are exactly those of a guard read at
+every forward. When the size changes, the host learns it by the next forward: a shrinking set keeps a few reliable
+columns more for that step (exact); a growing one recovers the new channels from y for that step (a channel with
+γ = 0 gives x̂ = 0, never inf). ``deferred_guard = False`` reads the count at every forward instead (one host sync
+per forward), for exact guarding from the very first step. The first forward (and one after a move to another
+device) reads the count once.
 
-Under torch.compile the forward is that plain norm as well: the guard's key (version counters, data pointers)
-and its channel choice (a data-dependent count) cannot be traced into a graph, and a guess at them could go
-stale after an optimizer step. Outputs are identical and gradients exact; the input is saved, as the original norm did.
+Under torch.compile the forward is that plain norm as well: the guard's channel choice (a data-dependent count)
+cannot be traced into a graph, and a guess at it could go stale after an optimizer step. Outputs are identical and gradients exact; the input is saved, as the original norm did.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ class MSAffineNorm(ConvertedModule, nn.Module):
 
     #: fall back to the plain norm when more than this fraction of the channels must keep their input column
     max_kept_fraction = 0.5
-    #: read the guard's channel count without blocking, one forward late (False: at every update, a host sync)
+    #: read the guard's channel count without blocking, one forward late (False: at every forward, a host sync)
     deferred_guard = True
 
     def __init__(self, kind: NormType | str, n: int, eps: float, weight: nn.Parameter,
@@ -90,34 +92,31 @@ class MSAffineNorm(ConvertedModule, nn.Module):
         self._reset_guard()
 
     def _reset_guard(self) -> None:
-        self._guard_key: tuple | None = None
+        self._device: torch.device | None = None  # where the guard last ran (a move re-reads the count)
         self._keep_idx: torch.Tensor | None = None
         self._bad: torch.Tensor | None = None  # the unreliable channels, on the device
         self._k = 0  # how many channels the index set holds (the count the host last knew)
         self._count: HostCount | None = None  # the count after the last update, on its way to the host
 
     def kept_channels(self, device: torch.device) -> torch.Tensor | None:
-        """Indices of the channels whose input column is kept (None: too many, use the plain norm). Recomputed
-        on the device when γ/β change; no host read in the steady state (see the module doc)."""
+        """Indices of the channels whose input column is kept (None: too many, use the plain norm), from γ and β
+        as they are now, however they were last written. Computed on the device; no host read in the steady state
+        (see the module doc)."""
         w, b = self.weight, self.bias
-        key = (w._version, w.data_ptr(), None if b is None else (b._version, b.data_ptr()), device)
-        if key != self._guard_key:
-            moved = self._guard_key is None or self._guard_key[-1] != device
-            self._guard_key = key
-            self._bad = unreliable_channels(w, b, self.param is WeightParam.ONE_PLUS_W).to(device)
-            count = self._bad.sum()
-            if moved:
-                self._count = HostCount(device)
-            if moved or not self.deferred_guard:
-                self._k = int(count)  # the first forward (or exact mode): one host read
-            else:
-                self._count.post(count)  # arrives later; the index set is redone then if the count changed
-            self._keep_idx = self._indices()
-        if self._count is not None and self._count.ready():
-            k = self._count.take()
-            if k != self._k:
-                self._k = k
-                self._keep_idx = self._indices()
+        moved = self._device != device
+        self._device = device
+        self._bad = unreliable_channels(w.detach(), None if b is None else b.detach(),
+                                        self.param is WeightParam.ONE_PLUS_W).to(device)
+        count = self._bad.sum()
+        if moved:
+            self._count = HostCount(device)
+        if moved or not self.deferred_guard:
+            self._k = int(count)  # the first forward (or exact mode): one host read
+        else:
+            if self._count.ready():  # the count an earlier forward posted has arrived
+                self._k = self._count.take()
+            self._count.post(count)  # arrives later; the next forward's index set uses it
+        self._keep_idx = self._indices()
         return self._keep_idx
 
     def _indices(self) -> torch.Tensor | None:
@@ -145,7 +144,7 @@ class MSAffineNorm(ConvertedModule, nn.Module):
     def __getstate__(self) -> dict:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         state = dict(state)
-        state.update(_guard_key=None, _keep_idx=None, _bad=None, _k=0, _count=None)  # recomputed after a copy
+        state.update(_device=None, _keep_idx=None, _bad=None, _k=0, _count=None)  # recomputed after a copy
         return state
 
     def extra_repr(self) -> str:

@@ -19,7 +19,7 @@ channel with |γ_j| < ``GAMMA_FLOOR`` or |β_j| > R·|γ_j| (`unreliable_channel
 inverted to that bound (γ = 0 loses x̂ entirely), so the op keeps those few *columns of the input* (``side``,
 rows × k in the input's dtype, plus LayerNorm's per-row mean) and rebuilds x̂ for them exactly as torch does,
 (x − mean)·rstd. Every channel's gradient thus stays within the bound above; the cost is k/n of the input. The
-module (`lmbp_convert.nn.affine_norms`) chooses k per parameter update and falls back to the plain norm when more
+module (`lmbp_convert.nn.affine_norms`) chooses k at every forward and falls back to the plain norm when more
 than half the channels would need it. Measured errors: docs/affine_ms_norm.md.
 
 Dispatch: Triton kernels for CUDA tensors (rows up to ``MAX_BLOCK`` elements; longer rows and every other device

@@ -105,3 +105,44 @@ def test_add_shift_adds_w_beta_and_keeps_gradients():
     lin2 = nn.Linear(2, 3, bias=False)
     lin2.register_forward_hook(AddShift(norm, "out_in", behind_scale=True))
     torch.testing.assert_close(lin2(x), x @ lin2.weight.T + lin2.weight @ (norm.bias / norm.weight))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = _Norm()
+        self.head = nn.Linear(2, 3, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_fold_hooks_follow_a_replaced_module_and_refuse_one_they_cannot_act_on():
+    """A shift hook lives on a module object; a module replaced at its path after convert() (a resized head)
+    takes the hook with it at the next root call, and rollback removes it from wherever it is."""
+    import pytest
+
+    from lmbp_convert import ReplacedModuleError
+    from lmbp_convert.apply.hooks import AddShift, FollowModule
+
+    net, x = _Net(), torch.ones(1, 2)
+    shift = AddShift(net.norm, "out_in")
+    handles = FollowModule(net, "head", shift, pre=False).attach(net)
+    new = nn.Linear(2, 5, bias=False)  # a wider vocabulary, same input width
+    net.head = new
+    assert torch.allclose(net(x), new.weight @ (x[0] + net.norm.bias))
+    handles.remove()
+    assert torch.allclose(net(x), new.weight @ x[0])  # removed from the module it moved to
+    FollowModule(net, "head", shift, pre=False).attach(net)
+    net.head = nn.Identity()
+    with pytest.raises(ReplacedModuleError, match="'head' was replaced after convert"):
+        net(x)
+
+
+def test_reapply_follows_a_replaced_module():
+    from lmbp_convert.apply.hooks import FollowModule
+
+    net, x = _Net(), torch.ones(1, 2)
+    FollowModule(net, "head", ReapplyInput(net.norm, 0, None), pre=True).attach(net)
+    net.head = nn.Identity()  # a head reset after convert: the features it returns carry the affine
+    assert torch.equal(net(x), torch.tensor([[3.0, 2.0]]))
