@@ -4,6 +4,11 @@ that needs only x̂ (which the norm's own backward keeps) and the parameters.
 γ is ``w`` or ``1 + w`` (`WeightParam`); β may be absent. The gradients are the unconverted model's: dx̂ = g·γ,
 dw = Σ g·x̂, dβ = Σ g (sums over every leading dim, in fp32). Because the forward is a pure function of (x̂, w, β),
 `lmbp_convert.ops.shared_saves` can rebuild y bitwise for any consumer that saves it (`affine_forward`).
+
+On CPU both directions run as one native pass where the kernels apply (`cpu_native.affine_fwd` / `affine_bwd`:
+the forward bitwise this module's ops, dx̂ bitwise, dw and dβ fp32 sums in another order); the PyTorch ops below
+are the path everywhere else, with the same semantics. The separate passes (product, sum, casts, reductions) cost
+a ViT-B/16 step about 5 % of its CPU time (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from . import func_transforms
+from . import cpu_native, func_transforms
 
 __all__ = ["affine_forward", "norm_affine"]
 
@@ -34,12 +39,12 @@ def affine_forward(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor
         y = (y if b is None else y + b.to(acc)).to(out_dtype)
         return y if cast_to is None else y.to(cast_to)
     final = out_dtype if cast_to is None or out_dtype != acc else cast_to
-    if b is None:
-        y = torch.mul(xhat, gamma, out=torch.empty(xhat.shape, dtype=final, device=xhat.device))
-    else:
-        y = torch.mul(xhat, gamma, out=torch.empty(xhat.shape, dtype=acc, device=xhat.device))
-        y = torch.add(y, b.to(acc), out=y if final == acc else torch.empty(xhat.shape, dtype=final,
-                                                                           device=xhat.device))
+    beta = None if b is None else b.to(acc)
+    y = cpu_native.affine_fwd(xhat, gamma, beta, final) if acc == torch.float32 else None
+    if y is None:  # the same values in two out= ops
+        y = torch.mul(xhat, gamma, out=torch.empty(xhat.shape, dtype=final if b is None else acc, device=xhat.device))
+        if beta is not None:
+            y = torch.add(y, beta, out=y if final == acc else torch.empty(xhat.shape, dtype=final, device=xhat.device))
     return y if final == (cast_to or out_dtype) else y.to(cast_to)
 
 
@@ -81,21 +86,25 @@ class _NormAffine(torch.autograd.Function):
     def backward(ctx, g):
         xhat, w = ctx.saved_tensors
         acc = torch.promote_types(_acc(xhat), g.dtype)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:  # one pass: g read in its dtype, fp32 product written in x̂'s dtype
-            gamma = w.to(acc) + 1.0 if ctx.one_plus else w.to(acc)
-            if _may_write_out(g, gamma):
-                dx = torch.mul(g, gamma, out=torch.empty(g.shape, dtype=xhat.dtype, device=g.device))
-            else:
-                dx = (g.to(acc) * gamma).to(xhat.dtype)
-        if not (ctx.needs_input_grad[1] or (ctx.has_bias and ctx.needs_input_grad[2])):
-            return dx, None, None, None, None
-        g32 = g.to(acc)
-        if ctx.needs_input_grad[1]:
-            dw = (_rows(g32) * _rows(xhat).to(acc)).sum(0).to(w.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = _rows(g32).sum(0).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
+            ctx.has_bias and ctx.needs_input_grad[2]
+        gamma = w.to(acc) + 1.0 if ctx.one_plus else w.to(acc)
+        native = cpu_native.affine_bwd(g, xhat, gamma, need_dx, need_dw, need_db) if acc == torch.float32 else None
+        if native is not None:  # one pass over g and x̂
+            dx, dw, db = native
+        else:
+            dx = dw = db = None
+            if need_dx:  # one pass: g read in its dtype, fp32 product written in x̂'s dtype
+                if _may_write_out(g, gamma):
+                    dx = torch.mul(g, gamma, out=torch.empty(g.shape, dtype=xhat.dtype, device=g.device))
+                else:
+                    dx = (g.to(acc) * gamma).to(xhat.dtype)
+            if need_dw or need_db:
+                g32 = g.to(acc)
+                dw = (_rows(g32) * _rows(xhat).to(acc)).sum(0) if need_dw else None
+                db = _rows(g32).sum(0) if need_db else None
+        return (dx, None if dw is None else dw.to(w.dtype), None if db is None else db.to(ctx.b_dtype), None,
+                None)
 
 
 def norm_affine(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], one_plus: bool,

@@ -14,6 +14,9 @@
 //   approx_act backward: dx = grad * slope[code] in fp32, rounded once to grad's dtype.
 //   MS LayerNorm/RMSNorm forward: per row, fp32 statistics, y = (x - mean) * rstd (RMS: x * rstd).
 //   MS norm backward from y: dx = rstd * (g - mean(g) - y * mean(g * y)) (RMS: without mean(g)).
+//   exact norm's affine (norm_affine.py): y = x̂·γ + β, product and sum each rounded to fp32 (bitwise the
+//     PyTorch path); backward dx̂ = g·γ (bitwise), dw = Σ g·x̂ and dβ = Σ g over rows in fp32.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -700,6 +703,104 @@ static void norm_bwd_impl(const TY* g, const TY* y, const float* rstd, TD* dx, i
   });
 }
 
+// ------------------------------------------------------------------------------ exact norm's affine
+// y = x̂·γ + β (ops/norm_affine.py): the product and the sum each rounded to fp32, then once to y's dtype, as
+// torch.mul(out=fp32) then torch.add(out=y) compute them, so the values are bitwise the PyTorch path's. KEEP makes
+// the product opaque to the optimiser, which would otherwise fuse it with the add into one FMA (one rounding).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LMBP_KEEP(v) asm("" : "+v"(v))
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define LMBP_KEEP(v) asm("" : "+w"(v))
+#else
+#define LMBP_KEEP(v) do { volatile float lmbp_keep_ = (v); (v) = lmbp_keep_; } while (0)
+#endif
+
+template <typename TX, typename TO>
+static void affine_fwd_impl(const TX* x, const float* gamma, const float* beta, TO* y, int64_t rows, int64_t n,
+                            int nthreads) {
+  parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const TX* xr = x + r * n;
+      TO* yr = y + r * n;
+      int64_t i = 0;
+#ifdef LMBP_SIMD
+      if constexpr (kVec<TX> && kVec<TO>) {  // VIO stores (never vstore_out): bitwise the PyTorch path's rounding
+        if (beta != nullptr) {
+          for (; i + kLanes <= n; i += kLanes) {
+            VF p = vmul(VIO<TX>::load(xr + i), VIO<float>::load(gamma + i));
+            LMBP_KEEP(p);
+            VIO<TO>::store(yr + i, vadd(p, VIO<float>::load(beta + i)));
+          }
+        } else {
+          for (; i + kLanes <= n; i += kLanes)
+            VIO<TO>::store(yr + i, vmul(VIO<TX>::load(xr + i), VIO<float>::load(gamma + i)));
+        }
+      }
+#endif
+      for (; i < n; ++i) {
+        float p = ld(xr, i) * gamma[i];
+        if (beta != nullptr) {
+          LMBP_KEEP(p);
+          p = p + beta[i];
+        }
+        st(yr, i, p);
+      }
+    }
+  });
+}
+
+// Its backward from g and x̂: dx̂ = g·γ rounded once to x̂'s dtype (bitwise torch.mul(g, γ, out=dx̂)); dw = Σ g·x̂
+// and dβ = Σ g over the rows in fp32. Rows go in blocks of kAffineRows, each block's sums into its own slice of
+// ``part`` (2 × n floats, the caller's scratch), and the blocks are added in order: the same result for any
+// thread count.
+constexpr int64_t kAffineRows = 64;
+
+template <typename TG, typename TX>
+static void affine_bwd_impl(const TG* g, const TX* x, const float* gamma, TX* dx, float* dw, float* db, float* part,
+                            int64_t rows, int64_t n, int nthreads) {
+  const int64_t blocks = divup(rows, kAffineRows);
+  const bool sums = dw != nullptr || db != nullptr;
+  parallel_for(blocks, divup(kGrain, kAffineRows * n), nthreads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* pw = part + b * 2 * n;
+      float* pb = pw + n;
+      if (sums) std::fill(pw, pw + 2 * n, 0.0f);
+      const int64_t r1 = (b + 1) * kAffineRows < rows ? (b + 1) * kAffineRows : rows;
+      for (int64_t r = b * kAffineRows; r < r1; ++r) {
+        const TG* gr = g + r * n;
+        const TX* xr = x + r * n;
+        TX* dr = dx == nullptr ? nullptr : dx + r * n;
+        int64_t i = 0;
+#ifdef LMBP_SIMD
+        if constexpr (kVec<TG> && kVec<TX>) {
+          for (; i + kLanes <= n; i += kLanes) {
+            VF gv = VIO<TG>::load(gr + i);
+            if (dr != nullptr) VIO<TX>::store(dr + i, vmul(gv, VIO<float>::load(gamma + i)));
+            if (dw != nullptr) VIO<float>::store(pw + i, vfma(gv, VIO<TX>::load(xr + i), VIO<float>::load(pw + i)));
+            if (db != nullptr) VIO<float>::store(pb + i, vadd(VIO<float>::load(pb + i), gv));
+          }
+        }
+#endif
+        for (; i < n; ++i) {
+          const float gi = ld(gr, i);
+          if (dr != nullptr) st(dr, i, gi * gamma[i]);
+          if (dw != nullptr) pw[i] += gi * ld(xr, i);
+          if (db != nullptr) pb[i] += gi;
+        }
+      }
+    }
+  });
+  if (!sums) return;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* pw = part + b * 2 * n;
+    const float* pb = pw + n;
+    if (dw != nullptr)
+      for (int64_t i = 0; i < n; ++i) dw[i] = b == 0 ? pw[i] : dw[i] + pw[i];
+    if (db != nullptr)
+      for (int64_t i = 0; i < n; ++i) db[i] = b == 0 ? pb[i] : db[i] + pb[i];
+  }
+}
+
 // ------------------------------------------------------------------------------------- dispatch
 // The activation alone (no codes): approx_act without autograd, so both paths give the same values.
 template <typename T, int KIND>
@@ -779,6 +880,33 @@ static int norm_bwd_out(const void* g, const void* y, const float* rstd, void* d
   return 1;
 }
 
+template <typename TX>
+static int affine_fwd_out(const void* x, const float* gamma, const float* beta, void* y, int64_t rows, int64_t n,
+                          int odt, int nt) {
+  const TX* xp = static_cast<const TX*>(x);
+  switch (odt) {
+    case F32: affine_fwd_impl(xp, gamma, beta, static_cast<float*>(y), rows, n, nt); return 0;
+    case BF16: affine_fwd_impl(xp, gamma, beta, static_cast<bf16*>(y), rows, n, nt); return 0;
+    case F16: affine_fwd_impl(xp, gamma, beta, static_cast<f16*>(y), rows, n, nt); return 0;
+  }
+  return 1;
+}
+
+template <typename TG>
+static int affine_bwd_x(const void* g, const void* x, const float* gamma, void* dx, float* dw, float* db, float* part,
+                        int64_t rows, int64_t n, int xdt, int nt) {
+  const TG* gp = static_cast<const TG*>(g);
+  switch (xdt) {
+    case F32: affine_bwd_impl(gp, static_cast<const float*>(x), gamma, static_cast<float*>(dx), dw, db, part, rows,
+                              n, nt); return 0;
+    case BF16: affine_bwd_impl(gp, static_cast<const bf16*>(x), gamma, static_cast<bf16*>(dx), dw, db, part, rows,
+                               n, nt); return 0;
+    case F16: affine_bwd_impl(gp, static_cast<const f16*>(x), gamma, static_cast<f16*>(dx), dw, db, part, rows,
+                              n, nt); return 0;
+  }
+  return 1;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------ C ABI
@@ -786,7 +914,7 @@ static int norm_bwd_out(const void* g, const void* y, const float* rstd, void* d
 // lmbp_act_fwd with bits = 0 computes the activation only (packed and thresholds unused).
 extern "C" {
 
-int lmbp_abi_version() { return 1; }
+int lmbp_abi_version() { return 2; }
 
 int lmbp_act_fwd(const void* x, void* y, uint8_t* packed, int64_t n, int dtype, int kind, int bits,
                  const float* thresholds, int nthreads) {
@@ -825,6 +953,29 @@ int lmbp_norm_bwd(const void* g, const void* y, const float* rstd, void* dx, int
     case F32: return norm_bwd_out<float>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
     case BF16: return norm_bwd_out<bf16>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
     case F16: return norm_bwd_out<f16>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
+  }
+  return 1;
+}
+
+// y = x̂·γ + β (beta may be null) over rows of n; gamma and beta fp32.
+int lmbp_affine_fwd(const void* x, const float* gamma, const float* beta, void* y, int64_t rows, int64_t n,
+                    int x_dtype, int y_dtype, int nthreads) {
+  switch (x_dtype) {
+    case F32: return affine_fwd_out<float>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+    case BF16: return affine_fwd_out<bf16>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+    case F16: return affine_fwd_out<f16>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+  }
+  return 1;
+}
+
+// dx (x's dtype), dw, db (fp32, n each) of y = x̂·γ + β from g; each output may be null (not wanted);
+// part: 2 * n * ceil(rows / 64) floats of scratch where dw or db is wanted.
+int lmbp_affine_bwd(const void* g, const void* x, const float* gamma, void* dx, float* dw, float* db, float* part,
+                    int64_t rows, int64_t n, int g_dtype, int x_dtype, int nthreads) {
+  switch (g_dtype) {
+    case F32: return affine_bwd_x<float>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
+    case BF16: return affine_bwd_x<bf16>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
+    case F16: return affine_bwd_x<f16>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
   }
   return 1;
 }
