@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..kinds import AffineState, ConvertedModule, NormKind, WeightParam
+from ..ops._common import autocast_dtype_for
+from ..ops.exact_norm import exact_norm_cpu
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
 from ..ops.shared_saves import can_note, note
@@ -62,12 +64,19 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if self._input_is_cheaper(x):
             y = F.layer_norm(x, shape, self.weight, self.bias, self.eps)
             return y if self.out_dtype is None else y.to(self.out_dtype)
-        xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_kind is NormKind.RMS)
+        one_plus, out, is_rms = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype, \
+            self.norm_kind is NormKind.RMS
+        fused = exact_norm_cpu(x, self._n, self.eps, is_rms, self.weight, self.bias, one_plus, out,
+                               autocast_dtype_for(x))
+        if fused is not None:  # CPU: one node, one pass (ops/exact_norm.py)
+            y, xhat = fused
+            note(y, _affine_rows, xhat, self.weight, self.bias, one_plus, out, self._n)
+            return y
+        xhat = ms_norm_unchecked(x, self._n, self.eps, is_rms)
         w, b = self.weight, self.bias
         if len(shape) > 1:  # the affine op works on the last dim: view the trailing dims as one
             xhat = xhat.reshape(*xhat.shape[:-len(shape)], self._n)
             w, b = w.reshape(-1), None if b is None else b.reshape(-1)
-        one_plus, out = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype
         if torch.compiler.is_compiling():
             # Dynamo does not trace the shared-saves hooks; a checkpoint region tags y "recompute" instead, so
             # AOTAutograd's partitioner keeps x̂ (which the norm's backward needs anyway) and rebuilds y from it
@@ -86,3 +95,14 @@ class MSExactNorm(ConvertedModule, nn.Module):
     def extra_repr(self) -> str:
         return (f"kind={self.kind}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else ""))
+
+
+def _affine_rows(xhat: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, one_plus: bool, out: torch.dtype,
+                 n: int, cast_to: torch.dtype | None = None) -> torch.Tensor:
+    """The rebuild of the fused node's y (any normalized_shape): `affine_forward` over rows of ``n``."""
+    y = affine_forward(xhat.reshape(-1, n), w.reshape(-1), None if b is None else b.reshape(-1), one_plus, out,
+                       cast_to)
+    return y.view(xhat.shape)
+
+
+_affine_rows.fuses_cast = True

@@ -18,7 +18,7 @@ import torch
 
 from . import cpu_native, func_transforms
 
-__all__ = ["affine_forward", "norm_affine"]
+__all__ = ["affine_forward", "affine_grads", "norm_affine"]
 
 
 def affine_forward(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], one_plus: bool,
@@ -74,12 +74,11 @@ def _save(ctx, xhat, w, b, one_plus) -> None:
     ctx.b_dtype = b.dtype if b is not None else None
 
 
-def _backward(ctx, g):
-    xhat, w = ctx.saved_tensors
+def affine_grads(g: torch.Tensor, xhat: torch.Tensor, w: torch.Tensor, one_plus: bool, need_dx: bool,
+                 need_dw: bool, need_db: bool, b_dtype: Optional[torch.dtype]):
+    """(dx̂, dw, dβ) of ``x̂·γ + β`` (None for those not needed): the native pass where it applies, else torch ops."""
     acc = torch.promote_types(_acc(xhat), g.dtype)
-    need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-        ctx.has_bias and ctx.needs_input_grad[2]
-    gamma = w.to(acc) + 1.0 if ctx.one_plus else w.to(acc)
+    gamma = w.to(acc) + 1.0 if one_plus else w.to(acc)
     native = cpu_native.affine_bwd(g, xhat, gamma, need_dx, need_dw, need_db) if acc == torch.float32 else None
     if native is not None:  # one pass over g and x̂
         dx, dw, db = native
@@ -94,7 +93,14 @@ def _backward(ctx, g):
             g32 = g.to(acc)
             dw = (_rows(g32) * _rows(xhat).to(acc)).sum(0) if need_dw else None
             db = _rows(g32).sum(0) if need_db else None
-    return (dx, None if dw is None else dw.to(w.dtype), None if db is None else db.to(ctx.b_dtype), None, None)
+    return dx, None if dw is None else dw.to(w.dtype), None if db is None else db.to(b_dtype)
+
+
+def _backward(ctx, g):
+    xhat, w = ctx.saved_tensors
+    dx, dw, db = affine_grads(g, xhat, w, ctx.one_plus, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                              ctx.has_bias and ctx.needs_input_grad[2], ctx.b_dtype)
+    return dx, dw, db, None, None
 
 
 class _NormAffine(torch.autograd.Function):
