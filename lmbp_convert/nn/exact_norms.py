@@ -5,7 +5,8 @@ Forward: x̂ by the memory-sharing op (backward from its output and rstd, `lmbp_
 ``y = x̂·γ + β`` (`lmbp_convert.ops.norm_affine`), noted in the model-wide shared-saves region as rebuildable from
 x̂. A consumer that saves y (a Linear, a LoRA adapter's cast copy, an attention projection, a tied head) gets a
 recipe instead: the pair keeps x̂ and rstd, the bytes of a fold, while every parameter (γ, β, W, b) stays the
-original one with the original gradient, and the state dict is the original's. Where no region is open (a
+original one with the original gradient, and the state dict is the original's. On CPU the two ops run as one
+autograd node, each direction one native pass (`lmbp_convert.ops.exact_norm`). Where no region is open (a
 submodule called on its own, torch.compile), y is saved as eager autograd saves it: correct, more bytes.
 
 Where no note can take (inside activation checkpointing, its recompute included; a submodule called on its own),
