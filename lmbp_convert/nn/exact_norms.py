@@ -5,7 +5,8 @@ Forward: x̂ by the memory-sharing op (backward from its output and rstd, `lmbp_
 ``y = x̂·γ + β`` (`lmbp_convert.ops.norm_affine`), noted in the model-wide shared-saves region as rebuildable from
 x̂. A consumer that saves y (a Linear, a LoRA adapter's cast copy, an attention projection, a tied head) gets a
 recipe instead: the pair keeps x̂ and rstd, the bytes of a fold, while every parameter (γ, β, W, b) stays the
-original one with the original gradient, and the state dict is the original's. Where no region is open (a
+original one with the original gradient, and the state dict is the original's. On CPU the two ops run as one
+autograd node, each direction one native pass (`lmbp_convert.ops.exact_norm`). Where no region is open (a
 submodule called on its own, torch.compile), y is saved as eager autograd saves it: correct, more bytes.
 
 Where no note can take (inside activation checkpointing, its recompute included; a submodule called on its own),
@@ -21,6 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
+from ..ops._common import autocast_dtype_for
+from ..ops.exact_norm import exact_norm_cpu
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
 from ..ops.shared_saves import can_note, note
@@ -70,12 +73,19 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if self._input_is_cheaper(x):
             y = F.layer_norm(x, shape, self.weight, self.bias, self.eps)
             return y if self.out_dtype is None else y.to(self.out_dtype)
-        xhat = ms_norm_unchecked(x, self._n, self.eps, self.norm_type is NormType.RMS)
+        one_plus, out, is_rms = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype, \
+            self.norm_type is NormType.RMS
+        fused = exact_norm_cpu(x, self._n, self.eps, is_rms, self.weight, self.bias, one_plus, out,
+                               autocast_dtype_for(x))
+        if fused is not None:  # CPU: one node, one pass (ops/exact_norm.py)
+            y, xhat = fused
+            note(y, _affine_rows, xhat, self.weight, self.bias, one_plus, out, self._n)
+            return y
+        xhat = ms_norm_unchecked(x, self._n, self.eps, is_rms)
         w, b = self.weight, self.bias
         if len(shape) > 1:  # the affine op works on the last dim: view the trailing dims as one
             xhat = xhat.reshape(*xhat.shape[:-len(shape)], self._n)
             w, b = w.reshape(-1), None if b is None else b.reshape(-1)
-        one_plus, out = self.param is WeightParam.ONE_PLUS_W, self.out_dtype or x.dtype
         if torch.compiler.is_compiling():
             # Dynamo does not trace the shared-saves hooks; a checkpoint region tags y "recompute" instead, so
             # AOTAutograd's partitioner keeps x̂ (which the norm's backward needs anyway) and rebuilds y from it
@@ -95,3 +105,14 @@ class MSExactNorm(ConvertedModule, nn.Module):
         return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
                 + (f", channel_dim={self.channel_dim}" if self.channel_dim != -1 else ""))
+
+
+def _affine_rows(xhat: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, one_plus: bool, out: torch.dtype,
+                 n: int, cast_to: torch.dtype | None = None) -> torch.Tensor:
+    """The rebuild of the fused node's y (any normalized_shape): `affine_forward` over rows of ``n``."""
+    y = affine_forward(xhat.reshape(-1, n), w.reshape(-1), None if b is None else b.reshape(-1), one_plus, out,
+                       cast_to)
+    return y.view(xhat.shape)
+
+
+_affine_rows.fuses_cast = True

@@ -1,4 +1,4 @@
-"""Native CPU kernels for approx_act and the MS norms: loader and Python entry points.
+"""Native CPU kernels for approx_act, the MS norms and the exact norm's affine: loader and Python entry points.
 
 The PyTorch path costs ~10 passes over memory per approx-act forward and round-trips bf16 through fp32
 copies; ``csrc/cpu_ops.cpp`` does each direction in one pass, in fp32 registers, rounding once to the output
@@ -42,13 +42,15 @@ import torch
 from ._common import env_off
 from .activations import ACTIVATIONS
 
-__all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd", "norm_bwd"]
+__all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd", "norm_bwd",
+           "affine_fwd", "affine_bwd", "norm_affine_fwd",
+           "norm_affine_bwd"]
 
 ENV_SWITCH = "LMBP_CPU_NATIVE"
 ENV_DIR = "LMBP_CPU_NATIVE_DIR"
 ENV_ARCH = "LMBP_CPU_NATIVE_ARCH"
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
-_ABI_VERSION = 1
+_ABI_VERSION = 4
 _BUILD_TIMEOUT_S = 300
 
 _DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -187,7 +189,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lmbp_act_bwd.argtypes = [p, p, p, i64, i32, i32, p, i32]
     lib.lmbp_norm_fwd.argtypes = [p, p, p, i64, i64, f64, i32, i32, i32, i32]
     lib.lmbp_norm_bwd.argtypes = [p, p, p, p, i64, i64, i32, i32, i32, i32]
-    for f in (lib.lmbp_act_fwd, lib.lmbp_act_bwd, lib.lmbp_norm_fwd, lib.lmbp_norm_bwd):
+    lib.lmbp_affine_fwd.argtypes = [p, p, p, p, i64, i64, i32, i32, i32]
+    lib.lmbp_affine_bwd.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32, i32]
+    lib.lmbp_norm_affine_fwd.argtypes = [p, p, p, p, p, p, i64, i64, f64, i32, i32, i32, i32, i32]
+    lib.lmbp_norm_affine_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32, i32]
+    for f in (lib.lmbp_norm_affine_fwd, lib.lmbp_norm_affine_bwd, lib.lmbp_act_fwd, lib.lmbp_act_bwd, lib.lmbp_norm_fwd, lib.lmbp_norm_bwd, lib.lmbp_affine_fwd,
+              lib.lmbp_affine_bwd):
         f.restype = i32
 
 
@@ -412,3 +419,113 @@ def norm_bwd(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool,
     rc = lib.lmbp_norm_bwd(gc.data_ptr(), yc.data_ptr(), rc_.data_ptr(), dx.data_ptr(), rows, y.numel() // rows,
                            int(is_rms), ydt, ddt, torch.get_num_threads())
     return dx if rc == 0 else None
+
+
+def _row_param(p: Optional[torch.Tensor], n: int) -> bool:
+    return p is None or (p.dtype == torch.float32 and tuple(p.shape) == (n,))
+
+
+def affine_fwd(xhat: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Tensor], out_dtype: torch.dtype
+               ) -> Optional[torch.Tensor]:
+    """``x̂·γ + β`` over x̂'s last dim in ``out_dtype``, bitwise norm_affine's ``torch.mul`` / ``torch.add`` route
+    (γ, β: fp32 vectors), in one pass; or None."""
+    if torch.compiler.is_compiling():
+        return None
+    dt, odt = _DTYPE_ID.get(xhat.dtype), _DTYPE_ID.get(out_dtype)
+    n = xhat.shape[-1] if xhat.dim() else 0
+    if dt is None or odt is None or n == 0 or xhat.numel() == 0 or not (_row_param(gamma, n) and _row_param(beta, n)):
+        return None
+    lib = _ready(xhat, gamma, *(() if beta is None else (beta,)))
+    if lib is None:
+        return None
+    xc, gc = _contig(xhat), _contig(gamma)
+    bc = None if beta is None else _contig(beta)
+    y = torch.empty(xhat.shape, dtype=out_dtype)
+    rc = lib.lmbp_affine_fwd(xc.data_ptr(), gc.data_ptr(), None if bc is None else bc.data_ptr(), y.data_ptr(),
+                             xc.numel() // n, n, dt, odt, torch.get_num_threads())
+    return y if rc == 0 else None
+
+
+#: Rows per block of the affine backward's column sums (csrc/cpu_ops.cpp ``kAffineRows``).
+_AFFINE_ROWS = 64
+
+
+def affine_bwd(g: torch.Tensor, xhat: torch.Tensor, gamma: torch.Tensor, need_dx: bool, need_dw: bool,
+               need_db: bool) -> Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    """(dx̂ = g·γ in x̂'s dtype, dw = Σ g·x̂, dβ = Σ g in fp32; None for those not needed) of ``x̂·γ + β`` in one
+    pass over g and x̂; or None. dx̂ is bitwise norm_affine's; the sums are fp32 in a fixed order (per block of
+    rows, then the blocks in order), whatever the thread count."""
+    if torch.compiler.is_compiling():
+        return None
+    gdt, xdt = _DTYPE_ID.get(g.dtype), _DTYPE_ID.get(xhat.dtype)
+    n = xhat.shape[-1] if xhat.dim() else 0
+    if (gdt is None or xdt is None or g.shape != xhat.shape or n == 0 or xhat.numel() == 0
+            or not _row_param(gamma, n) or not (need_dx or need_dw or need_db)):
+        return None
+    lib = _ready(g, xhat, gamma)
+    if lib is None:
+        return None
+    gc, xc, wc = _contig(g), _contig(xhat), _contig(gamma)
+    rows = xc.numel() // n
+    dx = torch.empty(xhat.shape, dtype=xhat.dtype) if need_dx else None
+    dw = torch.empty(n, dtype=torch.float32) if need_dw else None
+    db = torch.empty(n, dtype=torch.float32) if need_db else None
+    part = torch.empty(-(-rows // _AFFINE_ROWS), 2, n, dtype=torch.float32) if need_dw or need_db else None
+    ptr = (lambda t: None if t is None else t.data_ptr())
+    rc = lib.lmbp_affine_bwd(gc.data_ptr(), xc.data_ptr(), wc.data_ptr(), ptr(dx), ptr(dw), ptr(db), ptr(part), rows,
+                             n, gdt, xdt, torch.get_num_threads())
+    return (dx, dw, db) if rc == 0 else None
+
+
+def norm_affine_fwd(x: torch.Tensor, n: int, eps: float, is_rms: bool, xhat_dtype: torch.dtype, gamma: torch.Tensor,
+                    beta: Optional[torch.Tensor], out_dtype: torch.dtype
+                    ) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(x̂, rstd, y) of the exact norm in one pass over x: x̂ and rstd as :func:`norm_fwd`, y bitwise
+    :func:`affine_fwd` of that x̂ (γ, β: fp32 vectors of n); or None."""
+    if torch.compiler.is_compiling():
+        return None
+    dt, hdt, odt = _DTYPE_ID.get(x.dtype), _DTYPE_ID.get(xhat_dtype), _DTYPE_ID.get(out_dtype)
+    if (dt is None or hdt is None or odt is None or n <= 0 or x.numel() == 0 or x.numel() % n
+            or not (_row_param(gamma, n) and _row_param(beta, n))):
+        return None
+    lib = _ready(x, gamma, *(() if beta is None else (beta,)))
+    if lib is None:
+        return None
+    xc, gc = _contig(x), _contig(gamma)
+    bc = None if beta is None else _contig(beta)
+    rows = xc.numel() // n
+    xhat = torch.empty(x.shape, dtype=xhat_dtype)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    y = torch.empty(x.shape, dtype=out_dtype)
+    rc = lib.lmbp_norm_affine_fwd(xc.data_ptr(), xhat.data_ptr(), rstd.data_ptr(), gc.data_ptr(),
+                                  None if bc is None else bc.data_ptr(), y.data_ptr(), rows, n, float(eps),
+                                  int(is_rms), dt, hdt, odt, torch.get_num_threads())
+    return (xhat, rstd, y) if rc == 0 else None
+
+
+def norm_affine_bwd(g: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor, is_rms: bool,
+                    x_dtype: torch.dtype, need_dw: bool, need_db: bool
+                    ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]]:
+    """(dx in x_dtype, dw, dβ fp32 or None) of the exact norm in one pass over g and x̂: bitwise :func:`affine_bwd`
+    then :func:`norm_bwd` on its dx̂; or None."""
+    if torch.compiler.is_compiling():
+        return None
+    gdt, xdt, ddt = _DTYPE_ID.get(g.dtype), _DTYPE_ID.get(xhat.dtype), _DTYPE_ID.get(x_dtype)
+    n = xhat.shape[-1] if xhat.dim() else 0
+    rows = xhat.numel() // n if n else 0
+    if (gdt is None or xdt is None or ddt is None or g.shape != xhat.shape or rows == 0
+            or rstd.dtype != torch.float32 or rstd.numel() != rows or not _row_param(gamma, n)):
+        return None
+    lib = _ready(g, xhat, rstd, gamma)
+    if lib is None:
+        return None
+    gc, xc, rc_, wc = _contig(g), _contig(xhat), _contig(rstd), _contig(gamma)
+    dx = torch.empty(xhat.shape, dtype=x_dtype)
+    dw = torch.empty(n, dtype=torch.float32) if need_dw else None
+    db = torch.empty(n, dtype=torch.float32) if need_db else None
+    part = torch.empty(-(-rows // _AFFINE_ROWS), 2, n, dtype=torch.float32) if need_dw or need_db else None
+    ptr = (lambda t: None if t is None else t.data_ptr())
+    rc = lib.lmbp_norm_affine_bwd(gc.data_ptr(), xc.data_ptr(), rc_.data_ptr(), wc.data_ptr(), dx.data_ptr(),
+                                  ptr(dw), ptr(db), ptr(part), rows, n, int(is_rms), gdt, xdt, ddt,
+                                  torch.get_num_threads())
+    return (dx, dw, db) if rc == 0 else None

@@ -183,3 +183,40 @@ def test_channel_first_norm_is_the_original_and_shares_with_a_conv(dtype):
     rows = 2 * 5 * 5
     assert got[0] == rows * 16 * size + rows * 4  # x̂ and rstd: the fold's bytes
     assert want[0] - got[0] >= rows * 16 * size  # LayerNorm2d keeps its input beside the conv's copy of y
+
+
+@pytest.mark.parametrize("autocast", (False, True))
+def test_trailing_dims_norm_rebuilds_y_for_a_reshaping_consumer(autocast):
+    """normalized_shape over two dims: the consumer reads a reshape of y (a cast one under autocast); the pair
+    keeps x̂ and rstd only, and every gradient is nn.LayerNorm's."""
+    torch.manual_seed(4)
+    ref = nn.LayerNorm((6, 8), eps=1e-5)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.normal_()
+    new = MSExactNorm(NormType.LAYER, (6, 8), 1e-5, nn.Parameter(ref.weight.detach().clone()),
+                      nn.Parameter(ref.bias.detach().clone()))
+    lin = nn.Linear(48, 5)
+    x0 = torch.randn(3, 7, 6, 8)
+    results = []
+    for norm in (ref, new):
+        x = x0.clone().requires_grad_()
+        with SavedTensorLedger([*norm.parameters(), *lin.parameters()]) as led, \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            region = SharedSaves()
+            assert region.enter()
+            try:
+                out = lin(norm(x * 1).reshape(3, 7, 48))
+            finally:
+                region.exit()
+        grads = torch.autograd.grad(out.float().square().sum(), [x, norm.weight, norm.bias, lin.weight])
+        results.append((out.detach().float(), grads, led.bytes))
+    (o_ref, g_ref, _), (o_new, g_new, b_new) = results
+    xhat_bytes = 3 * 7 * 48 * (2 if autocast else 4)
+    assert b_new == xhat_bytes + 3 * 7 * 4  # x̂ and rstd: the Linear's copy of y is rebuilt
+    if autocast:  # bf16 x̂ (the dtype the Linear computes in) rounds y: relative to each tensor's norm
+        for a, b in zip((o_new, *g_new), (o_ref, *g_ref)):
+            assert (a.float() - b.float()).norm() / b.float().norm() < 2e-2
+    else:
+        for a, b in zip((o_new, *g_new), (o_ref, *g_ref)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ from lmbp_convert.memory import SavedTensorLedger
 from lmbp_convert.ops import approx_act as A
 from lmbp_convert.ops import cpu_native as N
 from lmbp_convert.ops import ms_norm as M
+from lmbp_convert.ops.norm_affine import affine_forward, norm_affine
 
 pytestmark = pytest.mark.skipif(not N.available(), reason=f"native CPU kernels unavailable: {N.status()}")
 
@@ -168,6 +169,119 @@ def test_norm_autograd_under_autocast_saves_the_same_bytes(kind):
     torch.testing.assert_close(results[0][1], results[1][1], **tol(torch.bfloat16, "bwd"))
 
 
+# ------------------------------------------------------------------------------------ exact norm's affine
+def _affine_inputs(rows: int, n: int, dtype: torch.dtype, strided: bool, specials: bool = False):
+    """x̂ (rows, n) in ``dtype`` (column-major where ``strided``), w and β in fp32; ``specials``: ±inf, NaN, -0."""
+    torch.manual_seed(rows * 31 + n)
+    x = torch.randn(n, rows).t() if strided else torch.randn(rows, n)
+    if specials:
+        x[0, 0], x[-1, -1], x[rows // 2, n // 2] = math.inf, math.nan, -0.0
+        if x.numel() > 3:
+            x[0, -1] = -math.inf
+    return x.to(dtype), (torch.rand(n) + 0.5), torch.randn(n)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("strided", (False, True))
+def test_affine_forward_is_bitwise_the_torch_path(dtype, strided):
+    """x̂·γ + β in one native pass: the same bits as the two out= ops, every output dtype, with and without β,
+    γ = w or 1 + w, a fused cast, odd row lengths (vector tails) and column-major x̂."""
+    for rows, n in ((1, 1), (3, 7), (5, 17), (33, 768), (2, 1000)):
+        x, w, b = _affine_inputs(rows, n, dtype, strided, specials=True)
+        assert x.is_contiguous() != strided or n == 1 or rows == 1
+        for out in LOW:
+            for bias, one_plus in ((b, False), (None, False), (b, True), (None, True)):
+                for wd in {torch.float32, dtype}:
+                    for cast in (None, torch.bfloat16, torch.float16):
+                        args = (x, w.to(wd), None if bias is None else bias.to(wd), one_plus, out)
+                        got = affine_forward(*args, cast_to=cast)
+                        want = _torch_path(lambda *a: affine_forward(*a, cast_to=cast), *args)
+                        assert got.dtype == want.dtype and got.shape == want.shape
+                        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+                        fin = got.float().isfinite()  # and the bits themselves where the value is finite
+                        assert torch.equal(got.float()[fin], want.float()[fin])
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("bias,one_plus", [(True, False), (False, False), (True, True)])
+def test_affine_backward_matches_the_torch_path(dtype, bias, one_plus):
+    """dx̂ bit for bit; dw and dβ (fp32 sums in another order, rounded to the parameters' dtype) within rounding,
+    from a contiguous and an expanded (stride-0) gradient, for every subset of inputs that want a gradient."""
+    for rows, n, strided in ((3, 7, False), (130, 33, True), (70, 768, False)):
+        x0, w0, b0 = _affine_inputs(rows, n, dtype, strided)
+        for out in {dtype, torch.float32}:
+            for g in (torch.randn(rows, n).to(out), torch.randn(1, n).to(out).expand(rows, n)):
+                for want_x, want_w in ((True, True), (True, False), (False, True)):
+                    grads = []
+                    for native in (True, False):
+                        x = x0.clone().requires_grad_(want_x)
+                        w = w0.to(dtype).requires_grad_(want_w)
+                        b = b0.to(dtype).requires_grad_() if bias else None
+                        with contextlib.nullcontext() if native else N.disabled():
+                            y = norm_affine(x, w, b, one_plus, out)
+                            inputs = [t for t in (x, w, b) if t is not None and t.requires_grad]
+                            grads.append(torch.autograd.grad(y, inputs, g))
+                    for a, e, t in zip(*grads, [t for t in (x, w, b) if t is not None and t.requires_grad]):
+                        assert a.dtype == e.dtype == t.dtype and a.shape == e.shape
+                        if t is x:
+                            assert torch.equal(a, e)
+                        else:
+                            # fp32 sums in two orders, then one rounding to the parameter's dtype (1 ulp)
+                            torch.testing.assert_close(a.float(), e.float(), atol=1e-5 * rows,
+                                                       rtol=max(1e-5, torch.finfo(t.dtype).eps))
+
+
+def test_affine_backward_sums_do_not_depend_on_the_thread_count():
+    x, g = torch.randn(4000, 64).bfloat16(), torch.randn(4000, 64)
+    gamma = torch.rand(64) + 0.5
+    old = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(N.affine_bwd(g, x, gamma, True, True, True))
+    finally:
+        torch.set_num_threads(old)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_exact_norm_native_and_torch_path_agree_and_save_the_same_bytes(dtype):
+    """An exact LayerNorm and three consumers inside a shared-saves region under autocast: the same outputs
+    (y is bitwise), the same gradients within rounding, the same saved bytes (the rebuilt y is not kept)."""
+    from lmbp_convert.enums import NormType
+    from lmbp_convert.nn.exact_norms import MSExactNorm
+    from lmbp_convert.ops.shared_saves import SharedSaves
+
+    torch.manual_seed(5)
+    norm = MSExactNorm(NormType.LAYER, (48,), 1e-6, torch.nn.Parameter(torch.rand(48).to(dtype) + 0.5),
+                       torch.nn.Parameter(torch.randn(48).to(dtype)))
+    lins = [torch.nn.Linear(48, 24).to(dtype) for _ in range(3)]
+    params = [p for m in [norm, *lins] for p in m.parameters()]
+    x0 = torch.randn(4, 19, 48, dtype=dtype)
+    runs = []
+    for native in (True, False):
+        x = x0.clone().requires_grad_()
+        with (contextlib.nullcontext() if native else N.disabled()), SavedTensorLedger(params) as led:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                region = SharedSaves()
+                assert region.enter()
+                try:
+                    y = norm(x * 1)
+                    outs = [lin(y) for lin in lins]
+                finally:
+                    region.exit()
+            loss = sum(o.float().square().sum() for o in outs)
+            grads = torch.autograd.grad(loss, [x, *params])
+        runs.append(([o.detach() for o in outs], grads, led.bytes, region.recipes))
+    (o1, g1, b1, r1), (o2, g2, b2, r2) = runs
+    assert b1 == b2 and r1 == r2 > 0
+    assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a.float(), b.float(), **tol(dtype, "bwd"))
+
+
 # --------------------------------------------------------------------------------------------- dispatch
 def test_not_applicable_returns_none():
     x = torch.randn(8, 16)
@@ -177,6 +291,13 @@ def test_not_applicable_returns_none():
     assert N.act_fwd(x[:0], "gelu", 2, thr) is None
     assert N.norm_fwd(x.double(), 16, 1e-5, False, torch.float64) is None
     assert N.norm_bwd(x, x.bfloat16(), torch.ones(8), False, torch.float32) is None  # g and y dtypes differ
+    gamma = torch.ones(16)
+    assert N.affine_fwd(x.double(), gamma, None, torch.float64) is None
+    assert N.affine_fwd(x, gamma.bfloat16(), None, torch.float32) is None  # γ, β: fp32 vectors of the row length
+    assert N.affine_fwd(x, torch.ones(8), None, torch.float32) is None
+    assert N.affine_bwd(x, x[:4], gamma, True, True, True) is None  # g and x̂ shapes differ
+    with torch.enable_grad():  # an input autograd records (double backward): the PyTorch path's ops
+        assert N.affine_fwd(x, gamma.clone().requires_grad_(), None, torch.float32) is None
     with N.disabled():
         assert N.act_fwd(x, "gelu", 2, thr) is None
     assert N.act_fwd(x, "gelu", 2, thr) is not None
@@ -216,12 +337,14 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 _FALLBACK_CHECK = """
     import warnings, torch
     from lmbp_convert.ops import approx_act as A, ms_norm as M, cpu_native as N
+    from lmbp_convert.ops.norm_affine import norm_affine
     x = torch.randn(5, 40, requires_grad=True)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         A.approx_act(x, "silu", 2).sum().backward()
         A.approx_act(x, "gelu", 2).sum().backward()
         M.ms_layer_norm(x, 40).sum().backward()
+        norm_affine(x, torch.ones(40, requires_grad=True), torch.zeros(40), False, torch.bfloat16).sum().backward()
     lines = [str(m.message) for m in w if "native CPU kernels" in str(m.message)]
     print(len(lines), "|", N.status(), "|", lines[0] if lines else "")
 """
@@ -291,7 +414,9 @@ def test_other_instruction_sets_match_the_torch_path(arch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(LMBP_CPU_NATIVE_ARCH=arch, LMBP_CPU_NATIVE_DIR=str(tmp_path / "build"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.abspath(__file__), "-k", "act_codes_identical or norm_matches_torch_path"],
+                           os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                   "test_exact_norm.py"),
+                           "-k", "act_codes_identical or norm_matches_torch_path or affine or one_node"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout

@@ -14,6 +14,9 @@
 //   approx_act backward: dx = grad * slope[code] in fp32, rounded once to grad's dtype.
 //   MS LayerNorm/RMSNorm forward: per row, fp32 statistics, y = (x - mean) * rstd (RMS: x * rstd).
 //   MS norm backward from y: dx = rstd * (g - mean(g) - y * mean(g * y)) (RMS: without mean(g)).
+//   exact norm's affine (norm_affine.py): y = x̂·γ + β, product and sum each rounded to fp32 (bitwise the
+//     PyTorch path); backward dx̂ = g·γ (bitwise), dw = Σ g·x̂ and dβ = Σ g over rows in fp32.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -608,95 +611,225 @@ static inline float vrow_sum(const T* p, int64_t n, const VFn& vf, const SFn& sf
 }
 #endif
 
+// One row: y = (x - mean) * rstd (RMS: x * rstd), fp32 statistics; returns rstd. ``buf``: n floats of scratch
+// (the scalar path's fp32 copy of the row).
+template <typename TI, typename TO>
+static inline float norm_fwd_row(const TI* xr, TO* yr, int64_t n, float eps, bool rms, float* buf) {
+#ifdef LMBP_SIMD
+  if constexpr (kVec<TI> && kVec<TO>) {  // straight from the row (L1/L2 after the first pass), no fp32 copy
+    (void)buf;
+    float mean = 0.0f;
+    if (!rms) mean = vrow_sum(xr, n, [](VF v) { return v; }, [](float v) { return v; }) / float(n);
+    const VF vm = vset(mean);
+    float var = vrow_sum(xr, n, [&](VF v) { VF d = vsub(v, vm); return vmul(d, d); },
+                         [&](float v) { float d = v - mean; return d * d; }) / float(n);
+    float rs = 1.0f / std::sqrt(var + eps);
+    const VF vr = vset(rs);
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) vstore_out(yr + i, vmul(vsub(VIO<TI>::load(xr + i), vm), vr));
+    for (; i < n; ++i) st(yr, i, (ld(xr, i) - mean) * rs);
+    return rs;
+  }
+#endif
+  float* xf = buf;
+  for (int64_t i = 0; i < n; ++i) xf[i] = ld(xr, i);  // the row in fp32, from L1 from here on
+  float mean = 0.0f;
+  if (!rms) mean = row_sum(n, [&](int64_t i) { return xf[i]; }) / float(n);
+  float var = row_sum(n, [&](int64_t i) { float d = xf[i] - mean; return d * d; }) / float(n);
+  float rs = 1.0f / std::sqrt(var + eps);
+  for (int64_t i = 0; i < n; ++i) st(yr, i, (xf[i] - mean) * rs);
+  return rs;
+}
+
 template <typename TI, typename TO>
 static void norm_fwd_impl(const TI* x, TO* y, float* rstd, int64_t rows, int64_t n, float eps, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
-#ifdef LMBP_SIMD
-    if constexpr (kVec<TI> && kVec<TO>) {  // straight from the row (L1/L2 after the first pass), no fp32 copy
-      for (int64_t r = r0; r < r1; ++r) {
-        const TI* xr = x + r * n;
-        float mean = 0.0f;
-        if (!rms) mean = vrow_sum(xr, n, [](VF v) { return v; }, [](float v) { return v; }) / float(n);
-        const VF vm = vset(mean);
-        float var = vrow_sum(xr, n, [&](VF v) { VF d = vsub(v, vm); return vmul(d, d); },
-                             [&](float v) { float d = v - mean; return d * d; }) / float(n);
-        float rs = 1.0f / std::sqrt(var + eps);
-        const VF vr = vset(rs);
-        TO* yr = y + r * n;
-        int64_t i = 0;
-        for (; i + kLanes <= n; i += kLanes) vstore_out(yr + i, vmul(vsub(VIO<TI>::load(xr + i), vm), vr));
-        for (; i < n; ++i) st(yr, i, (ld(xr, i) - mean) * rs);
-        rstd[r] = rs;
-      }
-      return;
-    }
-#endif
     std::vector<float> buf(n);
-    float* xf = buf.data();
-    for (int64_t r = r0; r < r1; ++r) {
-      const TI* xr = x + r * n;
-      for (int64_t i = 0; i < n; ++i) xf[i] = ld(xr, i);  // the row in fp32, from L1 from here on
-      float mean = 0.0f;
-      if (!rms) mean = row_sum(n, [&](int64_t i) { return xf[i]; }) / float(n);
-      float var = row_sum(n, [&](int64_t i) { float d = xf[i] - mean; return d * d; }) / float(n);
-      float rs = 1.0f / std::sqrt(var + eps);
-      TO* yr = y + r * n;
-      for (int64_t i = 0; i < n; ++i) st(yr, i, (xf[i] - mean) * rs);
-      rstd[r] = rs;
-    }
+    for (int64_t r = r0; r < r1; ++r) rstd[r] = norm_fwd_row(x + r * n, y + r * n, n, eps, rms, buf.data());
   });
+}
+
+// One row of the MS norm's backward from its output y: dx = rstd * (g - mean(g) - y * mean(g * y)).
+template <typename TY, typename TD>
+static inline void norm_bwd_row(const TY* gr, const TY* yr, float rs, TD* dr, int64_t n, bool rms) {
+#ifdef LMBP_SIMD
+  if constexpr (kVec<TY> && kVec<TD>) {
+    VF s0 = vset(0.0f), s1 = vset(0.0f), p0 = vset(0.0f), p1 = vset(0.0f);  // sum g, sum g*y
+    int64_t i = 0;
+    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+      VF g0 = VIO<TY>::load(gr + i), g1 = VIO<TY>::load(gr + i + kLanes);
+      s0 = vadd(s0, g0);
+      s1 = vadd(s1, g1);
+      p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+      p1 = vfma(g1, VIO<TY>::load(yr + i + kLanes), p1);
+    }
+    for (; i + kLanes <= n; i += kLanes) {
+      VF g0 = VIO<TY>::load(gr + i);
+      s0 = vadd(s0, g0);
+      p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
+    }
+    float sg = vhsum(vadd(s0, s1)), sgy = vhsum(vadd(p0, p1));
+    for (; i < n; ++i) {
+      sg += ld(gr, i);
+      sgy += ld(gr, i) * ld(yr, i);
+    }
+    const float mg = rms ? 0.0f : sg / float(n), mgy = sgy / float(n);
+    const VF vmg = vset(mg), vmgy = vset(mgy), vrs = vset(rs);
+    for (i = 0; i + kLanes <= n; i += kLanes) {
+      VF d = vsub(vsub(VIO<TY>::load(gr + i), vmg), vmul(VIO<TY>::load(yr + i), vmgy));
+      vstore_out(dr + i, vmul(d, vrs));
+    }
+    for (; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
+    return;
+  }
+#endif
+  float mg = rms ? 0.0f : row_sum(n, [&](int64_t i) { return ld(gr, i); }) / float(n);
+  float mgy = row_sum(n, [&](int64_t i) { return ld(gr, i) * ld(yr, i); }) / float(n);
+  for (int64_t i = 0; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
 }
 
 template <typename TY, typename TD>
 static void norm_bwd_impl(const TY* g, const TY* y, const float* rstd, TD* dx, int64_t rows, int64_t n, bool rms,
                           int nthreads) {
   parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
-#ifdef LMBP_SIMD
-    if constexpr (kVec<TY> && kVec<TD>) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const TY* gr = g + r * n;
-        const TY* yr = y + r * n;
-        VF s0 = vset(0.0f), s1 = vset(0.0f), p0 = vset(0.0f), p1 = vset(0.0f);  // sum g, sum g*y
-        int64_t i = 0;
-        for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-          VF g0 = VIO<TY>::load(gr + i), g1 = VIO<TY>::load(gr + i + kLanes);
-          s0 = vadd(s0, g0);
-          s1 = vadd(s1, g1);
-          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
-          p1 = vfma(g1, VIO<TY>::load(yr + i + kLanes), p1);
-        }
-        for (; i + kLanes <= n; i += kLanes) {
-          VF g0 = VIO<TY>::load(gr + i);
-          s0 = vadd(s0, g0);
-          p0 = vfma(g0, VIO<TY>::load(yr + i), p0);
-        }
-        float sg = vhsum(vadd(s0, s1)), sgy = vhsum(vadd(p0, p1));
-        for (; i < n; ++i) {
-          sg += ld(gr, i);
-          sgy += ld(gr, i) * ld(yr, i);
-        }
-        const float mg = rms ? 0.0f : sg / float(n), mgy = sgy / float(n), rs = rstd[r];
-        const VF vmg = vset(mg), vmgy = vset(mgy), vrs = vset(rs);
-        TD* dr = dx + r * n;
-        for (i = 0; i + kLanes <= n; i += kLanes) {
-          VF d = vsub(vsub(VIO<TY>::load(gr + i), vmg), vmul(VIO<TY>::load(yr + i), vmgy));
-          vstore_out(dr + i, vmul(d, vrs));
-        }
-        for (; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
-      }
-      return;
-    }
+    for (int64_t r = r0; r < r1; ++r) norm_bwd_row(g + r * n, y + r * n, rstd[r], dx + r * n, n, rms);
+  });
+}
+
+// ------------------------------------------------------------------------------ exact norm's affine
+// y = x̂·γ + β (ops/norm_affine.py): the product and the sum each rounded to fp32, then once to y's dtype, as
+// torch.mul(out=fp32) then torch.add(out=y) compute them, so the values are bitwise the PyTorch path's. KEEP makes
+// the product opaque to the optimiser, which would otherwise fuse it with the add into one FMA (one rounding).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LMBP_KEEP(v) asm("" : "+v"(v))
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define LMBP_KEEP(v) asm("" : "+w"(v))
+#else
+#define LMBP_KEEP(v) do { volatile float lmbp_keep_ = (v); (v) = lmbp_keep_; } while (0)
 #endif
-    for (int64_t r = r0; r < r1; ++r) {
-      const TY* gr = g + r * n;
-      const TY* yr = y + r * n;
-      float mg = rms ? 0.0f : row_sum(n, [&](int64_t i) { return ld(gr, i); }) / float(n);
-      float mgy = row_sum(n, [&](int64_t i) { return ld(gr, i) * ld(yr, i); }) / float(n);
-      float rs = rstd[r];
-      TD* dr = dx + r * n;
-      for (int64_t i = 0; i < n; ++i) st(dr, i, (ld(gr, i) - mg - ld(yr, i) * mgy) * rs);
+
+template <typename TX, typename TO>
+static inline void affine_fwd_row(const TX* xr, const float* gamma, const float* beta, TO* yr, int64_t n) {
+  int64_t i = 0;
+#ifdef LMBP_SIMD
+  if constexpr (kVec<TX> && kVec<TO>) {  // VIO stores (never vstore_out): bitwise the PyTorch path's rounding
+    if (beta != nullptr) {
+      for (; i + kLanes <= n; i += kLanes) {
+        VF p = vmul(VIO<TX>::load(xr + i), VIO<float>::load(gamma + i));
+        LMBP_KEEP(p);
+        VIO<TO>::store(yr + i, vadd(p, VIO<float>::load(beta + i)));
+      }
+    } else {
+      for (; i + kLanes <= n; i += kLanes)
+        VIO<TO>::store(yr + i, vmul(VIO<TX>::load(xr + i), VIO<float>::load(gamma + i)));
     }
+  }
+#endif
+  for (; i < n; ++i) {
+    float p = ld(xr, i) * gamma[i];
+    if (beta != nullptr) {
+      LMBP_KEEP(p);
+      p = p + beta[i];
+    }
+    st(yr, i, p);
+  }
+}
+
+template <typename TX, typename TO>
+static void affine_fwd_impl(const TX* x, const float* gamma, const float* beta, TO* y, int64_t rows, int64_t n,
+                            int nthreads) {
+  parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) affine_fwd_row(x + r * n, gamma, beta, y + r * n, n);
+  });
+}
+
+// The exact norm's forward in one pass: x̂ as norm_fwd computes it, then y from the x̂ just stored (read back in
+// its dtype, from L1), so y is bitwise affine_fwd(x̂).
+template <typename TI, typename TH, typename TO>
+static void norm_affine_fwd_impl(const TI* x, TH* xhat, float* rstd, const float* gamma, const float* beta, TO* y,
+                                 int64_t rows, int64_t n, float eps, bool rms, int nthreads) {
+  parallel_for(rows, divup(kGrain, n), nthreads, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(n);
+    for (int64_t r = r0; r < r1; ++r) {
+      rstd[r] = norm_fwd_row(x + r * n, xhat + r * n, n, eps, rms, buf.data());
+      affine_fwd_row(xhat + r * n, gamma, beta, y + r * n, n);
+    }
+  });
+}
+
+// Its backward from g and x̂: dx̂ = g·γ rounded once to x̂'s dtype (bitwise torch.mul(g, γ, out=dx̂)); dw = Σ g·x̂
+// and dβ = Σ g over the rows in fp32. Rows go in blocks of kAffineRows, each block's sums into its own slice of
+// ``part`` (2 × n floats, the caller's scratch), and the blocks are added in order: the same result for any
+// thread count.
+constexpr int64_t kAffineRows = 64;
+
+// One row of it: dx̂ into dr (where wanted), g·x̂ and g added into the block's partial sums pw, pb (where wanted).
+template <typename TG, typename TX>
+static inline void affine_bwd_row(const TG* gr, const TX* xr, const float* gamma, TX* dr, float* pw, float* pb,
+                                  int64_t n) {
+  int64_t i = 0;
+#ifdef LMBP_SIMD
+  if constexpr (kVec<TG> && kVec<TX>) {
+    for (; i + kLanes <= n; i += kLanes) {
+      VF gv = VIO<TG>::load(gr + i);
+      if (dr != nullptr) VIO<TX>::store(dr + i, vmul(gv, VIO<float>::load(gamma + i)));
+      if (pw != nullptr) VIO<float>::store(pw + i, vfma(gv, VIO<TX>::load(xr + i), VIO<float>::load(pw + i)));
+      if (pb != nullptr) VIO<float>::store(pb + i, vadd(VIO<float>::load(pb + i), gv));
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float gi = ld(gr, i);
+    if (dr != nullptr) st(dr, i, gi * gamma[i]);
+    if (pw != nullptr) pw[i] += gi * ld(xr, i);
+    if (pb != nullptr) pb[i] += gi;
+  }
+}
+
+// Rows in blocks of kAffineRows: zero the block's partial sums, run ``row(r, pw, pb)`` over its rows; then the
+// blocks' partials are added in order into dw, db.
+template <typename RowFn>
+static void affine_blocks(int64_t rows, int64_t n, float* dw, float* db, float* part, int nthreads, const RowFn& row) {
+  const int64_t blocks = divup(rows, kAffineRows);
+  parallel_for(blocks, divup(kGrain, kAffineRows * n), nthreads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float* pw = dw == nullptr ? nullptr : part + b * 2 * n;
+      float* pb = db == nullptr ? nullptr : part + b * 2 * n + n;
+      if (pw != nullptr) std::fill(pw, pw + n, 0.0f);
+      if (pb != nullptr) std::fill(pb, pb + n, 0.0f);
+      const int64_t r1 = (b + 1) * kAffineRows < rows ? (b + 1) * kAffineRows : rows;
+      for (int64_t r = b * kAffineRows; r < r1; ++r) row(r, pw, pb);
+    }
+  });
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* pw = part + b * 2 * n;
+    const float* pb = pw + n;
+    if (dw != nullptr)
+      for (int64_t i = 0; i < n; ++i) dw[i] = b == 0 ? pw[i] : dw[i] + pw[i];
+    if (db != nullptr)
+      for (int64_t i = 0; i < n; ++i) db[i] = b == 0 ? pb[i] : db[i] + pb[i];
+  }
+}
+
+template <typename TG, typename TX>
+static void affine_bwd_impl(const TG* g, const TX* x, const float* gamma, TX* dx, float* dw, float* db, float* part,
+                            int64_t rows, int64_t n, int nthreads) {
+  affine_blocks(rows, n, dw, db, part, nthreads, [&](int64_t r, float* pw, float* pb) {
+    affine_bwd_row(g + r * n, x + r * n, gamma, dx == nullptr ? nullptr : dx + r * n, pw, pb, n);
+  });
+}
+
+// The exact norm's backward in one pass: per row, dx̂ (rounded to x̂'s dtype, in a row of scratch) and the
+// parameter sums as affine_bwd, then dx from dx̂ as norm_bwd: bitwise the two kernels one after the other.
+template <typename TG, typename TX, typename TD>
+static void norm_affine_bwd_impl(const TG* g, const TX* x, const float* rstd, const float* gamma, TD* dx, float* dw,
+                                 float* db, float* part, int64_t rows, int64_t n, bool rms, int nthreads) {
+  affine_blocks(rows, n, dw, db, part, nthreads, [&](int64_t r, float* pw, float* pb) {
+    thread_local std::vector<TX> dxh;
+    if (int64_t(dxh.size()) < n) dxh.resize(n);
+    affine_bwd_row(g + r * n, x + r * n, gamma, dxh.data(), pw, pb, n);
+    norm_bwd_row(dxh.data(), x + r * n, rstd[r], dx + r * n, n, rms);
   });
 }
 
@@ -779,6 +912,84 @@ static int norm_bwd_out(const void* g, const void* y, const float* rstd, void* d
   return 1;
 }
 
+template <typename TX>
+static int affine_fwd_out(const void* x, const float* gamma, const float* beta, void* y, int64_t rows, int64_t n,
+                          int odt, int nt) {
+  const TX* xp = static_cast<const TX*>(x);
+  switch (odt) {
+    case F32: affine_fwd_impl(xp, gamma, beta, static_cast<float*>(y), rows, n, nt); return 0;
+    case BF16: affine_fwd_impl(xp, gamma, beta, static_cast<bf16*>(y), rows, n, nt); return 0;
+    case F16: affine_fwd_impl(xp, gamma, beta, static_cast<f16*>(y), rows, n, nt); return 0;
+  }
+  return 1;
+}
+
+template <typename TI, typename TH>
+static int norm_affine_fwd_y(const void* x, void* xhat, float* rstd, const float* gamma, const float* beta, void* y,
+                             int64_t rows, int64_t n, float eps, bool rms, int ydt, int nt) {
+  const TI* xp = static_cast<const TI*>(x);
+  TH* hp = static_cast<TH*>(xhat);
+  switch (ydt) {
+    case F32: norm_affine_fwd_impl(xp, hp, rstd, gamma, beta, static_cast<float*>(y), rows, n, eps, rms, nt); return 0;
+    case BF16: norm_affine_fwd_impl(xp, hp, rstd, gamma, beta, static_cast<bf16*>(y), rows, n, eps, rms, nt); return 0;
+    case F16: norm_affine_fwd_impl(xp, hp, rstd, gamma, beta, static_cast<f16*>(y), rows, n, eps, rms, nt); return 0;
+  }
+  return 1;
+}
+
+template <typename TI>
+static int norm_affine_fwd_h(const void* x, void* xhat, float* rstd, const float* gamma, const float* beta, void* y,
+                             int64_t rows, int64_t n, float eps, bool rms, int hdt, int ydt, int nt) {
+  switch (hdt) {
+    case F32: return norm_affine_fwd_y<TI, float>(x, xhat, rstd, gamma, beta, y, rows, n, eps, rms, ydt, nt);
+    case BF16: return norm_affine_fwd_y<TI, bf16>(x, xhat, rstd, gamma, beta, y, rows, n, eps, rms, ydt, nt);
+    case F16: return norm_affine_fwd_y<TI, f16>(x, xhat, rstd, gamma, beta, y, rows, n, eps, rms, ydt, nt);
+  }
+  return 1;
+}
+
+template <typename TG, typename TX>
+static int norm_affine_bwd_d(const void* g, const void* x, const float* rstd, const float* gamma, void* dx, float* dw,
+                             float* db, float* part, int64_t rows, int64_t n, bool rms, int ddt, int nt) {
+  const TG* gp = static_cast<const TG*>(g);
+  const TX* xp = static_cast<const TX*>(x);
+  switch (ddt) {
+    case F32: norm_affine_bwd_impl(gp, xp, rstd, gamma, static_cast<float*>(dx), dw, db, part, rows, n, rms, nt);
+      return 0;
+    case BF16: norm_affine_bwd_impl(gp, xp, rstd, gamma, static_cast<bf16*>(dx), dw, db, part, rows, n, rms, nt);
+      return 0;
+    case F16: norm_affine_bwd_impl(gp, xp, rstd, gamma, static_cast<f16*>(dx), dw, db, part, rows, n, rms, nt);
+      return 0;
+  }
+  return 1;
+}
+
+template <typename TG>
+static int norm_affine_bwd_x(const void* g, const void* x, const float* rstd, const float* gamma, void* dx, float* dw,
+                             float* db, float* part, int64_t rows, int64_t n, bool rms, int xdt, int ddt, int nt) {
+  switch (xdt) {
+    case F32: return norm_affine_bwd_d<TG, float>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms, ddt, nt);
+    case BF16: return norm_affine_bwd_d<TG, bf16>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms, ddt, nt);
+    case F16: return norm_affine_bwd_d<TG, f16>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms, ddt, nt);
+  }
+  return 1;
+}
+
+template <typename TG>
+static int affine_bwd_x(const void* g, const void* x, const float* gamma, void* dx, float* dw, float* db, float* part,
+                        int64_t rows, int64_t n, int xdt, int nt) {
+  const TG* gp = static_cast<const TG*>(g);
+  switch (xdt) {
+    case F32: affine_bwd_impl(gp, static_cast<const float*>(x), gamma, static_cast<float*>(dx), dw, db, part, rows,
+                              n, nt); return 0;
+    case BF16: affine_bwd_impl(gp, static_cast<const bf16*>(x), gamma, static_cast<bf16*>(dx), dw, db, part, rows,
+                               n, nt); return 0;
+    case F16: affine_bwd_impl(gp, static_cast<const f16*>(x), gamma, static_cast<f16*>(dx), dw, db, part, rows,
+                              n, nt); return 0;
+  }
+  return 1;
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------------ C ABI
@@ -786,7 +997,7 @@ static int norm_bwd_out(const void* g, const void* y, const float* rstd, void* d
 // lmbp_act_fwd with bits = 0 computes the activation only (packed and thresholds unused).
 extern "C" {
 
-int lmbp_abi_version() { return 1; }
+int lmbp_abi_version() { return 4; }
 
 int lmbp_act_fwd(const void* x, void* y, uint8_t* packed, int64_t n, int dtype, int kind, int bits,
                  const float* thresholds, int nthreads) {
@@ -825,6 +1036,61 @@ int lmbp_norm_bwd(const void* g, const void* y, const float* rstd, void* dx, int
     case F32: return norm_bwd_out<float>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
     case BF16: return norm_bwd_out<bf16>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
     case F16: return norm_bwd_out<f16>(g, y, rstd, dx, rows, n, rms != 0, dx_dtype, nthreads);
+  }
+  return 1;
+}
+
+// y = x̂·γ + β (beta may be null) over rows of n; gamma and beta fp32.
+int lmbp_affine_fwd(const void* x, const float* gamma, const float* beta, void* y, int64_t rows, int64_t n,
+                    int x_dtype, int y_dtype, int nthreads) {
+  switch (x_dtype) {
+    case F32: return affine_fwd_out<float>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+    case BF16: return affine_fwd_out<bf16>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+    case F16: return affine_fwd_out<f16>(x, gamma, beta, y, rows, n, y_dtype, nthreads);
+  }
+  return 1;
+}
+
+// The exact norm's forward: x̂ (xhat_dtype) and rstd as lmbp_norm_fwd, and y = x̂·γ + β as lmbp_affine_fwd.
+int lmbp_norm_affine_fwd(const void* x, void* xhat, float* rstd, const float* gamma, const float* beta, void* y,
+                         int64_t rows, int64_t n, double eps, int rms, int x_dtype, int xhat_dtype, int y_dtype,
+                         int nthreads) {
+  float e = float(eps);
+  switch (x_dtype) {
+    case F32: return norm_affine_fwd_h<float>(x, xhat, rstd, gamma, beta, y, rows, n, e, rms != 0, xhat_dtype,
+                                              y_dtype, nthreads);
+    case BF16: return norm_affine_fwd_h<bf16>(x, xhat, rstd, gamma, beta, y, rows, n, e, rms != 0, xhat_dtype,
+                                              y_dtype, nthreads);
+    case F16: return norm_affine_fwd_h<f16>(x, xhat, rstd, gamma, beta, y, rows, n, e, rms != 0, xhat_dtype,
+                                            y_dtype, nthreads);
+  }
+  return 1;
+}
+
+// The exact norm's backward from g, x̂ (x_dtype), rstd: dx (dx_dtype) as lmbp_affine_bwd's dx̂ then lmbp_norm_bwd,
+// and dw, db as lmbp_affine_bwd (each may be null; part as there).
+int lmbp_norm_affine_bwd(const void* g, const void* x, const float* rstd, const float* gamma, void* dx, float* dw,
+                         float* db, float* part, int64_t rows, int64_t n, int rms, int g_dtype, int x_dtype,
+                         int dx_dtype, int nthreads) {
+  switch (g_dtype) {
+    case F32: return norm_affine_bwd_x<float>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms != 0, x_dtype,
+                                              dx_dtype, nthreads);
+    case BF16: return norm_affine_bwd_x<bf16>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms != 0, x_dtype,
+                                              dx_dtype, nthreads);
+    case F16: return norm_affine_bwd_x<f16>(g, x, rstd, gamma, dx, dw, db, part, rows, n, rms != 0, x_dtype,
+                                            dx_dtype, nthreads);
+  }
+  return 1;
+}
+
+// dx (x's dtype), dw, db (fp32, n each) of y = x̂·γ + β from g; each output may be null (not wanted);
+// part: 2 * n * ceil(rows / 64) floats of scratch where dw or db is wanted.
+int lmbp_affine_bwd(const void* g, const void* x, const float* gamma, void* dx, float* dw, float* db, float* part,
+                    int64_t rows, int64_t n, int g_dtype, int x_dtype, int nthreads) {
+  switch (g_dtype) {
+    case F32: return affine_bwd_x<float>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
+    case BF16: return affine_bwd_x<bf16>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
+    case F16: return affine_bwd_x<f16>(g, x, gamma, dx, dw, db, part, rows, n, x_dtype, nthreads);
   }
   return 1;
 }
