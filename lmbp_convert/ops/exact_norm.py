@@ -41,7 +41,9 @@ class _ExactNorm(torch.autograd.Function):
             xhat, rstd, y = got
         ctx.mark_non_differentiable(xhat)
         ctx.set_materialize_grads(False)  # no zeros for x̂'s gradient (an x̂-sized fill per backward)
-        ctx.save_for_backward(xhat, rstd, w)
+        # what the two nodes would save: rstd only where x needs a gradient (an input without one, such as a frozen
+        # embedding's output under LoRA, makes no norm node there)
+        ctx.save_for_backward(xhat, rstd if ctx.needs_input_grad[0] else None, w)
         ctx.spec = (n, is_rms, one_plus, x.dtype, None if b is None else b.dtype)
         return y, xhat
 
