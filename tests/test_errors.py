@@ -18,7 +18,7 @@ from testsupport.families import FAMILIES
 _NOT_ERRORS = {
     ("lmbp_convert.cli", "_Terminated"): "SIGTERM turned into a BaseException, caught inside main()",
     ("lmbp_convert.cli", "_StdoutClosed"): "a closed stdout turned into a BaseException, caught inside main()",
-    ("lmbp_convert.match.norm", "Refused"): "the norm matcher's early exit, caught there: its message becomes a skip reason",
+    ("lmbp_convert.match.norm_walk", "Refused"): "the norm matcher's early exit, caught there: its message becomes a skip reason",
 }
 
 

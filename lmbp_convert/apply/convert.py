@@ -143,7 +143,11 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
     rtol = _budget(model, checks, opt, report)
-    if opt.verify and not _is_meta(model):
+    accepted = _accepted_norms(plan, opt)
+    if accepted:  # the user vouched for these norms' training forward, which is what differs from the swap's
+        report.notes.append(f"verified in eval mode only: accept_norms accepts {', '.join(accepted)}, whose training "
+                            "forward is not a plain norm's (so train-mode outputs would differ by design)")
+    elif opt.verify and not _is_meta(model):
         checks += _train_checks(model, probe, report)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
@@ -196,6 +200,12 @@ class Check:
     def run(self, model: nn.Module) -> Any:
         return run_probe(model, self.probe) if self.train_seed is None else run_probe_train(model, self.probe,
                                                                                               self.train_seed)
+
+
+def _accepted_norms(plan: Plan, opt: ConvertOptions) -> list[str]:
+    """Planned modules whose class ``accept_norms`` names (by ``module:QualName`` or class name)."""
+    names = set(opt.accept_norms or ())
+    return [it.name for it in plan.items if it.cls in names or it.cls.rsplit(":", 1)[-1] in names]
 
 
 def _train_checks(model: nn.Module, probe: Any, report: ConversionReport) -> list[Check]:

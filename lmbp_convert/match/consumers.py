@@ -18,7 +18,8 @@ from typing import Iterator
 from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode, joined
 from .context import MatchContext
-from .norm import Refused, Walk, _adopt_prefolded, plan_norm
+from .norm import _adopt_prefolded, plan_norm
+from .norm_walk import Refused, Walk
 from .plan import NormFold, ParamTarget, Skip
 from .roles import ModuleRole
 

@@ -10,7 +10,8 @@ from ..catalogue import class_key
 from ..reasons import Reason, ReasonCode
 from ..trace.graph import Callee
 from .context import MatchContext
-from .norm import Refused, inplace_reason, predicted_norm_bytes, walk_readers
+from .norm import inplace_reason, predicted_norm_bytes
+from .norm_walk import Refused, walk_readers
 from .plan import NormSwap, Skip
 from .roles import NormRole, Role, ModuleRole
 

@@ -19,7 +19,8 @@ from ..reasons import Reason, ReasonCode
 from ..trace.graph import Node, Callee
 from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
-from .norm import Refused, emitted_dtype, plan_norm
+from .norm import emitted_dtype, plan_norm
+from .norm_walk import Refused
 from .plan import PlanItem, Skip
 from .readers import At, end_readers
 from .roles import NormRole, Role, ModuleRole, quantized_linear, user_hooks

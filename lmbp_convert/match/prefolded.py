@@ -16,7 +16,8 @@ from ..catalogue import class_key
 from ..enums import BetaMode
 from ..reasons import Reason, ReasonCode
 from .context import MatchContext
-from .norm import Refused, _single_call, emitted_dtype, inplace_reason, predicted_norm_bytes, walk_readers
+from .norm import _single_call, emitted_dtype, inplace_reason, predicted_norm_bytes
+from .norm_walk import Refused, walk_readers
 from .plan import NormFold
 from .projection import is_projection_node
 from .roles import NormRole

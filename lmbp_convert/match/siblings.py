@@ -27,7 +27,7 @@ from .roles import ModuleRole
 
 if TYPE_CHECKING:
     from .context import MatchContext
-    from .norm import Walk
+    from .norm_walk import Walk
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -73,7 +73,7 @@ def unseen_sibling_targets(ctx: "MatchContext", norm: str, walk: "Walk",
                            has_beta: bool) -> dict[str, LinearTarget] | Reason:
     """The fold targets in container members the probe did not run (see the module doc), or why the fold must be
     refused."""
-    from .norm import module_problem
+    from .norm_walk import module_problem
 
     seen: dict[str, dict[str, list[str]]] = {}  # container → member key → paths of its folded Linears
     for tname in walk.targets:

@@ -7,7 +7,8 @@ from torch import nn
 from lmbp_convert.catalogue import load_catalogue
 from lmbp_convert.enums import BetaMode, Layout, ReapplyKind
 from lmbp_convert.match.context import MatchContext
-from lmbp_convert.match.norm import Reader, Refused, plan_norm, predicted_norm_bytes, reapply_sites, walk_readers
+from lmbp_convert.match.norm import plan_norm, predicted_norm_bytes, reapply_sites
+from lmbp_convert.match.norm_walk import Reader, Refused, walk_readers
 from lmbp_convert.match.roles import assign_roles, is_leaf_factory
 from lmbp_convert.options import ConvertOptions
 from lmbp_convert.trace.tracer import trace

@@ -88,6 +88,8 @@ def test_accept_norms_swaps_it_anyway(accept):
     ref = copy.deepcopy(model).eval()
     rep = convert(model, probe=X, activations=False, gated_mlp=False, accept_norms=[accept], fold_norms=True).lmbp_report
     assert [f.name for f in rep.plan.norm_folds] == ["norm"] and rep.verified
+    # its training forward differs by design (the noise): verification runs in eval mode only, and says so
+    assert rep.train_draws == 0 and any("accept_norms accepts norm" in n for n in rep.notes), rep.notes
     with torch.no_grad():
         assert torch.allclose(model.eval()(X), ref(X), atol=1e-5)  # eval: the same function
 
