@@ -143,12 +143,13 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
     rtol = _budget(model, checks, opt, report)
-    accepted = _accepted_norms(plan, opt)
-    if accepted:  # the user vouched for these norms' training forward, which is what differs from the swap's
-        report.notes.append(f"verified in eval mode only: accept_norms accepts {', '.join(accepted)}, whose training "
-                            "forward is not a plain norm's (so train-mode outputs would differ by design)")
-    elif opt.verify and not _is_meta(model):
-        checks += _train_checks(model, probe, report)
+    if opt.verify and not _is_meta(model):
+        accepted = _accepted_norms(plan, opt)
+        if accepted:  # the user vouched for these norms' training forward, which is what differs from the swap's
+            report.notes.append(f"verified in eval mode only: accept_norms accepts {', '.join(accepted)}, whose "
+                                "training forward is not a plain norm's (so train-mode outputs would differ by design)")
+        else:
+            checks += _train_checks(model, probe, report)
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
     ties = TieRecord(model)
