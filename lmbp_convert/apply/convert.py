@@ -142,7 +142,6 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     checks = [Check(probe, reference, "the traced probe")]
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
-    rtol = _budget(model, checks, opt, report)
     if opt.verify and not _is_meta(model):
         accepted = _accepted_norms(plan, opt)
         if accepted:  # the user vouched for these norms' training forward, which is what differs from the swap's
@@ -150,6 +149,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
                                 "training forward is not a plain norm's (so train-mode outputs would differ by design)")
         else:
             checks += _train_checks(model, probe, report)
+    rtol = _budget(model, checks, opt, report)  # a half-precision budget is measured on every check, train ones too
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
     ties = TieRecord(model)
@@ -301,7 +301,7 @@ def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: 
                             f"{need / 2**30:.2f} GiB: {why})")
         return default_rtol(model)
     try:
-        rtol, noise = calibrated_rtol(model, [(c.probe, c.reference) for c in checks])
+        rtol, noise = calibrated_rtol(model, [(c.probe, c.reference, c.train_seed) for c in checks])
     except OUT_OF_MEMORY as exc:  # the copies did not fit after all: put back (calibrated_rtol did), fixed budget
         report.notes.append(f"{fixed} (the fp32 forward that measures the model's rounding noise ran out of "
                             f"memory: {type(exc).__name__})")

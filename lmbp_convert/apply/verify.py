@@ -107,15 +107,17 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
-def calibrated_rtol(model: nn.Module, runs: list[tuple[Any, Any]]) -> tuple[float, float]:
+def calibrated_rtol(model: nn.Module, runs: list[tuple[Any, Any, int | None]]) -> tuple[float, float]:
     """Budget for a half-precision model, from its own rounding noise: the relative error of its outputs
-    (``runs``: (probe, the original's output) pairs, taken before any rewrite) against the same forwards in fp32
+    (``runs``: (probe, the original's output, the train-mode RNG seed or None for eval mode), taken before any
+    rewrite; dropout makes the same draws in either dtype) against the same forwards in fp32
     (parameters and buffers upcast in place, for these forwards only: the model's memory in fp32 for a moment),
     times `NOISE_FACTOR`, and at least `FP32_RTOL`. A fixed budget (5e-2 was) lets through any error below it,
     such as a rewrite 1 % off in a model whose own noise is 0.3 %. Returns (budget, noise); raises whatever the
     model's fp32 forward raises (the caller falls back to the fixed budget)."""
     with _in_fp32(model):
-        noise = max(compare_outputs(ref, run_probe(model, _fp32_input(probe))).error for probe, ref in runs)
+        noise = max(compare_outputs(ref, run_probe(model, _fp32_input(probe)) if seed is None else
+                                    run_probe_train(model, _fp32_input(probe), seed)).error for probe, ref, seed in runs)
     return max(NOISE_FACTOR * noise, FP32_RTOL), noise
 
 

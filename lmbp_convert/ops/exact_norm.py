@@ -16,6 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import cpu_native, func_transforms
+from ._common import use_triton
 from . import ms_norm as _ms
 from .norm_affine import affine_forward, affine_grads
 
@@ -75,8 +76,9 @@ def exact_norm_cpu(x: torch.Tensor, n: int, eps: float, is_rms: bool, w: torch.T
                    one_plus: bool, out_dtype: torch.dtype, xhat_dtype: torch.dtype
                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(y, x̂) over rows of the ``n`` trailing elements (``w``, ``b``: their shape), or None where this node does
-    not apply (not a CPU tensor of fp32 / bf16 / fp16, torch.compile, a torch.func transform)."""
+    not apply (not a CPU tensor of fp32 / bf16 / fp16, torch.compile, a torch.func transform, or a CPU tensor routed
+    to the Triton kernels: the interpreter in tests, a stubbed driver in benchmarks.host)."""
     if (x.device.type != "cpu" or x.dtype not in _DTYPES or w.dtype not in _DTYPES or xhat_dtype not in _DTYPES
-            or torch.compiler.is_compiling() or func_transforms.active()):
+            or torch.compiler.is_compiling() or func_transforms.active() or use_triton(x)):
         return None
     return _ExactNorm.apply(x, w, b, n, eps, is_rms, one_plus, out_dtype, xhat_dtype)

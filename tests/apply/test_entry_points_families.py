@@ -43,7 +43,8 @@ def _submodule_doors(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _inputs_of(model: nn.Module, sub: nn.Module, probe) -> tuple[tuple, dict]:
-    """The (args, kwargs) ``sub`` is called with during ``model``'s forward on ``probe``."""
+    """The (args, kwargs) ``sub`` is called with during ``model``'s forward on ``probe``; for a door the forward
+    goes around (OPT's head calls ``model.decoder``, not ``model``), the probe the package builds for it."""
     seen = []
     handle = sub.register_forward_pre_hook(lambda m, a, kw: seen.append((a, kw)) if not seen else None,
                                            with_kwargs=True)
@@ -51,8 +52,12 @@ def _inputs_of(model: nn.Module, sub: nn.Module, probe) -> tuple[tuple, dict]:
         call_model(model, probe)
     finally:
         handle.remove()
-    assert seen, "the door is not called by the model's forward"
-    return seen[0]
+    if seen:
+        return seen[0]
+    own, _, _ = make_probe(sub)
+    if isinstance(own, dict):
+        return (), own
+    return (tuple(own) if isinstance(own, (list, tuple)) else (own,)), {}
 
 
 def _same(got, want) -> float:
