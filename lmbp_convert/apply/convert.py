@@ -28,7 +28,7 @@ from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
-                     rng_kept, run_probe, run_probe_train, TRAIN_DRAWS)
+                     rng_kept, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
 
 __all__ = ["CONFIG_KEY", "convert", "plan_conversion", "prefolded_norms"]
 
@@ -142,7 +142,6 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     checks = [Check(probe, reference, "the traced probe")]
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
-    if opt.verify and not _is_meta(model):
         accepted = _accepted_norms(plan, opt)
         if accepted:  # the user vouched for these norms' training forward, which is what differs from the swap's
             report.notes.append(f"verified in eval mode only: accept_norms accepts {', '.join(accepted)}, whose "
@@ -199,8 +198,7 @@ class Check:
     train_seed: int | None = None  # run in train mode on this RNG seed (`verify.run_probe_train`), else eval mode
 
     def run(self, model: nn.Module) -> Any:
-        return run_probe(model, self.probe) if self.train_seed is None else run_probe_train(model, self.probe,
-                                                                                              self.train_seed)
+        return run_in_mode(model, self.probe, self.train_seed)
 
 
 def _accepted_norms(plan: Plan, opt: ConvertOptions) -> list[str]:
@@ -277,13 +275,21 @@ def _reference(model: nn.Module, probe: Any, number: int) -> Any:
                          f"({type(exc).__name__}: {exc})") from exc
 
 
-def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
-    """The converted model against the original on every input: the worst of them (a mismatch first)."""
-    cmps = [compare_outputs(c.run(model), c.reference) for c in checks]
+def _compare_each(model: nn.Module, checks: list[Check]) -> list[Comparison]:
+    """The converted model against the original on every input, one comparison per check."""
+    return [compare_outputs(c.run(model), c.reference) for c in checks]
+
+
+def _worst(cmps: list[Comparison]) -> Comparison:
+    """The worst of the checks' comparisons (a mismatch first)."""
     bad = next((c for c in cmps if c.mismatch is not None), None)
     if bad is not None:
         return bad
     return Comparison(max(c.error for c in cmps), sum(c.compared for c in cmps))
+
+
+def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
+    return _worst(_compare_each(model, checks))
 
 
 def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: ConversionReport) -> float:
@@ -354,9 +360,10 @@ def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
         u.undo()
     for u, item in units:
         u.apply()
-        cmp = _check_all(model, checks)
+        each = _compare_each(model, checks)
+        cmp = _worst(each)
         if cmp.verdict(rtol) == FAILED:
-            where = next((c.how for c in checks if compare_outputs(c.run(model), c.reference).verdict(rtol) == FAILED),
+            where = next((c.how for c, one in zip(checks, each) if one.verdict(rtol) == FAILED),
                          "the verification inputs")
             u.undo()
             report.rolled_back.append((u.label, cmp.error))

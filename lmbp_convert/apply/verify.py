@@ -116,8 +116,7 @@ def calibrated_rtol(model: nn.Module, runs: list[tuple[Any, Any, int | None]]) -
     such as a rewrite 1 % off in a model whose own noise is 0.3 %. Returns (budget, noise); raises whatever the
     model's fp32 forward raises (the caller falls back to the fixed budget)."""
     with _in_fp32(model):
-        noise = max(compare_outputs(ref, run_probe(model, _fp32_input(probe)) if seed is None else
-                                    run_probe_train(model, _fp32_input(probe), seed)).error for probe, ref, seed in runs)
+        noise = max(compare_outputs(ref, run_in_mode(model, _fp32_input(probe), seed)).error for probe, ref, seed in runs)
     return max(NOISE_FACTOR * noise, FP32_RTOL), noise
 
 
@@ -166,6 +165,11 @@ def _buffers_kept(model: nn.Module):
             for b, old in saved:
                 if not torch.equal(b, old):
                     b.copy_(old)
+
+
+def run_in_mode(model: nn.Module, probe: Any, train_seed: int | None) -> Any:
+    """`run_probe` (eval mode) or, with a seed, `run_probe_train`: how a verification check runs its input."""
+    return run_probe(model, probe) if train_seed is None else run_probe_train(model, probe, train_seed)
 
 
 def run_probe_train(model: nn.Module, probe: Any, seed: int) -> Any:

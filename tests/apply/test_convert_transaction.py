@@ -97,12 +97,11 @@ def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     labelled = int(any(isinstance(i, LossSwap) for i in report.plan.items))  # the loss matcher's probe with labels
     # trace, (the probe with labels,) the original on the second verification input, the original in train mode
     # (seeds 0 and 1, then the other draws if they differ), the original's measured training forward; then on both
-    # inputs and every train draw: verify, one per unit, final (and, for the unit rolled back, its first failing
-    # check once more, to name it: the traced probe); then the converted model's measured one
+    # inputs and every train draw: verify, one per unit, final; then the converted model's measured one
     draws = report.train_draws
     original_train = 2 if draws == 1 else draws
     checks = 2 + draws
-    assert counter.forwards == 3 + labelled + original_train + checks * (1 + n_units + 1) + 1 + 1, counter.forwards
+    assert counter.forwards == 3 + labelled + original_train + checks * (1 + n_units + 1) + 1, counter.forwards
     inside = sorted(counter.converted_calls)
     assert inside == list(range(4 + labelled + original_train, counter.forwards + 1)), counter.converted_calls
     inj = Injector(model, probe)
