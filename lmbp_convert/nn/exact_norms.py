@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops._common import autocast_dtype_for
-from ..ops.exact_norm import exact_norm_cpu
+from ..ops.exact_norm import affine_rows, exact_norm_cpu
 from ..ops.ms_norm import ms_norm_unchecked
 from ..ops.norm_affine import affine_forward, norm_affine
 from ..ops.shared_saves import can_note, note
@@ -79,7 +79,7 @@ class MSExactNorm(ConvertedModule, nn.Module):
                                autocast_dtype_for(x))
         if fused is not None:  # CPU: one node, one pass (ops/exact_norm.py)
             y, xhat = fused
-            note(y, _affine_rows, xhat, self.weight, self.bias, one_plus, out, self._n)
+            note(y, affine_rows, xhat, self.weight, self.bias, one_plus, out, self._n)
             return y
         xhat = ms_norm_unchecked(x, self._n, self.eps, is_rms)
         w, b = self.weight, self.bias
@@ -106,13 +106,3 @@ class MSExactNorm(ConvertedModule, nn.Module):
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
                 + (f", channel_dim={self.channel_dim}" if self.channel_dim != -1 else ""))
 
-
-def _affine_rows(xhat: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, one_plus: bool, out: torch.dtype,
-                 n: int, cast_to: torch.dtype | None = None) -> torch.Tensor:
-    """The rebuild of the fused node's y (any normalized_shape): `affine_forward` over rows of ``n``."""
-    y = affine_forward(xhat.reshape(-1, n), w.reshape(-1), None if b is None else b.reshape(-1), one_plus, out,
-                       cast_to)
-    return y.view(xhat.shape)
-
-
-_affine_rows.fuses_cast = True

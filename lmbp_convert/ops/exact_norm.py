@@ -20,7 +20,7 @@ from ._common import use_triton
 from . import ms_norm as _ms
 from .norm_affine import affine_forward, affine_grads
 
-__all__ = ["exact_norm_cpu"]
+__all__ = ["affine_rows", "exact_norm_cpu"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,8 +36,7 @@ class _ExactNorm(torch.autograd.Function):
             if w.dim() == 1:
                 y = affine_forward(xhat, w, b, one_plus, out_dtype)
             else:  # over rows of n; y must not be a view (a consumer's saved y would then not lead to this node)
-                y = affine_forward(xhat.reshape(-1, n), w.reshape(-1), None if b is None else b.reshape(-1),
-                                   one_plus, out_dtype).view(x.shape).clone()
+                y = affine_rows(xhat, w, b, one_plus, out_dtype, n).clone()
         else:
             xhat, rstd, y = got
         ctx.mark_non_differentiable(xhat)
@@ -82,3 +81,15 @@ def exact_norm_cpu(x: torch.Tensor, n: int, eps: float, is_rms: bool, w: torch.T
             or torch.compiler.is_compiling() or func_transforms.active() or use_triton(x)):
         return None
     return _ExactNorm.apply(x, w, b, n, eps, is_rms, one_plus, out_dtype, xhat_dtype)
+
+
+def affine_rows(xhat: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], one_plus: bool, out: torch.dtype,
+                n: int, cast_to: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y of any normalized_shape (``w``, ``b``: its shape): `affine_forward` over rows of the ``n`` trailing
+    elements, viewed back. The node's y, and the shared-saves recipe that rebuilds it (with a consumer's cast)."""
+    y = affine_forward(xhat.reshape(-1, n), w.reshape(-1), None if b is None else b.reshape(-1), one_plus, out,
+                       cast_to)
+    return y.view(xhat.shape)
+
+
+affine_rows.fuses_cast = True
