@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..enums import NormType, WeightParam
 from ..reasons import Reason, ReasonCode
 from .consumers import ConsumerFold
 from .norm_kept import NormKeep
-from .plan import NormFold, PlanItem, Skip
+from .plan import AffineNormItem, NormFold, PlanItem, Skip
 
 __all__ = ["NormExact", "exact_items", "exact_plan"]
 
 
 @dataclass
-class NormExact(PlanItem):
+class NormExact(AffineNormItem):
     """A norm swapped for `MSExactNorm`: γ, β kept, the output rebuilt from x̂ for the consumers that save it."""
 
     tag = "norm_exact"
@@ -34,20 +33,10 @@ class NormExact(PlanItem):
     heading = "norms → memory-sharing, exact (γ, β kept; consumers' copies of the output rebuilt from x̂)"
     counted_when_none = False
 
-    former_fields = {"kind": "norm_type"}
-
-    norm_type: NormType
-    param: WeightParam
-    eps: float
-    shape: list[int]
-    has_bias: bool
     readers: list[str] = field(default_factory=list)  # consumers that keep the output (from the fold's analysis)
     predicted_saved_bytes: int = 0
     out_dtype: str | None = None
     channel_dim: int = -1  # 1: a channel-first norm (NCHW)
-
-    def __post_init__(self) -> None:
-        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
         where = f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else ""

@@ -21,7 +21,7 @@ from .commute import is_metadata, op_short
 from .context import MatchContext, tensor_bytes
 from .norm import emitted_dtype, plan_norm
 from .norm_walk import Refused
-from .plan import PlanItem, Skip
+from .plan import AffineNormItem, Skip
 from .readers import At, end_readers
 from .roles import NormRole, Role, ModuleRole, quantized_linear, user_hooks
 
@@ -34,7 +34,7 @@ _SAVE_OUTPUT_OPS = {"tanh", "sigmoid", "exp", "relu", "relu_", "softmax", "log_s
 
 
 @dataclass
-class NormKeep(PlanItem):
+class NormKeep(AffineNormItem):
     """A norm whose affine could not be folded, swapped for a memory-sharing norm that keeps γ, β (the same
     Parameters) and computes its backward from its output, which ``keepers`` keep for their backward anyway."""
 
@@ -43,21 +43,11 @@ class NormKeep(PlanItem):
     heading = "norms → memory-sharing (affine kept, backward from the output)"
     counted_when_none = False
 
-    former_fields = {"kind": "norm_type"}
-
-    norm_type: NormType
-    param: WeightParam
-    eps: float
-    shape: list[int]
-    has_bias: bool
     keepers: list[str] = field(default_factory=list)  # consumers that keep the norm's output for backward
     fold_refused: str = ""  # why the affine could not be folded
     kept_channels: int = 0  # channels whose input column is kept (γ too small to invert), at conversion
     predicted_saved_bytes: int = 0
     out_dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
 
     def describe(self) -> list[str]:
         kept = f"; {self.kept_channels} channel(s) keep their input (γ too small to invert)" if self.kept_channels \

@@ -200,7 +200,23 @@ class OutputActSwap(PlanItem):
 
 
 @dataclass
-class NormFold(PlanItem):
+class AffineNormItem(PlanItem):
+    """The fields every rewrite of a norm with an affine shares (fold, kept affine, exact): not a kind itself."""
+
+    former_fields = {"kind": "norm_type"}
+
+    norm_type: NormType
+    param: WeightParam
+    eps: float
+    shape: list[int]
+    has_bias: bool
+
+    def __post_init__(self) -> None:
+        self.norm_type, self.param = NormType(self.norm_type), WeightParam(self.param)
+
+
+@dataclass
+class NormFold(AffineNormItem):
     """A norm swapped for a memory-sharing one, its affine folded into the Linears it feeds (``targets``) and
     re-applied for any other consumer (``reapply``)."""
 
@@ -210,13 +226,6 @@ class NormFold(PlanItem):
     inexact_training = ("affine folded: the optimiser trains the folded weights W·diag(γ) and W·β + b, not the norm's "
                         "γ, β and the original W, b")
 
-    former_fields = {"kind": "norm_type"}
-
-    norm_type: NormType
-    param: WeightParam
-    eps: float
-    shape: list[int]
-    has_bias: bool
     targets: list[LinearTarget] = field(default_factory=list)
     reapply: list[ReapplySite] = field(default_factory=list)
     caveats: list[str] = field(default_factory=list)
@@ -226,7 +235,8 @@ class NormFold(PlanItem):
     out_dtype: str | None = None  # what the original cast its output to when unlike its input ("bfloat16")
 
     def __post_init__(self) -> None:
-        self.norm_type, self.param, self.beta = NormType(self.norm_type), WeightParam(self.param), BetaMode(self.beta)
+        super().__post_init__()
+        self.beta = BetaMode(self.beta)
 
     # what a subclass that folds into more than Linears (`match.consumers.ConsumerFold`) overrides
     def param_targets(self) -> list[ParamTarget]:
