@@ -23,7 +23,7 @@ through testsupport/triton_stub.py (Triton's real launcher on a stub libcuda; CP
 Timing: ``time.thread_time`` (this thread's CPU time, so other processes on a shared machine do not count),
 one thread, A/B rounds interleaved in one process, medians; results are ratios and differences. Measures the
 installed lmbp_convert on the launch path ``LMBP_CUDA_HOST`` selects (unset: the default Python one;
-``LMBP_CUDA_HOST=1``: the C++ host path of ops/cuda_host.py, which the stub driver runs safely); the report says
+``LMBP_CUDA_HOST=1``: the C++ host path of ops/backends/cuda_host.py, which the stub driver runs safely); the report says
 which ran. Usage::
 
     python -m benchmarks.host                # ops and the three proxies, about a minute and a half
@@ -608,7 +608,7 @@ def run(args, log=print) -> dict:
     data.update({"stub_mode": st.mode, "arch": st.arch, "stub_note": st.note})
     if st.note:
         log(f"note: {st.note}")
-    from lmbp_convert.ops import cuda_host
+    from lmbp_convert.ops.backends import cuda_host
 
     data["launch_path"] = cuda_host.status()  # builds the C++ host path now (outside any timing) where it is on
     log(f"launch path: {data['launch_path']}")

@@ -30,7 +30,9 @@ import torch
 
 from . import logits_head
 from ._common import HAS_TRITON, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2, spec_key
+from ._launch import LeanKernel, next_pow2, spec_key
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 
 if HAS_TRITON:
     import triton
@@ -301,7 +303,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     flattened to (N,); 0 where the target is ``ignore_index``."""
     x, t = _rows(logits, targets)
     ignore_index = int(ignore_index)
-    if use_triton(x) and torch.compiler.is_compiling():
+    if route("cross_entropy", x, use_triton(x)) is Backend.COMPILED:
         return torch.ops.lmbp_convert.cross_entropy_fwd(x, t, ignore_index)[0]
     return CrossEntropyFunction.apply(x, t, ignore_index)
 

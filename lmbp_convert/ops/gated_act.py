@@ -15,7 +15,9 @@ import torch
 from ..enums import GATED_ACT_KINDS
 from . import func_transforms
 from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
+from ._launch import LeanKernel, next_pow2, rows_view
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 from .activations import ACTIVATIONS, act_code
 
 if HAS_TRITON:
@@ -336,6 +338,6 @@ def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tens
     _check_gu(g, u, act, "gated_act")
     if func_transforms.active():
         return func_transforms.gated_act(g, u, act)
-    if torch.compiler.is_compiling() and use_triton(g) and use_triton(u):
+    if route("gated_act", g, use_triton(g) and use_triton(u)) is Backend.COMPILED:
         return torch.ops.lmbp_convert.gated_act_fwd(g, u, act, torch.promote_types(g.dtype, u.dtype))
     return GatedActFunction.apply(g, u, act)

@@ -42,8 +42,10 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import cuda_host, func_transforms
+from . import func_transforms
 from ._common import HAS_TRITON, use_triton
+from .backends import cuda_host
+from .backends.dispatch import Backend, route
 # The elementwise half (kernels, PyTorch path, compile registration, `gated_act`), re-exported.
 from .gated_act import (_BLOCKS, _CODES, ACT_KINDS, GatedActFunction, _act_code, _block,  # noqa: F401
                         _bwd_torch, _bwd_triton, _check_gu, _elementwise_bwd, _elementwise_fwd, _fwd_torch,
@@ -268,7 +270,8 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
         flat += [a_w, b_w, b_b]
     if func_transforms.active():  # torch.func: the same function through torch's ops
         return func_transforms.gated_mlp(g, u, weight, bias, act, meta, flat)
-    if use_triton(g) and use_triton(u) and not torch.compiler.is_compiling() and g.get_device() == u.get_device():
+    kernels = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
+    if route("gated_mlp", g, kernels) is Backend.CUDA_HOST:
         host = _HOST.get(0)
         if host is None:
             host = _host_entry()
