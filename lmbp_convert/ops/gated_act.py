@@ -14,7 +14,7 @@ import torch
 
 from ..enums import GATED_ACT_KINDS
 from . import func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, refusing_double_backward, use_triton
 from ._launch import LeanKernel, next_pow2, rows_view
 from .backends.dispatch import Backend, route
 from .backends.compiled import kernel_op
@@ -288,6 +288,13 @@ def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: st
     return _bwd_triton(dh, g, u, act, h_dtype, dg_into_dh=dg_into_dh)
 
 
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _gated_act_backward(ctx, dh):
+    g, u = ctx.saved_tensors
+    dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)
+    return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
+
+
 class GatedActFunction(torch.autograd.Function):
     """``h = act(g)·u`` saving only g and u (for down projections the fused op cannot take as tensors)."""
 
@@ -301,20 +308,7 @@ class GatedActFunction(torch.autograd.Function):
         ctx.triton_path = triton_path
         return h
 
-    @staticmethod
-    def backward(ctx, dh):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _gated_act_backward_once(ctx, dh)
-        return _gated_act_backward(ctx, dh)
-
-
-def _gated_act_backward(ctx, dh):
-    g, u = ctx.saved_tensors
-    dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)
-    return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
-
-
-_gated_act_backward_once = torch.autograd.function.once_differentiable(_gated_act_backward)
+    backward = staticmethod(_gated_act_backward)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 
 from . import func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
+from ._common import (HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, refusing_double_backward,
+                      use_triton)
 from ._launch import LeanKernel, next_pow2, rows_view
 from .backends import cpu_native, cuda_host
 from .backends.dispatch import Backend, route
@@ -349,6 +350,19 @@ _ms_norm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _backward(ctx, g: torch.Tensor):
+    y, rstd = ctx.saved_tensors
+    if torch.compiler.is_compiling():
+        # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
+        # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
+        # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
+        g = g.clone(memory_format=torch.contiguous_format)
+    is_rms, x_dtype, triton_path = ctx.spec
+    dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
+    return dx, None, None, None, None
+
+
 class MSNormFunction(torch.autograd.Function):
     """Normalise rows of length ``n``; save only the returned output and rstd for backward."""
 
@@ -360,11 +374,7 @@ class MSNormFunction(torch.autograd.Function):
         ctx.spec = (is_rms, x.dtype, triton_path)
         return y
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _backward_once(ctx, g)
-        return _backward(ctx, g)
+    backward = staticmethod(_backward)
 
 
 class _TritonMSNorm(torch.autograd.Function):
@@ -378,21 +388,6 @@ class _TritonMSNorm(torch.autograd.Function):
         return y
 
     backward = staticmethod(MSNormFunction.backward)
-
-
-def _backward(ctx, g: torch.Tensor):
-    y, rstd = ctx.saved_tensors
-    if torch.compiler.is_compiling():
-        # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
-        # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
-        # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
-        g = g.clone(memory_format=torch.contiguous_format)
-    is_rms, x_dtype, triton_path = ctx.spec
-    dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
-    return dx, None, None, None, None
-
-
-_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -458,7 +453,7 @@ def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, i
     """The C++ node's backward under create_graph: the Python Function's, whose result refuses a second one."""
     ctx = _SavedCtx()
     ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, x_dtype, True)
-    return _backward_once(ctx, g)[0]
+    return _backward.once(ctx, g)[0]
 
 
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
