@@ -8,7 +8,9 @@ CPU (``-O3 -march=native``: AVX2, AVX-512, ...), cached on disk, and called thro
 Cache: ``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``, one build per (source, compiler,
 flags, torch version, CPU): a cache shared by different machines never runs code built for another CPU.
 Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and install atomically. A build
-first prints one line on stderr (what it compiles, about how long, where it is cached; `announce_build`).
+first prints one line on stderr (what it compiles, about how long, where it is cached). These steps and the
+state below (`LIBRARY`) are the shared build/load helper's (`build`); this file holds the flags, the cache key
+and the entry points.
 
 Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
 one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
@@ -150,10 +152,19 @@ def available() -> bool:
     return LIBRARY.load() is not None
 
 
+def _off() -> bool:
+    """Known not to run now: switched off, failed, or inside `disabled` (reads state; builds nothing)."""
+    lib = LIBRARY
+    if lib.state == "unloaded":
+        return bool(lib.suspended) or _off_reason() is not None
+    return bool(lib.suspended) or lib.state != "ready"
+
+
 def usable() -> bool:
-    """Whether the kernels may run now: built and loaded (on the first call), not inside `disabled`. The dispatch
-    table's condition; each entry point still declines the calls it is not correct for."""
-    return not LIBRARY.suspended and LIBRARY.get() is not None
+    """The dispatch table's condition: eager and not `_off`. Builds nothing (a traced call must not; an fp64-only
+    process never builds): the first entry-point call that applies builds them, and each still declines the calls
+    it is not correct for."""
+    return not torch.compiler.is_compiling() and not _off()
 
 
 def status() -> str:

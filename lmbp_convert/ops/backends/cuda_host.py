@@ -19,7 +19,7 @@ Build: at first use with the host's C++ compiler against torch's headers and lib
 the driver is reached with dlopen), cached on disk next to the native CPU kernels
 (``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``) per (source, compiler, flags, torch,
 Python), one build under a file lock for concurrent first uses; when the build or load fails, one warning says
-why and the Python path runs.
+why and the Python path runs (the shared build/load helper, `build`; the state is one `_HostState`, `HOST`).
 
 Off unless asked for (``LMBP_CUDA_HOST=1``): it has run only on the stub driver so far. A wrong launch parameter is
 not a wrong value the self-check could catch but an illegal memory access that kills the process, so until a GPU

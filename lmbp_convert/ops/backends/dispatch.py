@@ -8,9 +8,10 @@ Back ends (`lmbp_convert.enums.Backend`), each with its condition (`APPLIES`):
   not `cuda_host.disabled`): forward, autograd node and backward in C++. A call C++ declines (returns
   NotImplemented) goes to ``TRITON``.
 - ``TRITON``: such a tensor, eager: the op's Triton launchers through `LeanKernel`'s cached launches.
-- ``CPU_NATIVE``: a CPU tensor with the native kernels usable (`cpu_native.usable`: ``LMBP_CPU_NATIVE`` not 0, built,
-  not `cpu_native.disabled`). Tried first inside the op's PyTorch path: an entry point returns None for a call it
-  is not correct for (fp64, a subclass, a dispatch mode, double backward, ...), and the reference runs.
+- ``CPU_NATIVE``: a CPU tensor, eager, the native kernels not known to be off (`cpu_native.usable`:
+  ``LMBP_CPU_NATIVE=0``, a failed build, `cpu_native.disabled`; it builds nothing). Tried first inside the op's
+  PyTorch path: an entry point builds the kernels at the first call they apply to, and returns None for a call
+  they are not correct for (fp64, a subclass, a dispatch mode, double backward, ...): the reference runs.
 - ``TORCH``: the PyTorch reference; always applies, always last.
 
 `route` gives the first back end of an op's row whose condition holds; the op file holds one hook per back end
