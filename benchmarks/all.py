@@ -164,7 +164,7 @@ def step_time_text(speed: dict) -> str:
     how = (f"{threads} thread{'s' if threads != 1 else ''}, `time.{clock}`" if threads else "torch's default threads, "
            "`time.perf_counter`")
     kernels = speed.get("cpu_kernels", "")
-    where = ("the ops' native CPU kernels (`lmbp_convert/ops/csrc/cpu_ops.cpp`)" if kernels.startswith("native")
+    where = ("the ops' native CPU kernels (`lmbp_convert/ops/backends/csrc/cpu_ops.cpp`)" if kernels.startswith("native")
              else "the ops' PyTorch path")
     return (f"Forward + loss + backward (no optimizer), median of {speed.get('repeats')} runs (ViT and BERT: "
             f"{3 * (speed.get('repeats') or 0)}) after {speed.get('warmup')} warm-up, variants interleaved (every run "

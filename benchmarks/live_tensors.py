@@ -69,7 +69,7 @@ class LiveTensorTracker(TorchDispatchMode):
     :meth:`register` and hook parameters with :meth:`watch_grads`; mark stretches with :meth:`phase`.
 
     It only observes storages, so the package's native CPU kernels run under it as they do for a user
-    (`lmbp_convert.ops.cpu_native.OBSERVES_ALLOCATIONS_ONLY`): what is measured is the path a CPU run takes."""
+    (`lmbp_convert.ops.backends.cpu_native.OBSERVES_ALLOCATIONS_ONLY`): what is measured is the path a CPU run takes."""
 
     lmbp_observes_allocations_only = True
 

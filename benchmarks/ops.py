@@ -123,7 +123,7 @@ def _try_import(name: str):
 
 def _torch_path(impl: "Impl") -> "Impl":
     """The same op with the native CPU kernels off: its PyTorch path."""
-    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.backends import cpu_native
 
     def fn(*xs):
         with cpu_native.disabled():
@@ -430,7 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "frozen",
     ]
     if device.type == "cpu":
-        from lmbp_convert.ops import cpu_native
+        from lmbp_convert.ops.backends import cpu_native
 
         report.append(f"- CPU kernels: {cpu_native.status()}")
     report += [f"- note: {n}" for n in notes]
@@ -448,7 +448,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.json:
         kernels = None
         if device.type == "cpu":
-            from lmbp_convert.ops import cpu_native
+            from lmbp_convert.ops.backends import cpu_native
 
             kernels = cpu_native.status()
         C.write_json(a.json, {"kind": "ops", "machine": machine_line(device), "device": str(device),

@@ -186,7 +186,7 @@ def cpu_run(args, log=print) -> dict:
             "repeats": args.repeats, "warmup": args.warmup, "steps": [], "convert": [],
             "loadavg_start": _loadavg()}
     if not args.no_steps:
-        from lmbp_convert.ops import cpu_native
+        from lmbp_convert.ops.backends import cpu_native
 
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)

@@ -75,6 +75,16 @@ class AffineState(StrChoice):
     KEPT = "kept"  # the norm applies γ, β itself
 
 
+class Backend(StrChoice):
+    """A launch back end of the ops; `lmbp_convert.ops.backends.TABLE` says which op tries which, in what order."""
+
+    COMPILED = "compiled"  # under torch.compile: the op's torch.library op (a triton_op inductor emits)
+    CUDA_HOST = "cuda_host"  # eager CUDA: forward, graph node and backward in C++ (LMBP_CUDA_HOST=1)
+    TRITON = "triton"  # eager CUDA: the Triton kernels through LeanKernel's cached launches
+    CPU_NATIVE = "cpu_native"  # CPU: the native C++ kernels (csrc/cpu_ops.cpp) through ctypes
+    TORCH = "torch"  # the PyTorch reference, on every device
+
+
 #: The activation kinds the fused gated-MLP op computes (names of the ops layer's activation table). Here, in the
 #: leaf every layer reads, so the matcher (which must not import ops) and the op share one list; the ops table
 #: checks at import that each has an entry there.

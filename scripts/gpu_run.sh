@@ -94,7 +94,7 @@ for p in $PARTS; do
     case $p in
         cuda_tests)  # conftest.py turns Triton's interpreter on unless told otherwise
             part cuda_tests 170 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider --tb=short \
-                tests/ops/test_cuda.py tests/ops/test_cuda_host.py tests/nn/test_affine_norms.py \
+                tests/ops/test_cuda.py tests/ops/backends/test_cuda_host.py tests/nn/test_affine_norms.py \
                 tests/ops/test_ms_norm_affine.py ;;
         kernels)
             part kernels 50 "$PY" -m benchmarks.kernels --dtypes bf16 --sizes 16M,64M --runs 10 --budget-s 40 ;;

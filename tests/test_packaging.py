@@ -74,7 +74,7 @@ def test_every_data_file_is_declared_package_data():
             shipped |= hits
     # What the code loads at run time: the pattern catalogue, the fitted constants, the native kernels' source.
     for needed in ("patterns/catalogue.json", "lmbp_convert/data/approx_constants.json",
-                   "lmbp_convert/data/demo_config.json", "lmbp_convert/ops/csrc/cpu_ops.cpp"):
+                   "lmbp_convert/data/demo_config.json", "lmbp_convert/ops/backends/csrc/cpu_ops.cpp"):
         assert (ROOT / needed).resolve() in shipped, f"{needed} is not declared package data"
     undeclared = []
     for d in set(pkg_dirs.values()):

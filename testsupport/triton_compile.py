@@ -11,7 +11,8 @@ from typing import Any, Iterator
 
 import torch
 
-from lmbp_convert.ops import _launch, cuda_host
+from lmbp_convert.ops import _launch
+from lmbp_convert.ops.backends import cuda_host
 
 __all__ = ["stub_triton_driver"]
 

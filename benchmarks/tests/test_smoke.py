@@ -332,7 +332,7 @@ def test_gpu_runner_commands_parse():
     assert sum(int(w[1]) for w in lines) <= 8 * 60  # the caps fit the 8-minute plan
     cmd = {w[0]: w[2:] for w in lines}
     assert cmd["cuda_tests"][:2] == ["env", "TRITON_INTERPRET=0"] and "tests/ops/test_cuda.py" in cmd["cuda_tests"] \
-        and "tests/ops/test_cuda_host.py" in cmd["cuda_tests"]
+        and "tests/ops/backends/test_cuda_host.py" in cmd["cuda_tests"]
     assert os.path.exists(os.path.join(ROOT, cmd["cuda_tests"][-1]))
     parsers = {"benchmarks.kernels": K.parse_args, "benchmarks.speed": S.parse_args, "benchmarks.qlora": Q.parse_args}
     for part in ("kernels", "bench_speed", "bench_qlora"):

@@ -112,10 +112,10 @@ def test_native_cpu_kernels_run_under_the_tracker_only():
     and their outputs are tracked; any other dispatch mode still sees the PyTorch path's every op."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.backends import cpu_native
     from lmbp_convert.ops.approx_act import _CONSTANTS
 
-    if cpu_native.build_info().get("error") or cpu_native._state != "ready":
+    if cpu_native.build_info().get("error") or cpu_native.LIBRARY.state != "ready":
         pytest.skip("the native CPU kernels are not built here")
     x = torch.randn(4096)
     thr = _CONSTANTS[("gelu", 2)].c_f32

@@ -5,6 +5,7 @@ Kept free of any model knowledge: ops know tensors, not modules.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 
@@ -67,6 +68,21 @@ def use_triton(x: torch.Tensor) -> bool:
     if x.is_cuda:
         return "cuda" in _TRITON_DEVICE_TYPES and x.dtype in _TRITON_DTYPE_SET
     return bool(_TRITON_DEVICE_TYPES) and x.device.type in _TRITON_DEVICE_TYPES and x.dtype in _TRITON_DTYPE_SET
+
+
+def refusing_double_backward(fn: Callable) -> Callable:
+    """``fn(ctx, *grads)`` as an autograd Function's ``backward``: under create_graph=True (grad mode on inside
+    backward) through ``once_differentiable``, so the result refuses a second backward rather than give a wrong
+    one. ``.once``: that wrapped form, for callers that make a graph node's backward themselves (the C++ node)."""
+    once = torch.autograd.function.once_differentiable(fn)
+
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            return once(ctx, *grads)
+        return fn(ctx, *grads)
+
+    backward.once = once
+    return backward
 
 
 def autocast_dtype_for(x: torch.Tensor) -> torch.dtype:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ._common import HAS_TRITON, triton_interpreting
+from ._common import HAS_TRITON
 
-__all__ = ["LeanKernel", "spec_key", "kernel_op", "triton_launch_knobs", "cdiv", "next_pow2", "rows_view"]
+__all__ = ["LeanKernel", "spec_key", "triton_launch_knobs", "cdiv", "next_pow2", "rows_view"]
 
 
 def triton_launch_knobs() -> Optional[tuple[Any, type]]:
@@ -217,19 +217,6 @@ def spec_key(args: tuple, device_index: Optional[int], consts: tuple, num_warps:
     every int's value class)."""
     return (tuple([_tensor_spec(a) if a.__class__ is _Tensor else _int_spec(a) if a.__class__ is int
                    else a.__class__ for a in args]), device_index, num_warps, consts)
-
-
-def kernel_op(name: str, fake: Callable) -> Callable:
-    """Register a Triton launcher as the op ``name``: a ``torch.library.triton_op`` (inductor traces the
-    ``wrap_triton`` launches inside it and emits them itself), or, under Triton's interpreter, where kernels
-    cannot be traced, an opaque ``custom_op`` with ``fake`` as its shape function."""
-    def register(fn: Callable) -> Any:
-        if triton_interpreting():
-            op = torch.library.custom_op(name, mutates_args=())(fn)
-            op.register_fake(fake)
-            return op
-        return torch.library.triton_op(name, mutates_args=())(fn)
-    return register
 
 
 def _is_current(device_index: Optional[int]) -> bool:

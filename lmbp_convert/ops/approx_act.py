@@ -22,8 +22,8 @@ computed in fp32 and rounded to grad_out's dtype. Special values: +inf exceeds e
 ``grad_out * 0`` (0, or NaN only where grad_out is inf/NaN), whereas the exact derivative would be NaN: a
 code cannot hold NaN. The forward output there is NaN, so the loss is NaN anyway.
 
-Dispatch: Triton kernels for CUDA tensors, the PyTorch path everywhere else (same codes, same layout, so
-either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
+Dispatch (in the order of `backends.dispatch.TABLE`): Triton kernels for CUDA tensors, the PyTorch path
+everywhere else (same codes, same layout, so either backward can consume either forward's codes). The kernels take the thresholds and slopes as constexpr
 tuples (no device tables). Eager calls run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: forward, autograd node
 and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
@@ -40,9 +40,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import cuda_host, func_transforms
+from . import func_transforms
 from ._common import HAS_TRITON, TRITON_DTYPES, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op
+from ._launch import LeanKernel
+from .backends import cuda_host
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 from .activations import ACTIVATIONS
 # The constants, the code layout and the PyTorch path (re-exported: this module is the op's one import).
 from .approx_codes import (_CONSTANTS, _DEVICE_SLOPE_TABLES, _DTYPE_SET, _SLOPE_TABLES,  # noqa: F401
@@ -397,16 +400,19 @@ def approx_act_unchecked(x: torch.Tensor, kind: str, bits: int, backend: Optiona
     """`approx_act` for callers that validated ``kind`` and ``bits`` once (modules, at construction)."""
     if func_transforms.active():  # torch.func: functorch tensors, a setup_context Function
         return func_transforms.approx_act(x, kind, bits)
-    if backend is None and use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype, eager, training
-        if torch.compiler.is_compiling():
-            return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
+    # the hot path first: a CUDA tensor of a Triton dtype, eager, training
+    on = route("approx_act", x, use_triton(x)) if backend is None else None
+    if on is Backend.COMPILED:
+        return torch.ops.lmbp_convert.approx_act_fwd(x, kind, bits)[0]
+    if on is Backend.CUDA_HOST:  # forward, graph node and backward in C++
         host = _HOST.get((kind, bits))
         if host is None:
             host = _host_entry(kind, bits)
-        if host:  # forward, graph node and backward in C++
-            y = host(x)
-            if y is not NotImplemented:
-                return y
+        y = host(x) if host else NotImplemented
+        if y is not NotImplemented:
+            return y
+        on = Backend.TRITON  # a call C++ declines
+    if on is Backend.TRITON:
         if x.requires_grad and torch.is_grad_enabled():
             return _TritonApproxAct.apply(x, kind, bits)
         return _fwd_triton(x, kind, bits)[0]  # nothing to save: no codes kept, no autograd

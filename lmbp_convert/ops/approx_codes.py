@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import cpu_native
+from .backends import cpu_native
 from ._common import SUPPORTED_DTYPES, TRITON_DTYPES
 from .activations import ACT_NAMES, ACTIVATIONS
 

@@ -29,8 +29,10 @@ import weakref
 import torch
 
 from . import logits_head
-from ._common import HAS_TRITON, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2, spec_key
+from ._common import HAS_TRITON, check_dtype, refusing_double_backward, use_triton
+from ._launch import LeanKernel, next_pow2, spec_key
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 
 if HAS_TRITON:
     import triton
@@ -242,26 +244,7 @@ _ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
-class CrossEntropyFunction(torch.autograd.Function):
-    """Per-row cross-entropy of (N, V) logits; saves the logits themselves, the targets and the fp32 lse."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        triton_path = use_triton(x)
-        loss, lse = (_fwd_triton if triton_path else _fwd_torch)(x, t, ignore_index)
-        ctx.save_for_backward(x, t, lse)
-        ctx.spec = (ignore_index, triton_path)
-        head = logits_head.head_of(x)  # its rows are a LogitsHeadFunction's output: backward may hand off
-        ctx.head = None if head is None else (head[0], weakref.ref(head[1]))
-        return loss
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _backward_once(ctx, g)
-        return _backward(ctx, g)
-
-
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
 def _backward(ctx, g: torch.Tensor):
     x, t, lse = ctx.saved_tensors
     ignore_index, triton_path = ctx.spec
@@ -275,7 +258,20 @@ def _backward(ctx, g: torch.Tensor):
     return dx, None, None
 
 
-_backward_once = torch.autograd.function.once_differentiable(_backward)
+class CrossEntropyFunction(torch.autograd.Function):
+    """Per-row cross-entropy of (N, V) logits; saves the logits themselves, the targets and the fp32 lse."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        triton_path = use_triton(x)
+        loss, lse = (_fwd_triton if triton_path else _fwd_torch)(x, t, ignore_index)
+        ctx.save_for_backward(x, t, lse)
+        ctx.spec = (ignore_index, triton_path)
+        head = logits_head.head_of(x)  # its rows are a LogitsHeadFunction's output: backward may hand off
+        ctx.head = None if head is None else (head[0], weakref.ref(head[1]))
+        return loss
+
+    backward = staticmethod(_backward)
 
 
 def _rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +297,7 @@ def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index
     flattened to (N,); 0 where the target is ``ignore_index``."""
     x, t = _rows(logits, targets)
     ignore_index = int(ignore_index)
-    if use_triton(x) and torch.compiler.is_compiling():
+    if route("cross_entropy", x, use_triton(x)) is Backend.COMPILED:
         return torch.ops.lmbp_convert.cross_entropy_fwd(x, t, ignore_index)[0]
     return CrossEntropyFunction.apply(x, t, ignore_index)
 

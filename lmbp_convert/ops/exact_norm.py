@@ -15,9 +15,10 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import cpu_native, func_transforms
+from . import func_transforms
 from ._common import use_triton
 from . import ms_norm as _ms
+from .backends import cpu_native
 from .norm_affine import affine_forward, affine_grads
 
 __all__ = ["affine_rows", "exact_norm_cpu"]

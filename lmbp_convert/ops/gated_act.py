@@ -14,8 +14,10 @@ import torch
 
 from ..enums import GATED_ACT_KINDS
 from . import func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, refusing_double_backward, use_triton
+from ._launch import LeanKernel, next_pow2, rows_view
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 from .activations import ACTIVATIONS, act_code
 
 if HAS_TRITON:
@@ -286,6 +288,13 @@ def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: st
     return _bwd_triton(dh, g, u, act, h_dtype, dg_into_dh=dg_into_dh)
 
 
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _gated_act_backward(ctx, dh):
+    g, u = ctx.saved_tensors
+    dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)
+    return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
+
+
 class GatedActFunction(torch.autograd.Function):
     """``h = act(g)·u`` saving only g and u (for down projections the fused op cannot take as tensors)."""
 
@@ -299,20 +308,7 @@ class GatedActFunction(torch.autograd.Function):
         ctx.triton_path = triton_path
         return h
 
-    @staticmethod
-    def backward(ctx, dh):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _gated_act_backward_once(ctx, dh)
-        return _gated_act_backward(ctx, dh)
-
-
-def _gated_act_backward(ctx, dh):
-    g, u = ctx.saved_tensors
-    dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)
-    return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None), None
-
-
-_gated_act_backward_once = torch.autograd.function.once_differentiable(_gated_act_backward)
+    backward = staticmethod(_gated_act_backward)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -336,6 +332,6 @@ def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu") -> torch.Tens
     _check_gu(g, u, act, "gated_act")
     if func_transforms.active():
         return func_transforms.gated_act(g, u, act)
-    if torch.compiler.is_compiling() and use_triton(g) and use_triton(u):
+    if route("gated_act", g, use_triton(g) and use_triton(u)) is Backend.COMPILED:
         return torch.ops.lmbp_convert.gated_act_fwd(g, u, act, torch.promote_types(g.dtype, u.dtype))
     return GatedActFunction.apply(g, u, act)

@@ -42,8 +42,10 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import cuda_host, func_transforms
-from ._common import HAS_TRITON, use_triton
+from . import func_transforms
+from ._common import HAS_TRITON, refusing_double_backward, use_triton
+from .backends import cuda_host
+from .backends.dispatch import Backend, route
 # The elementwise half (kernels, PyTorch path, compile registration, `gated_act`), re-exported.
 from .gated_act import (_BLOCKS, _CODES, ACT_KINDS, GatedActFunction, _act_code, _block,  # noqa: F401
                         _bwd_torch, _bwd_triton, _check_gu, _elementwise_bwd, _elementwise_fwd, _fwd_torch,
@@ -129,45 +131,7 @@ def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------
 # autograd.Functions
 # ------------------------------------------------------------------------------------------------------
-class GatedMLPFunction(torch.autograd.Function):
-    """``down(act(g)·u)`` with the down projection given as tensors; saves g and u (and the weights as given).
-
-    Positional inputs: g, u, weight, bias, act, lora_meta, then 3 tensors (A, B, B-bias or None) per adapter;
-    ``lora_meta`` is a tuple of (scale, cast_input) per adapter.
-    """
-
-    @staticmethod
-    def forward(ctx, g, u, weight, bias, act, lora_meta, *lora):
-        dev = "cuda" if g.is_cuda else g.device.type
-        ac = _autocast_dtype(dev)
-        h_dtype = g.dtype if g.dtype == u.dtype else torch.promote_types(g.dtype, u.dtype)
-        triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
-        with _no_autocast(dev):
-            h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
-            out = (F.linear(h, weight, bias) if ac is None
-                   else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
-            out_dtype = out.dtype
-            acc = out
-            for i, (scale, cast_input) in enumerate(lora_meta):
-                a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
-                hx = _to(h, a_w.dtype) if cast_input else h
-                t = F.linear(_cast(hx, ac), _cast(a_w, ac))
-                acc = acc + F.linear(_cast(t, ac), _cast(b_w, ac), _cast(b_b, ac)) * scale
-            out = _to(acc, out_dtype)
-            del h, acc
-        # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
-        need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
-        ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _gated_mlp_backward_once(ctx, dy)
-        return _gated_mlp_backward(ctx, dy)
-
-
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
 def _gated_mlp_backward(ctx, dy):
     """`GatedMLPFunction`'s backward (see the module docstring for the maths)."""
     g, u, weight, *lora = ctx.saved_tensors
@@ -232,7 +196,39 @@ def _gated_mlp_backward(ctx, dy):
     return (dg, du, dw, db, None, None, *grads_lora)
 
 
-_gated_mlp_backward_once = torch.autograd.function.once_differentiable(_gated_mlp_backward)
+class GatedMLPFunction(torch.autograd.Function):
+    """``down(act(g)·u)`` with the down projection given as tensors; saves g and u (and the weights as given).
+
+    Positional inputs: g, u, weight, bias, act, lora_meta, then 3 tensors (A, B, B-bias or None) per adapter;
+    ``lora_meta`` is a tuple of (scale, cast_input) per adapter.
+    """
+
+    @staticmethod
+    def forward(ctx, g, u, weight, bias, act, lora_meta, *lora):
+        dev = "cuda" if g.is_cuda else g.device.type
+        ac = _autocast_dtype(dev)
+        h_dtype = g.dtype if g.dtype == u.dtype else torch.promote_types(g.dtype, u.dtype)
+        triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
+        with _no_autocast(dev):
+            h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
+            out = (F.linear(h, weight, bias) if ac is None
+                   else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
+            out_dtype = out.dtype
+            acc = out
+            for i, (scale, cast_input) in enumerate(lora_meta):
+                a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
+                hx = _to(h, a_w.dtype) if cast_input else h
+                t = F.linear(_cast(hx, ac), _cast(a_w, ac))
+                acc = acc + F.linear(_cast(t, ac), _cast(b_w, ac), _cast(b_b, ac)) * scale
+            out = _to(acc, out_dtype)
+            del h, acc
+        # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
+        need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
+        ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
+        return out
+
+    backward = staticmethod(_gated_mlp_backward)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -268,7 +264,8 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
         flat += [a_w, b_w, b_b]
     if func_transforms.active():  # torch.func: the same function through torch's ops
         return func_transforms.gated_mlp(g, u, weight, bias, act, meta, flat)
-    if use_triton(g) and use_triton(u) and not torch.compiler.is_compiling() and g.get_device() == u.get_device():
+    kernels = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
+    if route("gated_mlp", g, kernels) is Backend.CUDA_HOST:
         host = _HOST.get(0)
         if host is None:
             host = _host_entry()
@@ -313,4 +310,4 @@ def _host_backward_graph(dy, saved, needs, ac, h_dtype, code, scales, casts, wei
     ctx.needs_input_grad = tuple(needs[:4]) + (False, False) + tuple(needs[4:])
     meta = tuple((s, bool(casts >> i & 1)) for i, s in enumerate(scales))
     ctx.spec = (ac, h_dtype, _ACT_BY_CODE[code], meta, True, weight_dtype, bias_dtype)
-    return _gated_mlp_backward_once(ctx, dy)
+    return _gated_mlp_backward.once(ctx, dy)

@@ -15,8 +15,8 @@ Statistics are computed in fp32 (fp64 for fp64 inputs, PyTorch path only, for gr
 computed in fp32 from the saved output; note that for a low-precision output ŷ is the rounded value, which is
 the approximation the method accepts.
 
-Dispatch: Triton kernels for CUDA tensors (`use_triton`), the PyTorch path (`_fwd_torch` / `_bwd_torch`)
-everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
+Dispatch (in the order of `backends.dispatch.TABLE`): Triton kernels for CUDA tensors (`use_triton`), the PyTorch
+path (`_fwd_torch` / `_bwd_torch`) everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
 path is on (`cuda_host`, LMBP_CUDA_HOST=1), else their launches go through
 `LeanKernel` (cached compiled kernels); under torch.compile the Triton path is the ``triton_op``
 ``lmbp_convert::ms_norm_fwd`` (with ``ms_norm_bwd`` as its registered autograd), so inductor emits the launches.
@@ -29,9 +29,13 @@ from typing import Sequence
 
 import torch
 
-from . import cpu_native, cuda_host, func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, use_triton
-from ._launch import LeanKernel, kernel_op, next_pow2, rows_view
+from . import func_transforms
+from ._common import (HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, refusing_double_backward,
+                      use_triton)
+from ._launch import LeanKernel, next_pow2, rows_view
+from .backends import cpu_native, cuda_host
+from .backends.dispatch import Backend, route
+from .backends.compiled import kernel_op
 
 _DTYPE_SET = frozenset(SUPPORTED_DTYPES)
 _F32 = torch.float32
@@ -346,6 +350,19 @@ _ms_norm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
+@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _backward(ctx, g: torch.Tensor):
+    y, rstd = ctx.saved_tensors
+    if torch.compiler.is_compiling():
+        # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
+        # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
+        # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
+        g = g.clone(memory_format=torch.contiguous_format)
+    is_rms, x_dtype, triton_path = ctx.spec
+    dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
+    return dx, None, None, None, None
+
+
 class MSNormFunction(torch.autograd.Function):
     """Normalise rows of length ``n``; save only the returned output and rstd for backward."""
 
@@ -357,11 +374,7 @@ class MSNormFunction(torch.autograd.Function):
         ctx.spec = (is_rms, x.dtype, triton_path)
         return y
 
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if torch.is_grad_enabled():  # create_graph=True: the result must refuse a second backward
-            return _backward_once(ctx, g)
-        return _backward(ctx, g)
+    backward = staticmethod(_backward)
 
 
 class _TritonMSNorm(torch.autograd.Function):
@@ -375,21 +388,6 @@ class _TritonMSNorm(torch.autograd.Function):
         return y
 
     backward = staticmethod(MSNormFunction.backward)
-
-
-def _backward(ctx, g: torch.Tensor):
-    y, rstd = ctx.saved_tensors
-    if torch.compiler.is_compiling():
-        # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
-        # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
-        # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
-        g = g.clone(memory_format=torch.contiguous_format)
-    is_rms, x_dtype, triton_path = ctx.spec
-    dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
-    return dx, None, None, None, None
-
-
-_backward_once = torch.autograd.function.once_differentiable(_backward)
 
 
 def normalize_shape(normalized_shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -455,7 +453,7 @@ def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, i
     """The C++ node's backward under create_graph: the Python Function's, whose result refuses a second one."""
     ctx = _SavedCtx()
     ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, x_dtype, True)
-    return _backward_once(ctx, g)[0]
+    return _backward.once(ctx, g)[0]
 
 
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:
@@ -463,16 +461,18 @@ def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torc
     only the dtype is checked here."""
     if func_transforms.active():  # torch.func: the same function through torch's ops
         return func_transforms.ms_norm(x, n, eps, is_rms, autocast_dtype_for(x))
-    if use_triton(x):  # the hot path first: a CUDA tensor of a Triton dtype
-        if torch.compiler.is_compiling():
-            return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, autocast_dtype_for(x))[0]
+    on = route("ms_norm", x, use_triton(x))  # the hot path first: a CUDA tensor of a Triton dtype
+    if on is Backend.COMPILED:
+        return torch.ops.lmbp_convert.ms_norm_fwd(x, n, eps, is_rms, autocast_dtype_for(x))[0]
+    if on is Backend.CUDA_HOST:  # forward, graph node and backward in C++ (output dtype: autocast's, as below)
         host = _HOST.get(0)
         if host is None:
             host = _host_entry()
-        if host:  # forward, graph node and backward in C++ (output dtype: autocast's, as below)
-            y = host(x, n, eps, is_rms)
-            if y is not NotImplemented:
-                return y
+        y = host(x, n, eps, is_rms) if host else NotImplemented
+        if y is not NotImplemented:
+            return y
+        on = Backend.TRITON  # a call C++ declines
+    if on is Backend.TRITON:
         out_dtype = autocast_dtype_for(x)
         if x.requires_grad and torch.is_grad_enabled():
             return _TritonMSNorm.apply(x, n, eps, is_rms, out_dtype)

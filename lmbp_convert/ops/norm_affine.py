@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from . import cpu_native, func_transforms
+from . import func_transforms
+from .backends import cpu_native
 
 __all__ = ["affine_forward", "affine_grads", "norm_affine"]
 

@@ -417,7 +417,7 @@ def test_torch_backward_in_chunks_is_bitwise_the_whole_and_holds_a_chunk(dtype, 
     elements: the same bits as one pass, and its compute-dtype temporaries cover one chunk."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.backends import cpu_native
 
     n, chunk = 10_000 + 3, 1024
     g = torch.randn(n // 7 + 1, 7, generator=torch.Generator().manual_seed(0)).to(dtype).view(-1)[:n].view(n, 1)
@@ -450,7 +450,7 @@ def test_torch_backward_in_chunks_is_bitwise_the_whole_and_holds_a_chunk(dtype, 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_torch_forward_in_chunks_packs_the_same_codes(bits, monkeypatch):
     """The eager PyTorch forward packs its codes chunk by chunk (whole packed words): the same bytes."""
-    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.backends import cpu_native
 
     x = torch.randn(10_000 + 5, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with cpu_native.disabled():

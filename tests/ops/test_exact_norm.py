@@ -8,7 +8,7 @@ import contextlib
 import pytest
 import torch
 
-from lmbp_convert.ops import cpu_native as N
+from lmbp_convert.ops.backends import cpu_native as N
 from lmbp_convert.ops.exact_norm import exact_norm_cpu
 from lmbp_convert.ops.ms_norm import ms_norm_unchecked
 from lmbp_convert.ops.norm_affine import norm_affine

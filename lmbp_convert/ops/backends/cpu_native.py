@@ -8,7 +8,9 @@ CPU (``-O3 -march=native``: AVX2, AVX-512, ...), cached on disk, and called thro
 Cache: ``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``, one build per (source, compiler,
 flags, torch version, CPU): a cache shared by different machines never runs code built for another CPU.
 Concurrent first uses (pytest-xdist, DDP ranks) build once under a file lock and install atomically. A build
-first prints one line on stderr (what it compiles, about how long, where it is cached; `announce_build`).
+first prints one line on stderr (what it compiles, about how long, where it is cached). These steps and the
+state below (`LIBRARY`) are the shared build/load helper's (`build`); this file holds the flags, the cache key
+and the entry points.
 
 Fallback: ``LMBP_CPU_NATIVE=0`` turns the kernels off; without a compiler, or when the build or load fails,
 one warning says why and the PyTorch path runs, with the same results. Each entry point returns None when
@@ -22,34 +24,26 @@ without OpenMP (single-threaded) rather than load a second runtime.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import os
 import platform
-import shutil
 import subprocess
-import sys
-import tempfile
-import threading
-import time
-import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from ._common import env_off
-from .activations import ACTIVATIONS
+from .._common import env_off
+from ..activations import ACTIVATIONS
+from . import build
+from .build import ENV_DIR, NativeBuild, build_once, build_root, cache_key, compiler
 
-__all__ = ["available", "status", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd", "norm_bwd",
-           "affine_fwd", "affine_bwd", "norm_affine_fwd",
-           "norm_affine_bwd"]
+__all__ = ["available", "status", "usable", "disabled", "build_info", "act", "act_fwd", "act_bwd", "norm_fwd",
+           "norm_bwd", "affine_fwd", "affine_bwd", "norm_affine_fwd", "norm_affine_bwd", "ENV_DIR"]
 
 ENV_SWITCH = "LMBP_CPU_NATIVE"
-ENV_DIR = "LMBP_CPU_NATIVE_DIR"
 ENV_ARCH = "LMBP_CPU_NATIVE_ARCH"
-_SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+_SOURCE = build.SOURCES / "cpu_ops.cpp"
 _ABI_VERSION = 4
 _BUILD_TIMEOUT_S = 300
 
@@ -57,40 +51,10 @@ _DTYPE_ID = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The C++ enum (csrc/cpu_ops.cpp) numbers the kinds with the shared activation table's codes; the byte-exact
 # tests against the PyTorch path catch any drift.
 _KIND_ID = {name: a.code for name, a in ACTIVATIONS.items()}
-
-_lock = threading.Lock()
-_lib: Optional[ctypes.CDLL] = None
-_state = "unloaded"  # "unloaded" | "ready" | "off" (env switch) | "failed"
-_reason = ""
-_info: dict = {}
-_suspended = 0  # > 0 inside `disabled()`
 _thresholds_cache: dict = {}
 
 
 # --------------------------------------------------------------------------------------------- build
-def _build_root() -> Path:
-    root = os.environ.get(ENV_DIR)
-    if root:
-        return Path(root)
-    base = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not base:
-        from torch import _appdirs
-
-        base = _appdirs.user_cache_dir(appname="torch_extensions")
-    return Path(base) / "lmbp_convert_cpu"
-
-
-def _compiler() -> Optional[str]:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shutil.which(cxx) or (cxx if os.path.isfile(cxx) else None)
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
 def _cpu_identity() -> str:
     """What -march=native depends on: the CPU's model and feature flags."""
     try:
@@ -126,60 +90,12 @@ def _flag_sets(cxx: str) -> list[list[str]]:
 
 
 def _cache_key(cxx: str, flags: Sequence[str], source: bytes) -> str:
-    h = hashlib.sha256()
-    for part in (source, cxx.encode(), " ".join(flags).encode(), torch.__version__.encode(),
-                 _cpu_identity().encode(), platform.platform().encode()):
-        h.update(part)
-        h.update(b"\0")
-    return h.hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """An exclusive lock across processes (POSIX); elsewhere the atomic install alone keeps builds safe."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    return cache_key(source, cxx, " ".join(flags), torch.__version__, _cpu_identity(), platform.platform())
 
 
 def _compile(cxx: str, flags: list[str], out: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
-    os.close(fd)
-    try:
-        cmd = [cxx, *flags, str(_SOURCE), "-o", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"{Path(cxx).name} failed: {last[:200]}")
-        os.replace(tmp, out)  # atomic: a concurrent reader sees no file or the whole library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-#: Seconds a first build took, measured on a 2-core VM (`ops/csrc/cpu_ops.cpp` 12.6 s, `csrc/cuda_host.cpp` 24 s):
-#: the figure the one line announcing a build quotes.
-BUILD_SECONDS = {"cpu_ops": 15, "cuda_host": 25}
-_announced: set = set()
-
-
-def announce_build(what: str, source: Path, cxx: str, root: Path, key: str) -> None:
-    """One line on stderr before a first build (once per process and ``key``): a silent ~10-25 s pause at the
-    first op looks like a hang. Not a warning: nothing is wrong, and it must not turn into an error under
-    ``-W error``."""
-    if key in _announced:
-        return
-    _announced.add(key)
-    print(f"lmbp_convert: compiling {what} ({source.name}, {Path(cxx).name}), once per machine: about "
-          f"{BUILD_SECONDS[key]} s; cached in {root}", file=sys.stderr, flush=True)
+    build.compile_into(out, lambda tmp: [cxx, *flags, str(_SOURCE), "-o", tmp], _BUILD_TIMEOUT_S,
+                       lambda err: (err.strip().splitlines() or ["no output"])[-1][:200])
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -193,30 +109,24 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.lmbp_affine_bwd.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32, i32]
     lib.lmbp_norm_affine_fwd.argtypes = [p, p, p, p, p, p, i64, i64, f64, i32, i32, i32, i32, i32]
     lib.lmbp_norm_affine_bwd.argtypes = [p, p, p, p, p, p, p, p, i64, i64, i32, i32, i32, i32, i32]
-    for f in (lib.lmbp_norm_affine_fwd, lib.lmbp_norm_affine_bwd, lib.lmbp_act_fwd, lib.lmbp_act_bwd, lib.lmbp_norm_fwd, lib.lmbp_norm_bwd, lib.lmbp_affine_fwd,
-              lib.lmbp_affine_bwd):
+    for f in (lib.lmbp_norm_affine_fwd, lib.lmbp_norm_affine_bwd, lib.lmbp_act_fwd, lib.lmbp_act_bwd,
+              lib.lmbp_norm_fwd, lib.lmbp_norm_bwd, lib.lmbp_affine_fwd, lib.lmbp_affine_bwd):
         f.restype = i32
 
 
-def _build_and_load() -> ctypes.CDLL:
-    cxx = _compiler()
+def _build_and_load() -> tuple[ctypes.CDLL, dict]:
+    """The library and its build info, for the first flag set that builds and loads (or the last error)."""
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     source = _SOURCE.read_bytes()
-    root = _build_root()
+    root = build_root()
     root.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in _flag_sets(cxx):
         target = root / _cache_key(cxx, flags, source) / "lmbp_cpu_ops.so"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
-        built = False
         try:
-            with _file_lock(target.parent / "lock"):
-                if not target.exists():
-                    announce_build("the native CPU kernels", _SOURCE, cxx, root, "cpu_ops")
-                    _compile(cxx, flags, target)
-                    built = True
+            built = build_once(target, cxx, flags, _compile, "the native CPU kernels", _SOURCE, "cpu_ops")
             lib = ctypes.CDLL(str(target))
             _declare(lib)
             if lib.lmbp_abi_version() != _ABI_VERSION:
@@ -224,56 +134,54 @@ def _build_and_load() -> ctypes.CDLL:
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             errors.append(str(e))
             continue
-        _info.update(path=str(target), compiler=cxx, flags=" ".join(flags), built=built,
-                     seconds=time.perf_counter() - t0)
-        return lib
+        return lib, dict(path=str(target), compiler=cxx, flags=" ".join(flags), built=built)
     raise RuntimeError(errors[-1] if errors else "build failed")
 
 
-def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _state, _reason
-    with _lock:
-        if _state == "unloaded":
-            if env_off(ENV_SWITCH):
-                _state, _reason = "off", f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
-            else:
-                try:
-                    _lib = _build_and_load()
-                    _state = "ready"
-                except Exception as e:  # any failure: the PyTorch path runs instead
-                    _state, _reason = "failed", str(e) or type(e).__name__
-                    warnings.warn(f"lmbp_convert: native CPU kernels unavailable ({_reason}); using the PyTorch "
-                                  f"path (set {ENV_SWITCH}=0 to skip the build)", RuntimeWarning, stacklevel=4)
-    return _lib
+def _off_reason() -> Optional[str]:
+    return f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}" if env_off(ENV_SWITCH) else None
+
+
+#: The library's state (`build.NativeBuild`): built and loaded at the first call that could use it.
+LIBRARY = NativeBuild("native CPU kernels", "PyTorch path", f"set {ENV_SWITCH}=0 to skip the build", _off_reason,
+                      lambda: _build_and_load())
 
 
 def available() -> bool:
     """True when the native kernels are built and loaded (builds them on first call)."""
-    return _load() is not None
+    return LIBRARY.load() is not None
+
+
+def _off() -> bool:
+    """Known not to run now: switched off, failed, or inside `disabled` (reads state; builds nothing)."""
+    lib = LIBRARY
+    if lib.state == "unloaded":
+        return bool(lib.suspended) or _off_reason() is not None
+    return bool(lib.suspended) or lib.state != "ready"
+
+
+def usable() -> bool:
+    """The dispatch table's condition: eager and not `_off`. Builds nothing (a traced call must not; an fp64-only
+    process never builds): the first entry-point call that applies builds them, and each still declines the calls
+    it is not correct for."""
+    return not torch.compiler.is_compiling() and not _off()
 
 
 def status() -> str:
     """One line: where the kernels come from, or why the PyTorch path runs."""
-    if _load() is not None:
-        return f"native ({_info.get('flags', '')}; {_info.get('path', '')})"
-    return f"PyTorch path ({_reason})"
+    if LIBRARY.load() is not None:
+        return f"native ({LIBRARY.info.get('flags', '')}; {LIBRARY.info.get('path', '')})"
+    return f"PyTorch path ({LIBRARY.reason})"
 
 
 def build_info() -> dict:
     """Library path, compiler, flags, whether this process compiled it and the seconds build + load took."""
-    _load()
-    return dict(_info)
+    return LIBRARY.build_info()
 
 
-@contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Run the PyTorch path inside the block (tests and benchmarks compare the two)."""
-    global _suspended
-    _suspended += 1
-    try:
-        yield
-    finally:
-        _suspended -= 1
+    return LIBRARY.disabled()
 
 
 # ------------------------------------------------------------------------------------------ dispatch
@@ -297,7 +205,8 @@ def _modes_observe_allocations_only() -> bool:
 
 
 def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
-    if _suspended or _state in ("off", "failed"):
+    lib = LIBRARY
+    if lib.suspended or lib.state in ("off", "failed"):
         return None
     if torch._C._len_torch_dispatch_stack() > 0 and not _modes_observe_allocations_only():
         return None  # a dispatch mode (tracer, FLOP counter, fake tensors) must see every op
@@ -305,7 +214,7 @@ def _ready(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
         return None  # a result autograd must record (double backward): the PyTorch path's ops
-    return _lib if _state == "ready" else _load()
+    return lib.handle if lib.state == "ready" else lib.load()
 
 
 def _contig(t: torch.Tensor) -> torch.Tensor:
@@ -450,6 +359,18 @@ def affine_fwd(xhat: torch.Tensor, gamma: torch.Tensor, beta: Optional[torch.Ten
 _AFFINE_ROWS = 64
 
 
+def _column_sums(rows: int, n: int, need_dw: bool, need_db: bool) -> tuple:
+    """(dw, dβ, per-block partial sums) fp32 buffers of the affine backward; None for those not needed."""
+    dw = torch.empty(n, dtype=torch.float32) if need_dw else None
+    db = torch.empty(n, dtype=torch.float32) if need_db else None
+    part = torch.empty(-(-rows // _AFFINE_ROWS), 2, n, dtype=torch.float32) if need_dw or need_db else None
+    return dw, db, part
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
 def affine_bwd(g: torch.Tensor, xhat: torch.Tensor, gamma: torch.Tensor, need_dx: bool, need_dw: bool,
                need_db: bool) -> Optional[tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]]:
     """(dx̂ = g·γ in x̂'s dtype, dw = Σ g·x̂, dβ = Σ g in fp32; None for those not needed) of ``x̂·γ + β`` in one
@@ -468,12 +389,9 @@ def affine_bwd(g: torch.Tensor, xhat: torch.Tensor, gamma: torch.Tensor, need_dx
     gc, xc, wc = _contig(g), _contig(xhat), _contig(gamma)
     rows = xc.numel() // n
     dx = torch.empty(xhat.shape, dtype=xhat.dtype) if need_dx else None
-    dw = torch.empty(n, dtype=torch.float32) if need_dw else None
-    db = torch.empty(n, dtype=torch.float32) if need_db else None
-    part = torch.empty(-(-rows // _AFFINE_ROWS), 2, n, dtype=torch.float32) if need_dw or need_db else None
-    ptr = (lambda t: None if t is None else t.data_ptr())
-    rc = lib.lmbp_affine_bwd(gc.data_ptr(), xc.data_ptr(), wc.data_ptr(), ptr(dx), ptr(dw), ptr(db), ptr(part), rows,
-                             n, gdt, xdt, torch.get_num_threads())
+    dw, db, part = _column_sums(rows, n, need_dw, need_db)
+    rc = lib.lmbp_affine_bwd(gc.data_ptr(), xc.data_ptr(), wc.data_ptr(), _ptr(dx), _ptr(dw), _ptr(db), _ptr(part),
+                             rows, n, gdt, xdt, torch.get_num_threads())
     return (dx, dw, db) if rc == 0 else None
 
 
@@ -521,11 +439,8 @@ def norm_affine_bwd(g: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor, gam
         return None
     gc, xc, rc_, wc = _contig(g), _contig(xhat), _contig(rstd), _contig(gamma)
     dx = torch.empty(xhat.shape, dtype=x_dtype)
-    dw = torch.empty(n, dtype=torch.float32) if need_dw else None
-    db = torch.empty(n, dtype=torch.float32) if need_db else None
-    part = torch.empty(-(-rows // _AFFINE_ROWS), 2, n, dtype=torch.float32) if need_dw or need_db else None
-    ptr = (lambda t: None if t is None else t.data_ptr())
+    dw, db, part = _column_sums(rows, n, need_dw, need_db)
     rc = lib.lmbp_norm_affine_bwd(gc.data_ptr(), xc.data_ptr(), rc_.data_ptr(), wc.data_ptr(), dx.data_ptr(),
-                                  ptr(dw), ptr(db), ptr(part), rows, n, int(is_rms), gdt, xdt, ddt,
+                                  _ptr(dw), _ptr(db), _ptr(part), rows, n, int(is_rms), gdt, xdt, ddt,
                                   torch.get_num_threads())
     return (dx, dw, db) if rc == 0 else None

@@ -1,4 +1,4 @@
-"""The C++ host path (`ops/cuda_host.py`, ``csrc/cuda_host.cpp``) without a GPU.
+"""The C++ host path (`ops/backends/cuda_host.py`, ``csrc/cuda_host.cpp``) without a GPU.
 
 Proof by the driver call itself: with the stub libcuda of testsupport/triton_stub.py recording every
 ``cuLaunchKernelEx`` (config, attributes, the word at each parameter address), each op runs once through the
@@ -20,13 +20,13 @@ import textwrap
 import pytest
 import torch
 
-from lmbp_convert.ops import cuda_host
+from lmbp_convert.ops.backends import cuda_host
 from lmbp_convert.ops._common import HAS_TRITON
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
 needs_gcc = pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("c++") is None,
                                reason="needs gcc and a C++ compiler (stub libcuda, the extension)")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture(autouse=True)
@@ -48,7 +48,8 @@ st = stub.activate(native=True)
 assert st.mode == "native-launch", st.note
 from triton.runtime.jit import JITFunction
 from triton.backends.nvidia.driver import CudaLauncher
-from lmbp_convert.ops import approx_act as A, gated_mlp as G, ms_norm as N, cuda_host
+from lmbp_convert.ops import approx_act as A, gated_mlp as G, ms_norm as N
+from lmbp_convert.ops.backends import cuda_host
 
 TYPES = {}  # tagged kernel handle -> Triton's parameter types (extractor indices), scratch pointers included
 counter = [0]
@@ -201,7 +202,7 @@ def test_cpp_launch_passes_what_tritons_launcher_passes():
 
 SWITCH_SCRIPT = """
 import warnings
-from lmbp_convert.ops import cuda_host
+from lmbp_convert.ops.backends import cuda_host
 with warnings.catch_warnings():
     warnings.simplefilter("error")  # switched off: no build, no warning
     assert cuda_host.ext() is None
@@ -545,18 +546,18 @@ def test_every_ops_switch_reads_the_same_off_values(monkeypatch, value, off):
 
 def test_first_build_says_in_one_line_what_it_compiles(tmp_path, monkeypatch, capsys):
     """Building the host path takes ~25 s at the first CUDA op: one stderr line says so before it starts."""
-    from lmbp_convert.ops import cpu_native
+    from lmbp_convert.ops.backends import build
 
     def not_built(cxx, flags, out):
         raise RuntimeError("not built in this test")
 
-    if cpu_native._compiler() is None or sys.platform != "linux":
+    if build.compiler() is None or sys.platform != "linux":
         pytest.skip("no C++ compiler: nothing is built")
-    monkeypatch.setenv(cpu_native.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(cpu_native, "_announced", set())
+    monkeypatch.setenv(build.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(build, "_announced", set())
     monkeypatch.setattr(cuda_host, "_compile", not_built)
     with pytest.raises(RuntimeError, match="not built in this test"):
         cuda_host._build_and_load()
     ours = [ln for ln in capsys.readouterr().err.splitlines() if "lmbp_convert" in ln]  # (torch logs its own)
     assert len(ours) == 1 and ours[0].startswith("lmbp_convert: compiling the C++ CUDA host path (cuda_host.cpp, ")
-    assert ours[0].endswith(f"about {cpu_native.BUILD_SECONDS['cuda_host']} s; cached in {tmp_path}"), ours
+    assert ours[0].endswith(f"about {build.BUILD_SECONDS['cuda_host']} s; cached in {tmp_path}"), ours

@@ -6,8 +6,8 @@
 // Python -> C++ call does forward and the graph node, and backward never enters Python.
 //
 // What is cached: per kernel "slot" (a Triton kernel with fixed constexprs and num_warps, numbered by the
-// Python side, ops/cuda_host.py) and per specialisation class of its runtime arguments (what Triton specialises
-// on: pointee dtype and 16-byte alignment of every pointer, width / == 1 / % 16 of every int; the device),
+// Python side, ops/backends/cuda_host.py) and per specialisation class of its runtime arguments (what Triton
+// specialises on: pointee dtype and 16-byte alignment of every pointer, width / == 1 / % 16 of every int; the device),
 // the compiled kernel's launch entry: CUfunction, num_warps, shared bytes, cooperative / PDL flags, which
 // runtime arguments are kernel parameters (ints equal to 1 are constexpr) and each parameter's type. A miss
 // calls back into Python, which launches through the ordinary path (Triton compiles if needed) and describes

@@ -19,7 +19,7 @@ Build: at first use with the host's C++ compiler against torch's headers and lib
 the driver is reached with dlopen), cached on disk next to the native CPU kernels
 (``$LMBP_CPU_NATIVE_DIR`` or ``<torch_extensions>/lmbp_convert_cpu``) per (source, compiler, flags, torch,
 Python), one build under a file lock for concurrent first uses; when the build or load fails, one warning says
-why and the Python path runs.
+why and the Python path runs (the shared build/load helper, `build`; the state is one `_HostState`, `HOST`).
 
 Off unless asked for (``LMBP_CUDA_HOST=1``): it has run only on the stub driver so far. A wrong launch parameter is
 not a wrong value the self-check could catch but an illegal memory access that kills the process, so until a GPU
@@ -29,40 +29,29 @@ first CUDA op of the process; `reload` reads it again.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
 import sysconfig
-import threading
-import time
-import warnings
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 
-from . import _launch, cpu_native
-from ._common import env_off, env_on, triton_interpreting
+from .. import _launch
+from .._common import env_off, env_on, triton_interpreting
+from . import build
+from .build import NativeBuild, build_once, build_root, cache_key, compiler
 
-__all__ = ["ext", "available", "status", "disabled", "slot", "build_info", "state_cache", "clear",
+__all__ = ["ext", "available", "status", "on", "disabled", "slot", "build_info", "state_cache", "clear",
            "under_interpreter", "reload"]
 
 ENV_SWITCH = "LMBP_CUDA_HOST"
 ENV_CHECK = "LMBP_CUDA_HOST_CHECK"
-_SOURCE = Path(__file__).with_name("csrc") / "cuda_host.cpp"
+_SOURCE = build.SOURCES / "cuda_host.cpp"
 _MODULE = "lmbp_cuda_host"
 _BUILD_TIMEOUT_S = 600
-
-_lock = threading.Lock()
-_ext: Any = None
-_state = "unloaded"  # "unloaded" | "ready" | "off" | "failed"
-_reason = ""
-_info: dict = {}
-_suspended = 0
-_interpreter_ok = 0  # > 0 inside `under_interpreter()`
-_STATE_CACHES: list = []
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -77,183 +66,163 @@ def _flags() -> list[str]:
             "-ldl"]
 
 
-def _build_and_load() -> Any:
-    cxx = cpu_native._compiler()
+def _first_error(stderr: str) -> str:
+    errs = [ln for ln in stderr.splitlines() if "error" in ln] or stderr.strip().splitlines()
+    return (errs or ["no output"])[0][:300]
+
+
+def _compile(cxx: str, flags: list[str], out: Path) -> None:
+    build.compile_into(out, lambda tmp: [cxx, str(_SOURCE), "-o", tmp, *flags], _BUILD_TIMEOUT_S, _first_error)
+
+
+def _build_and_load() -> tuple[Any, dict]:
+    """The extension module and its build info (the module is built once per source, compiler, flags, torch and
+    Python)."""
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     if sys.platform != "linux":
         raise RuntimeError("the C++ host path is built for Linux only")
-    source = _SOURCE.read_bytes()
     flags = _flags()
-    h = hashlib.sha256()
-    for part in (source, cxx.encode(), " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()):
-        h.update(part)
-        h.update(b"\0")
-    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    target = cpu_native._build_root() / f"cuda_host-{h.hexdigest()[:16]}" / f"{_MODULE}{suffix}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    built = False
-    with cpu_native._file_lock(target.parent / "lock"):
-        if not target.exists():
-            cpu_native.announce_build("the C++ CUDA host path", _SOURCE, cxx, cpu_native._build_root(), "cuda_host")
-            _compile(cxx, flags, target)
-            built = True
+    key = cache_key(_SOURCE.read_bytes(), cxx, " ".join(flags), torch.__version__, sys.version)
+    target = build_root() / f"cuda_host-{key}" / f"{_MODULE}{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    built = build_once(target, cxx, flags, _compile, "the C++ CUDA host path", _SOURCE, "cuda_host")
     spec = importlib.util.spec_from_file_location(_MODULE, target)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    _info.update(path=str(target), compiler=cxx, built=built, seconds=time.perf_counter() - t0)
-    return mod
+    return mod, dict(path=str(target), compiler=cxx, built=built)
 
 
-def _compile(cxx: str, flags: list[str], out: Path) -> None:
-    import subprocess
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cxx, str(_SOURCE), "-o", tmp, *flags], capture_output=True, text=True,
-                              timeout=_BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            errs = [ln for ln in proc.stderr.splitlines() if "error" in ln] or proc.stderr.strip().splitlines()
-            raise RuntimeError(f"{Path(cxx).name} failed: {(errs or ['no output'])[0][:300]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _off_reason() -> Optional[str]:
+    if env_on(ENV_SWITCH):
+        return None
+    return (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}" if env_off(ENV_SWITCH) else
+            f"C++ host path off by default until a GPU run validates it; {ENV_SWITCH}=1 turns it on")
 
 
-def _load() -> Any:
-    global _ext, _state, _reason
-    with _lock:
-        if _state == "unloaded":
-            if not env_on(ENV_SWITCH):
-                _state, _reason = "off", (f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}" if env_off(ENV_SWITCH) else
-                                          f"C++ host path off by default until a GPU run validates it; "
-                                          f"{ENV_SWITCH}=1 turns it on")
-            elif _ext is not None:  # asked for again after `reload`: the module is loaded already
-                _state = "ready"
-            else:
-                try:
-                    knobs = _launch.triton_launch_knobs()
-                    if knobs is None:
-                        raise RuntimeError("this Triton has no triton.knobs.runtime launch hooks")
-                    mod = _build_and_load()
-                    mod.set_launcher(_miss, *knobs)
-                    mod.set_self_check(not env_off(ENV_CHECK))
-                    _ext, _state = mod, "ready"
-                except Exception as e:  # any failure: the Python launch path runs instead
-                    _state, _reason = "failed", str(e) or type(e).__name__
-                    warnings.warn(f"lmbp_convert: C++ host path unavailable ({_reason}); using the Python launch "
-                                  f"path (unset {ENV_SWITCH} to skip the build)", RuntimeWarning, stacklevel=4)
-            _reset()
-    return _ext
+def _build_and_connect() -> tuple[Any, dict]:
+    knobs = _launch.triton_launch_knobs()
+    if knobs is None:
+        raise RuntimeError("this Triton has no triton.knobs.runtime launch hooks")
+    mod, info = _build_and_load()
+    mod.set_launcher(_miss, *knobs)
+    mod.set_self_check(not env_off(ENV_CHECK))
+    return mod, info
+
+
+class _HostState(NativeBuild):
+    """The host path's one state: the build (`NativeBuild`), `under_interpreter`'s count, the kernel slots C++
+    launches by id, the ops' entry caches (emptied at every switch) and ``active``, whether the ops' CUDA calls
+    take the C++ path (None: not known since the last switch)."""
+
+    def __init__(self) -> None:
+        super().__init__("C++ host path", "Python launch path", f"unset {ENV_SWITCH} to skip the build",
+                         _off_reason, lambda: _build_and_connect(), self._changed)
+        self.interpreter_ok = 0
+        self.caches: list = []
+        self.slots: list = []  # slot id -> (LeanKernel, constexprs, num_warps)
+        self.slot_ids: dict = {}
+        self.active: Optional[bool] = None
+
+    def _changed(self) -> None:
+        self.active = None
+        for d in self.caches:
+            d.clear()
+
+
+HOST = _HostState()
 
 
 def reload() -> None:
     """Read ``LMBP_CUDA_HOST`` again at the next CUDA op (it is read once per process): for a test or a notebook
     that sets it after the first use. A built extension is not rebuilt."""
-    global _state
-    with _lock:
-        _state = "unloaded"
-        _reset()
+    HOST.reload()
 
 
 def ext() -> Any:
     """The loaded extension (building it on first call), or None: switched off, failed, inside `disabled`, or
     under Triton's interpreter (which compiles nothing, so every launch would go back through Python) unless
     `under_interpreter` asks for it."""
-    if _suspended or (not _interpreter_ok and triton_interpreting()):
+    if HOST.suspended or (not HOST.interpreter_ok and triton_interpreting()):
         return None
-    return _ext if _state == "ready" else _load()
+    return HOST.get()
 
 
 def available() -> bool:
     return ext() is not None
 
 
+def on() -> bool:
+    """Whether the ops' CUDA calls take the C++ path now (the dispatch table's condition): `ext` is not None,
+    asked once per switch."""
+    active = HOST.active
+    if active is None:
+        active = HOST.active = ext() is not None
+    return active
+
+
 def status() -> str:
     """One line: which launch path the ops' CUDA path takes, and why."""
-    if _suspended:
+    if HOST.suspended:
         return "Python launch path (disabled())"
-    if not _interpreter_ok and triton_interpreting():
+    if not HOST.interpreter_ok and triton_interpreting():
         return "Python launch path (Triton interpreter)"
     if ext() is not None:
-        return f"C++ host path ({_info.get('path', '')})"
-    return f"Python launch path ({_reason})"
+        return f"C++ host path ({HOST.info.get('path', '')})"
+    return f"Python launch path ({HOST.reason})"
 
 
 def build_info() -> dict:
-    _load()
-    return dict(_info)
+    return HOST.build_info()
 
 
-@contextlib.contextmanager
-def disabled() -> Iterator[None]:
+def disabled() -> contextlib.AbstractContextManager:
     """The Python launch path inside the block (tests and benchmarks compare the two)."""
-    global _suspended
-    _suspended += 1
-    _reset()
-    try:
-        yield
-    finally:
-        _suspended -= 1
-        _reset()
+    return HOST.disabled()
 
 
 @contextlib.contextmanager
 def under_interpreter() -> Iterator[None]:
     """Use the C++ path under TRITON_INTERPRET=1 too: its autograd, allocations and saved tensors then run on
     CPU tensors, every launch through Python's interpreted kernels (tests check its semantics this way)."""
-    global _interpreter_ok
-    _interpreter_ok += 1
-    _reset()
+    HOST.interpreter_ok += 1
+    HOST.on_change()
     try:
         yield
     finally:
-        _interpreter_ok -= 1
-        _reset()
+        HOST.interpreter_ok -= 1
+        HOST.on_change()
 
 
 def state_cache() -> dict:
     """A dict the ops keep their bound C++ entry points in; emptied whenever the path switches (load,
     `disabled`), so a hot path can look its entry up with one ``dict.get``."""
     d: dict = {}
-    _STATE_CACHES.append(d)
+    HOST.caches.append(d)
     return d
-
-
-def _reset() -> None:
-    for d in _STATE_CACHES:
-        d.clear()
 
 
 def clear() -> None:
     """Drop every launch entry C++ holds (they name compiled kernels: when those go, e.g. a stub driver's)."""
-    if _ext is not None:
-        _ext.clear()
-    _reset()
+    if HOST.handle is not None:
+        HOST.handle.clear()
+    HOST.on_change()
 
 
 # ------------------------------------------------------------------------------------------- slots
-_SLOTS: list = []  # slot id -> (LeanKernel, constexprs, num_warps)
-_SLOT_IDS: dict = {}
-
-
 def slot(kernel: Any, consts: tuple, num_warps: int) -> int:
     """The id C++ launches ``kernel`` with these constexprs and num_warps under."""
     key = (id(kernel), consts, num_warps)
-    sid = _SLOT_IDS.get(key)
+    sid = HOST.slot_ids.get(key)
     if sid is None:
-        _SLOTS.append((kernel, consts, num_warps))
-        sid = _SLOT_IDS[key] = len(_SLOTS) - 1
+        HOST.slots.append((kernel, consts, num_warps))
+        sid = HOST.slot_ids[key] = len(HOST.slots) - 1
     return sid
 
 
 def _miss(sid: int, gx: int, gy: int, gz: int, args: tuple, device: int) -> Optional[tuple]:
     """Launch through `LeanKernel` (Triton's path the first time) and describe the compiled kernel for C++."""
-    kernel, consts, warps = _SLOTS[sid]
+    kernel, consts, warps = HOST.slots[sid]
     key = ("cuda_host", _launch.spec_key(args, device, consts, warps))
     kernel.launch(key, (gx, gy, gz), args, device, consts, warps)
     return describe(kernel.cache.get(key), len(args))

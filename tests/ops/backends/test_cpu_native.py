@@ -1,4 +1,4 @@
-"""Native CPU kernels (ops/cpu_native.py, ops/csrc/cpu_ops.cpp) against the PyTorch path they replace.
+"""Native CPU kernels (ops/backends/cpu_native.py, csrc/cpu_ops.cpp) against the PyTorch path they replace.
 
 Codes must be identical byte for byte, backward of approx_act bit for bit (the same fp32 product, rounded once),
 everything else within the tolerance table; saved bytes unchanged; and where the kernels do not apply (or
@@ -22,14 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmbp_convert.memory import SavedTensorLedger
 from lmbp_convert.ops import approx_act as A
-from lmbp_convert.ops import cpu_native as N
+from lmbp_convert.ops.backends import build, cpu_native as N
 from lmbp_convert.ops import ms_norm as M
 from lmbp_convert.ops.norm_affine import affine_forward, norm_affine
 
 pytestmark = pytest.mark.skipif(not N.available(), reason=f"native CPU kernels unavailable: {N.status()}")
 
 LOW = (torch.float32, torch.bfloat16, torch.float16)
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS_OPS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(TESTS_OPS))
 
 
 def _torch_path(fn, *args):
@@ -336,7 +337,8 @@ def _run(code: str, **env: str) -> subprocess.CompletedProcess:
 
 _FALLBACK_CHECK = """
     import warnings, torch
-    from lmbp_convert.ops import approx_act as A, ms_norm as M, cpu_native as N
+    from lmbp_convert.ops import approx_act as A, ms_norm as M
+    from lmbp_convert.ops.backends import cpu_native as N
     from lmbp_convert.ops.norm_affine import norm_affine
     x = torch.randn(5, 40, requires_grad=True)
     with warnings.catch_warnings(record=True) as w:
@@ -382,7 +384,8 @@ def test_failing_build_falls_back_with_one_notice(tmp_path):
 @pytest.mark.slow  # fresh Python processes
 def test_cached_build_is_reused_across_processes():
     info = N.build_info()
-    proc = _run("from lmbp_convert.ops import cpu_native as N; i = N.build_info(); print(i['path'], i['built'])")
+    proc = _run("from lmbp_convert.ops.backends import cpu_native as N\n"
+                "i = N.build_info(); print(i['path'], i['built'])")
     assert proc.returncode == 0, proc.stderr[-2000:]
     path, built = proc.stdout.split()
     assert path == info["path"] and built == "False"
@@ -414,8 +417,7 @@ def test_other_instruction_sets_match_the_torch_path(arch, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(LMBP_CPU_NATIVE_ARCH=arch, LMBP_CPU_NATIVE_DIR=str(tmp_path / "build"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                   "test_exact_norm.py"),
+                           os.path.abspath(__file__), os.path.join(TESTS_OPS, "test_exact_norm.py"),
                            "-k", "act_codes_identical or norm_matches_torch_path or affine or one_node"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -434,16 +436,16 @@ def test_first_build_says_in_one_line_what_it_compiles(tmp_path, monkeypatch, ca
 
     cached = os.path.dirname(os.path.dirname(N.build_info()["path"]))
     monkeypatch.setenv(N.ENV_DIR, str(tmp_path))
-    monkeypatch.setattr(N, "_announced", set())
+    monkeypatch.setattr(build, "_announced", set())
     monkeypatch.setattr(N, "_compile", no_compiler_run)
     with pytest.raises(RuntimeError, match="not built in this test"):
         N._build_and_load()
     err = capsys.readouterr().err
     assert calls and err.count("\n") == 1, err
     assert err.startswith("lmbp_convert: compiling the native CPU kernels (cpu_ops.cpp, ")
-    assert f"about {N.BUILD_SECONDS['cpu_ops']} s; cached in {tmp_path}" in err
+    assert f"about {build.BUILD_SECONDS['cpu_ops']} s; cached in {tmp_path}" in err
     # a cached library: nothing said (the real cache of this process's build)
-    monkeypatch.setattr(N, "_announced", set())
+    monkeypatch.setattr(build, "_announced", set())
     monkeypatch.setenv(N.ENV_DIR, cached)
     N._build_and_load()
     assert capsys.readouterr().err == ""
