@@ -206,6 +206,14 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
 
 def _step_codes(flat: torch.Tensor, thresholds) -> torch.Tensor:
     """The step index of each element (uint8): how many thresholds it exceeds."""
+    if torch.compiler.is_compiling():
+        # Counted in fp32 under torch.compile: inductor's CPU code vectorises fp32 compares and adds, while the
+        # uint8 sums of compare masks below become mask-to-byte conversions that made the whole forward pass
+        # ~15x slower than the activation. Same counts (exact small integers), one fused pass.
+        count = (flat > thresholds[0]).to(torch.float32)
+        for c in thresholds[1:]:
+            count = count + (flat > c).to(torch.float32)
+        return count.to(torch.uint8)
     codes = (flat > thresholds[0]).to(torch.uint8)
     for c in thresholds[1:]:
         codes += flat > c
@@ -232,8 +240,6 @@ def _slope_table_on(const: ApproxConstants, dtype: torch.dtype, device: torch.de
 def _slope_table(key: tuple[str, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return _SLOPE_TABLES[(key, dtype)]
-    if torch.compiler.is_compiling():  # traced into the graph (a constant), never a cache mutation
-        return _slope_table_on(_CONSTANTS[key], dtype, device)
     hit = _DEVICE_SLOPE_TABLES.get((key, dtype, device))
     if hit is None:
         hit = _slope_table_on(_CONSTANTS[key], dtype, device)
@@ -248,13 +254,15 @@ def _capturing(device: torch.device) -> bool:
 
 def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
     """grad_out * slope[code], in grad's dtype and shape (products in fp32, fp64 for fp64)."""
+    if torch.compiler.is_compiling():
+        return _bwd_traced(grad, packed, bits, kind)
     native = cpu_native.act_bwd(grad, packed, bits, _SLOPE_TABLES[((kind, bits), torch.float32)])
     if native is not None:
         return native
     compute = _compute_dtype(grad.dtype)
     n = grad.numel()
     table = _slope_table((kind, bits), compute, grad.device)
-    if n <= BWD_CHUNK or torch.compiler.is_compiling() or (grad.requires_grad and torch.is_grad_enabled()):
+    if n <= BWD_CHUNK or (grad.requires_grad and torch.is_grad_enabled()):
         slope = table.index_select(0, packed.to(torch.int32)).view(-1)[:n].view(grad.shape)
         return (grad * slope).to(grad.dtype)
     per = table.shape[1]  # codes per packed byte
@@ -266,3 +274,41 @@ def _bwd_torch(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -
         slope = table.index_select(0, packed[s // per:-(-e // per)].to(torch.int32)).view(-1)[:e - s]
         out[s:e] = slope.mul_(flat[s:e])
     return out.view(grad.shape)
+
+
+#: (kind, bits), compute dtype -> the slope of each code as Python numbers exactly of that dtype (the slope
+#: tables' values; slope[0] = 0): constants of a traced graph, no tensor-to-float conversion while tracing.
+_SLOPE_VALUES = {(key, dtype): tuple(torch.tensor(const.slopes, dtype=torch.float64).to(dtype).tolist())
+                 for key, const in _CONSTANTS.items() for dtype in (torch.float32, torch.float64)}
+
+
+#: slot bits -> a code's mask in every byte of the word (0x03030303 for 2-bit slots)
+_SPREAD_MASKS = {s: sum(((1 << s) - 1) << (8 * j) for j in range(8 // s)) for s in _WORD}
+
+
+def spread_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """`unpack_codes` in shifts and masks only: each packed byte widened to a word of P bytes whose byte j is
+    code j (the P shifted copies OR-ed land on disjoint bits), read back as bytes. Inductor compiles this into
+    vectorised passes; the byte-indexed gather of `unpack_codes` and of the slope table it compiles to scalar
+    code."""
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+        return unpack_codes(packed, numel, bits)
+    s = slot_bits(bits)
+    per_byte = 8 // s
+    words = packed.to(_WORD[s])
+    spread = words
+    for j in range(1, per_byte):
+        spread = spread | (words << (j * (8 - s)))
+    return (spread & _SPREAD_MASKS[s]).view(torch.uint8)[:numel]
+
+
+def _bwd_traced(grad: torch.Tensor, packed: torch.Tensor, bits: int, kind: str) -> torch.Tensor:
+    """`_bwd_torch` as torch.compile traces it: the same products bitwise, in ops inductor fuses into
+    vectorised passes (codes spread by shifts, slopes picked by a chain of selects, no gather)."""
+    compute = _compute_dtype(grad.dtype)
+    codes = spread_codes(packed, grad.numel(), bits).to(compute)
+    values = _SLOPE_VALUES[((kind, bits), compute)]
+    slope = torch.zeros_like(codes)  # slope[0] = 0
+    for j in range(1, len(values)):
+        slope = torch.where(codes == j, values[j], slope)
+    return (grad.reshape(-1) * slope).to(grad.dtype).view(grad.shape)
