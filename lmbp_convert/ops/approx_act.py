@@ -27,7 +27,9 @@ everywhere else (same codes, same layout, so either backward can consume either 
 tuples (no device tables). Eager calls run in C++ where the host path is on (`cuda_host`, LMBP_CUDA_HOST=1: forward, autograd node
 and backward, kernels launched with cuLaunchKernelEx), else through `LeanKernel` (cached compiled kernels); under
 ``torch.compile`` the Triton path is the ``triton_op`` ``lmbp_convert::approx_act_fwd`` with its autograd, so
-inductor emits the launches itself; the PyTorch path is traced normally.
+inductor emits the launches itself; the PyTorch path traces in forms inductor's CPU code vectorises (codes
+counted in fp32, `approx_codes._counted_codes`; the backward's codes spread by shifts and its slopes picked by
+selects, `approx_codes._bwd_traced`), bitwise the eager codes and gradients.
 
 Files: the constants, the packing and the PyTorch path are `approx_codes` (re-exported here); this file holds the
 Triton kernels, their launchers, the autograd Functions and the dispatch.

@@ -207,17 +207,21 @@ def _fwd_torch(x: torch.Tensor, kind: str, bits: int) -> tuple[torch.Tensor, tor
 def _step_codes(flat: torch.Tensor, thresholds) -> torch.Tensor:
     """The step index of each element (uint8): how many thresholds it exceeds."""
     if torch.compiler.is_compiling():
-        # Counted in fp32 under torch.compile: inductor's CPU code vectorises fp32 compares and adds, while the
-        # uint8 sums of compare masks below become mask-to-byte conversions that made the whole forward pass
-        # ~15x slower than the activation. Same counts (exact small integers), one fused pass.
-        count = (flat > thresholds[0]).to(torch.float32)
-        for c in thresholds[1:]:
-            count = count + (flat > c).to(torch.float32)
-        return count.to(torch.uint8)
+        return _counted_codes(flat, thresholds)
     codes = (flat > thresholds[0]).to(torch.uint8)
     for c in thresholds[1:]:
         codes += flat > c
     return codes
+
+
+def _counted_codes(flat: torch.Tensor, thresholds) -> torch.Tensor:
+    """`_step_codes` as torch.compile traces it: counted in fp32 (exact small integers, the same codes).
+    Inductor's CPU code vectorises fp32 compares and adds; the uint8 sums of compare masks it writes as
+    mask-to-byte conversions that cost ~15x the activation itself."""
+    count = (flat > thresholds[0]).to(torch.float32)
+    for c in thresholds[1:]:
+        count = count + (flat > c).to(torch.float32)
+    return count.to(torch.uint8)
 
 
 #: Per-device [256, P] slope tables for the PyTorch backward off the CPU (double backward, fp64,
