@@ -149,3 +149,17 @@ def test_converted_checkpointed_step_peaks_below_checkpointing_alone(config, ckp
     assert both["params"] == alone["params"] and both["optimizer"] == alone["optimizer"]
     assert both["peak"] < alone["peak"], (both, alone)
     assert both["activations"] < alone["activations"], (both, alone)
+
+
+@pytest.mark.slow
+def test_step_time_compiled_runs_the_variants_through_torch_compile():
+    """``--compile``: every variant's step runs as compiled graphs (inductor), warmed up before the rounds."""
+    from benchmarks import step_time
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    row = step_time.run(SP.TINY["c"], ["original", "converted"], rounds=1, convert_kwargs={}, log=lambda *_: None,
+                        compiled=True)
+    assert row["compiled"] and row["ratio"]["converted"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per model at least
+    torch._dynamo.reset()
