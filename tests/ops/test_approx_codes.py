@@ -11,7 +11,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from lmbp_convert.memory import SavedTensorLedger
 from lmbp_convert.ops import approx_codes as A
-from lmbp_convert.ops import cpu_native
+from lmbp_convert.ops.backends import cpu_native
 from lmbp_convert.ops.approx_act import ACT_KINDS, approx_act, packed_nbytes, unpack_codes
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
