@@ -36,10 +36,16 @@ from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identit
                     shift_is_expressible, shift_through_scale, unfold_scale)
 from ..enums import ConvertedHook
 from ..match.plan import NormFold
+from ..nn.norms import FOLD_MARKER
 
 
 def _key(prefix: str, module: str, attr: str) -> str:
     return f"{prefix}{module}.{attr}" if module else f"{prefix}{attr}"
+
+
+def _module_tensor(modules: dict[str, nn.Module], name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(modules[owner], attr)
 
 
 def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
@@ -78,6 +84,11 @@ class FoldOnLoad(ConvertedHook):
         self.gamma: torch.Tensor | None = None  # the original γ (effective scale) of the checkpoint being loaded
         self.beta: torch.Tensor | None = None  # its β, where β folds into biases
         self.seen: set[str] = set()  # entries of this fold that arrived since a checkpoint was last complete
+        #: a re-applied norm's own state dict carries `FOLD_MARKER` (an original lacks it): these decide by it
+        self.marks = self.reapplied and bool(targets or self.other_targets) and not fold.prefolded
+        self.marked = False  # the marker arrived for the checkpoint being loaded: its entries load as they are
+        self.changed = False  # a tensor was folded for the checkpoint being loaded (taken as an original)
+        self.suspect = False  # the last complete checkpoint was folded as an original and nothing arrived since
 
     @classmethod
     def for_fold(cls, modules: dict[str, nn.Module], fold: NormFold) -> "FoldOnLoad":
@@ -87,7 +98,9 @@ class FoldOnLoad(ConvertedHook):
             base = getattr(lin, t.base) if t.base else lin
             lora_a = [f"{t.name}.{t.lora_a_attr}.{a}" for a in t.lora_adapters] if t.base else []
             found.append((t, base, lora_a))
-        awaiting = any(getattr(b, t.weight).device.type == "meta" for t, b, _ in found) and not fold.prefolded
+        params = [p.weight for p in fold.param_targets()]
+        awaiting = (any(getattr(b, t.weight).device.type == "meta" for t, b, _ in found)
+                    or any(_module_tensor(modules, n).device.type == "meta" for n in params)) and not fold.prefolded
         targets = [_Target(t.name, t.layout, t.base, lora_a,
                            t.weight == "weight" and getattr(b, "bias", None) is not None,
                            "unset" if awaiting else "folded", t.weight) for t, b, lora_a in found]
@@ -101,7 +114,12 @@ class FoldOnLoad(ConvertedHook):
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         pieces = self._pieces()
-        self.seen.update(name for name, key in pieces.items() if _key(prefix, *key) in state_dict)
+        arrived = {name for name, key in pieces.items() if _key(prefix, *key) in state_dict}
+        if self.marks:
+            self._read_marker(_key(prefix, self.norm, FOLD_MARKER) in state_dict, bool(arrived), error_msgs)
+            if arrived:
+                self.suspect = False
+        self.seen.update(arrived)
         was_open = self._open
         new_gamma, new_beta = self._take_norm(module, state_dict, prefix, error_msgs)
         if self._open and not was_open:  # an original checkpoint starts arriving
@@ -112,8 +130,29 @@ class FoldOnLoad(ConvertedHook):
         for t in self.targets:
             self._take_target(module, state_dict, prefix, t, new_gamma, new_beta, error_msgs)
         if self.seen >= set(pieces):  # every entry of the fold has arrived: the checkpoint is complete
+            self.suspect = self.marks and self._open
             self._converted_form()
             self.seen.clear()
+            if self.marks:  # the Linears hold the fold now: the model's own state dict says so
+                module.get_submodule(self.norm).marks_fold = True
+
+    def _read_marker(self, marker: bool, pieces: bool, errors: list[str]) -> None:
+        """A re-applied norm: `FOLD_MARKER` arriving says the checkpoint is the converted model's own. It may
+        arrive in a call apart from the norm's γ, β (a shard boundary between them): taken as an original until
+        then, the checkpoint becomes the own one if nothing was folded yet; otherwise the load fails."""
+        if not marker:
+            return
+        late = self._open or (self.suspect and not pieces)
+        if late and (self.changed or not self._open):
+            errors.append(f"{self.norm}: its {FOLD_MARKER} entry (the converted model's own state dict) arrived in a "
+                          "call after its γ, β had been loaded as an original checkpoint's and folded into its "
+                          "Linears; load the norm's entries and its marker in one call")
+            return
+        self.gamma = self.beta = None  # the γ, β taken for an original's are this checkpoint's own
+        self.marked = True
+        for t in self.targets:
+            if t.state == "plain":
+                t.state = "folded"
 
     def _pieces(self) -> dict[str, tuple[str, str]]:
         """Every state-dict entry of this fold: name → (module, attribute)."""
@@ -130,6 +169,7 @@ class FoldOnLoad(ConvertedHook):
         """From here the Linears hold what the converted model holds."""
         self.awaiting = False
         self.gamma = self.beta = None
+        self.marked = self.changed = False
         for t in self.targets:
             if t.state == "plain":
                 t.state = "folded"
@@ -142,8 +182,8 @@ class FoldOnLoad(ConvertedHook):
         g_in, b_in = sd.get(gk), sd.get(bk)
         if g_in is None and b_in is None:
             return False, False
-        if self.reapplied:  # γ, β stay the norm's parameters; fold only into Linears still unfolded
-            if not self.awaiting:
+        if self.reapplied:  # γ, β stay the norm's parameters; fold into the Linears unless the checkpoint is own
+            if self.marked or not (self.marks or self.awaiting):
                 return False, False
             if g_in is not None:
                 self.gamma = effective_scale(g_in, self.param)
@@ -203,8 +243,8 @@ class FoldOnLoad(ConvertedHook):
         wk, bk = _key(prefix, t.linear, t.weight), _key(prefix, t.linear, "bias")
         w_in, b_in = sd.get(wk), sd.get(bk)
         if not self._open:  # no original affine arriving: tensors are what the model holds
-            if w_in is not None:
-                t.state = "plain" if self.awaiting else "folded"
+            if w_in is not None:  # a re-applied norm's: an original's until its marker says otherwise
+                t.state = "plain" if self.awaiting or (self.marks and not self.marked) else "folded"
             return
         lin = module.get_submodule(t.linear)
         beta = self.beta if self.beta_mode == "fold" and t.has_bias else None
@@ -216,6 +256,7 @@ class FoldOnLoad(ConvertedHook):
             return
         if w_in is not None:  # an arriving weight is an original one
             sd[wk] = fold_scale(w_in, self.gamma, t.layout)
+            self.changed = True
             for a in t.lora_a:
                 ak = _key(prefix, a, "weight")
                 if ak in sd:
@@ -223,6 +264,7 @@ class FoldOnLoad(ConvertedHook):
             t.state = "folded"
         elif new_gamma and t.state == "plain" and getattr(lin, t.weight).device.type != "meta":
             _copy_into(getattr(lin, t.weight), fold_scale(getattr(lin, t.weight), self.gamma, t.layout))
+            self.changed = True
             for a in t.lora_a:
                 a_w = module.get_submodule(a).weight
                 _copy_into(a_w, fold_lora_a(a_w, self.gamma))
@@ -255,6 +297,7 @@ class FoldOnLoad(ConvertedHook):
         new, shift = fold_bias(base, w_plain, beta, t.layout)
         new = new.to(b_in.dtype if b_in is not None else lin.bias.dtype)
         t.added = shift
+        self.changed = True
         if b_in is not None:
             sd[bk] = new
         else:
@@ -294,7 +337,8 @@ class FoldParamsOnLoad(ConvertedHook):
         g = state_dict.get(_key(prefix, self.norm, "weight"))
         if not isinstance(g, torch.Tensor):
             return
-        original = self.awaiting if self.reapplied else bool(g.ne(identity_weight_value(self.param)).any())
+        marker = _key(prefix, self.norm, FOLD_MARKER) in state_dict  # a re-applied norm's own state dict
+        original = not marker if self.reapplied else bool(g.ne(identity_weight_value(self.param)).any())
         if not original:
             return
         stored = {n for t in self.targets for n in [t.weight] + [b.tensor for b in t.bias if b.persistent]}
