@@ -123,8 +123,8 @@ class FoldOnLoad(ConvertedHook):
         was_open = self._open
         new_gamma, new_beta = self._take_norm(module, state_dict, prefix, error_msgs)
         if self._open and not was_open:  # an original checkpoint starts arriving
-            for t in self.targets:
-                if t.state == "folded":  # the converted weight is what the plain model (identity norm) holds
+            for t in self.targets:  # the converted weight is what the plain model (identity norm) holds; not
+                if t.state == "folded" and not self.reapplied:  # where γ is kept: the arriving W replaces it
                     t.state = "plain"
                 t.added = None
         for t in self.targets:
@@ -248,7 +248,9 @@ class FoldOnLoad(ConvertedHook):
             return
         lin = module.get_submodule(t.linear)
         beta = self.beta if self.beta_mode == "fold" and t.has_bias else None
-        if beta is not None and (b_in is not None or w_in is not None or new_beta):
+        # a re-applied norm's Linear that has not arrived yet holds the model's own fold: left to its arrival
+        live = new_beta and not (self.reapplied and not {f"{t.linear}.{t.weight}", f"{t.linear}.bias"} & self.seen)
+        if beta is not None and (b_in is not None or w_in is not None or live):
             self._fold_beta(lin, sd, bk, t, w_in, b_in, beta, errors)
         if self.gamma is None:  # β came first: γ folds into the weight when it arrives
             if w_in is not None:
