@@ -14,18 +14,27 @@ that the model ends with the parameters ``convert()`` would have made from that 
   become the identity (or β/γ where the norm keeps the shift for bias-less Linears, see ``hooks.AddShift``).
   Identity entries — the converted model's own state dict, a checkpoint written by ``lmbp-convert`` — load as
   they are.
-* a norm whose affine is also re-applied elsewhere keeps γ, β as parameters, so its entries look the same
-  folded or not; its Linears are folded on load only while they hold unfolded weights (converted on ``meta``).
+* a norm whose affine is also re-applied elsewhere (post-LN) keeps γ, β as parameters, so its entries look the
+  same in an original checkpoint and in the converted model's own state dict. The own one says so: it carries
+  ``<norm>.lmbp_folded`` (`FOLD_MARKER`, written by the norm once its Linears hold the fold; not by a model
+  converted on ``meta`` before its first load), which an original lacks. A checkpoint whose marker arrives loads
+  as it is; one without is folded like any original — also into a real converted model, also twice. The norm
+  drops the marker on load (no unexpected key, and no missing one for an original). The marker may arrive in a
+  call after the norm's γ, β (a shard boundary between them): γ, β are taken for an original's until then, and the
+  checkpoint becomes the own one if nothing was folded yet (its Linears come later, as in state-dict order);
+  otherwise, and for a marker arriving alone right after an original was folded, the load fails with that reason
+  (`RuntimeError` from ``load_state_dict``) instead of leaving a model folded twice.
 * entries may arrive in separate calls, in any order (``strict=False`` per shard, as in transformers'
   ``load_sharded_checkpoint`` and Trainer resume): the norm's γ, β are kept until every entry of the fold has
   arrived; a weight that arrives before its norm waits unfolded and is folded in place when the norm arrives,
   and a bias is kept equal to its original value plus W·β whichever of b, W, β comes last.
 
 Not covered: a load of *only* a norm's γ, β, followed later by a separate load of the converted model's own
-Linears (the kept γ would fold them again), an original checkpoint loaded into a *real* converted model's
-re-applied (post-LN) norms (indistinguishable from its own state dict), and loaders that bypass
-``Module.load_state_dict`` and set tensors one by one (accelerate's ``set_module_tensor_to_device`` with a
-``device_map``): load those weights before ``convert()``.
+Linears (the kept γ would fold them again), loaders that bypass ``Module.load_state_dict`` and set tensors one by
+one (accelerate's ``set_module_tensor_to_device`` with a ``device_map``): load those weights before ``convert()``;
+and loaders that compare the checkpoint's keys with ``model.state_dict()`` themselves (transformers'
+``load_sharded_checkpoint(strict=True)`` reports the markers of a marked model missing from an original: pass
+``strict=False``).
 """
 from __future__ import annotations
 
@@ -317,20 +326,19 @@ class FoldOnLoad(ConvertedHook):
 
 class FoldParamsOnLoad(ConvertedHook):
     """load_state_dict pre-hook for a norm folded into parameters used by functional ops (`ConsumerFold`). An
-    original checkpoint (the norm's weight is not the identity; for a norm whose affine is re-applied elsewhere, the
-    first load into a model converted on ``meta``) is folded as it arrives: those parameters' entries become what
+    original checkpoint (the norm's weight is not the identity; for a norm whose affine is re-applied elsewhere, no
+    `FOLD_MARKER` beside it) is folded as it arrives: those parameters' entries become what
     ``convert()`` makes of them. The norm's own entries are left to its `FoldOnLoad`, which runs after this hook.
     Every tensor of the fold must arrive in the same call (one state dict, not shards in separate calls); otherwise
     the load fails with that reason rather than load a different model. Pieces of β that go into buffers the state
     dict does not hold (EVA's ``k_bias``) are added to the live buffer."""
 
-    def __init__(self, fold, awaiting: bool):
+    def __init__(self, fold):
         self.norm = fold.name
         self.param = fold.param
         self.has_bias = fold.has_bias
         self.reapplied = bool(fold.reapply)
         self.targets = list(fold.params)
-        self.awaiting = awaiting
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
@@ -363,4 +371,3 @@ class FoldParamsOnLoad(ConvertedHook):
                 state_dict[key] = new
             else:
                 _copy_into(live[name], new)
-        self.awaiting = False

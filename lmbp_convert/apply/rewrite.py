@@ -329,7 +329,7 @@ def consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     old = builder.modules[fold.name]
     meta = any(_tensor(builder, t.weight).device.type == "meta" for t in fold.params)
     if fold.params and not fold.prefolded:
-        hook = FoldParamsOnLoad(fold, awaiting=meta)
+        hook = FoldParamsOnLoad(fold)
         builder.add_hook(unit, lambda h=hook: builder.model.register_load_state_dict_pre_hook(h))
     norm_unit = builder.norm(fold)
     if not fold.prefolded and not meta:
