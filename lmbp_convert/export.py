@@ -35,6 +35,7 @@ from .errors import ConversionError
 from .fold import UnfoldError, effective_scale, relative_residual, unfold_added_bias, unfold_affine
 from .enums import AffineState, ConvertedModule
 from .match.plan import NormFold
+from .nn.norms import FOLD_MARKER
 from .report import ConversionReport
 
 __all__ = ["ExportError", "PlainSaveGuard", "plain_state_dict", "save_pretrained", "saves_plainly"]
@@ -122,13 +123,15 @@ def plain_state_dict(model: nn.Module, *, report: ConversionReport | None = None
                      rtol: float = DEFAULT_RTOL) -> dict[str, torch.Tensor]:
     """The state dict of the unconverted architecture that computes what the converted ``model`` computes.
 
-    Keys are the original model's (a converted model adds none and drops none); untouched entries are the
-    model's own tensors (detached), changed ones are new tensors in the original dtypes. Works after
+    Keys are the original model's (a converted model drops none; the `FOLD_MARKER` entries its own state dict adds
+    for folded post-LN norms are left out); untouched entries are the model's own tensors (detached), changed ones are new tensors in the original dtypes. Works after
     training. ``report`` defaults to the ``lmbp_report`` of ``model`` and of any submodule that was converted
     (and the reports they chain to through ``.previous``).
     Raises ``ExportError`` if a fold has no plain equivalent (see the module docstring).
     """
     sd = model.state_dict()
+    for key in [k for k in sd if k.rpartition(".")[2] == FOLD_MARKER]:  # the converted model's own record
+        del sd[key]
     modules = dict(model.named_modules())
     done: set[str] = set()
     for rep, rename in _find_reports(model, report):

@@ -14,18 +14,27 @@ that the model ends with the parameters ``convert()`` would have made from that 
   become the identity (or β/γ where the norm keeps the shift for bias-less Linears, see ``hooks.AddShift``).
   Identity entries — the converted model's own state dict, a checkpoint written by ``lmbp-convert`` — load as
   they are.
-* a norm whose affine is also re-applied elsewhere keeps γ, β as parameters, so its entries look the same
-  folded or not; its Linears are folded on load only while they hold unfolded weights (converted on ``meta``).
+* a norm whose affine is also re-applied elsewhere (post-LN) keeps γ, β as parameters, so its entries look the
+  same in an original checkpoint and in the converted model's own state dict. The own one says so: it carries
+  ``<norm>.lmbp_folded`` (`FOLD_MARKER`, written by the norm once its Linears hold the fold; not by a model
+  converted on ``meta`` before its first load), which an original lacks. A checkpoint whose marker arrives loads
+  as it is; one without is folded like any original — also into a real converted model, also twice. The norm
+  drops the marker on load (no unexpected key, and no missing one for an original). The marker may arrive in a
+  call after the norm's γ, β (a shard boundary between them): γ, β are taken for an original's until then, and the
+  checkpoint becomes the own one if nothing was folded yet (its Linears come later, as in state-dict order);
+  otherwise, and for a marker arriving alone right after an original was folded, the load fails with that reason
+  (`RuntimeError` from ``load_state_dict``) instead of leaving a model folded twice.
 * entries may arrive in separate calls, in any order (``strict=False`` per shard, as in transformers'
   ``load_sharded_checkpoint`` and Trainer resume): the norm's γ, β are kept until every entry of the fold has
   arrived; a weight that arrives before its norm waits unfolded and is folded in place when the norm arrives,
   and a bias is kept equal to its original value plus W·β whichever of b, W, β comes last.
 
 Not covered: a load of *only* a norm's γ, β, followed later by a separate load of the converted model's own
-Linears (the kept γ would fold them again), an original checkpoint loaded into a *real* converted model's
-re-applied (post-LN) norms (indistinguishable from its own state dict), and loaders that bypass
-``Module.load_state_dict`` and set tensors one by one (accelerate's ``set_module_tensor_to_device`` with a
-``device_map``): load those weights before ``convert()``.
+Linears (the kept γ would fold them again), loaders that bypass ``Module.load_state_dict`` and set tensors one by
+one (accelerate's ``set_module_tensor_to_device`` with a ``device_map``): load those weights before ``convert()``;
+and loaders that compare the checkpoint's keys with ``model.state_dict()`` themselves (transformers'
+``load_sharded_checkpoint(strict=True)`` reports the markers of a marked model missing from an original: pass
+``strict=False``).
 """
 from __future__ import annotations
 
@@ -36,10 +45,16 @@ from ..fold import (effective_scale, fold_bias, fold_lora_a, fold_scale, identit
                     shift_is_expressible, shift_through_scale, unfold_scale)
 from ..enums import ConvertedHook
 from ..match.plan import NormFold
+from ..nn.norms import FOLD_MARKER
 
 
 def _key(prefix: str, module: str, attr: str) -> str:
     return f"{prefix}{module}.{attr}" if module else f"{prefix}{attr}"
+
+
+def _module_tensor(modules: dict[str, nn.Module], name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(modules[owner], attr)
 
 
 def _copy_into(live: torch.Tensor, value: torch.Tensor) -> None:
@@ -78,6 +93,11 @@ class FoldOnLoad(ConvertedHook):
         self.gamma: torch.Tensor | None = None  # the original γ (effective scale) of the checkpoint being loaded
         self.beta: torch.Tensor | None = None  # its β, where β folds into biases
         self.seen: set[str] = set()  # entries of this fold that arrived since a checkpoint was last complete
+        #: a re-applied norm's own state dict carries `FOLD_MARKER` (an original lacks it): these decide by it
+        self.marks = self.reapplied and bool(targets or self.other_targets) and not fold.prefolded
+        self.marked = False  # the marker arrived for the checkpoint being loaded: its entries load as they are
+        self.changed = False  # a tensor was folded for the checkpoint being loaded (taken as an original)
+        self.suspect = False  # the last complete checkpoint was folded as an original and nothing arrived since
 
     @classmethod
     def for_fold(cls, modules: dict[str, nn.Module], fold: NormFold) -> "FoldOnLoad":
@@ -87,7 +107,9 @@ class FoldOnLoad(ConvertedHook):
             base = getattr(lin, t.base) if t.base else lin
             lora_a = [f"{t.name}.{t.lora_a_attr}.{a}" for a in t.lora_adapters] if t.base else []
             found.append((t, base, lora_a))
-        awaiting = any(getattr(b, t.weight).device.type == "meta" for t, b, _ in found) and not fold.prefolded
+        params = [p.weight for p in fold.param_targets()]
+        awaiting = (any(getattr(b, t.weight).device.type == "meta" for t, b, _ in found)
+                    or any(_module_tensor(modules, n).device.type == "meta" for n in params)) and not fold.prefolded
         targets = [_Target(t.name, t.layout, t.base, lora_a,
                            t.weight == "weight" and getattr(b, "bias", None) is not None,
                            "unset" if awaiting else "folded", t.weight) for t, b, lora_a in found]
@@ -101,19 +123,45 @@ class FoldOnLoad(ConvertedHook):
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
         pieces = self._pieces()
-        self.seen.update(name for name, key in pieces.items() if _key(prefix, *key) in state_dict)
+        arrived = {name for name, key in pieces.items() if _key(prefix, *key) in state_dict}
+        if self.marks:
+            self._read_marker(_key(prefix, self.norm, FOLD_MARKER) in state_dict, bool(arrived), error_msgs)
+            if arrived:
+                self.suspect = False
+        self.seen.update(arrived)
         was_open = self._open
         new_gamma, new_beta = self._take_norm(module, state_dict, prefix, error_msgs)
         if self._open and not was_open:  # an original checkpoint starts arriving
-            for t in self.targets:
-                if t.state == "folded":  # the converted weight is what the plain model (identity norm) holds
+            for t in self.targets:  # the converted weight is what the plain model (identity norm) holds; not
+                if t.state == "folded" and not self.reapplied:  # where γ is kept: the arriving W replaces it
                     t.state = "plain"
                 t.added = None
         for t in self.targets:
             self._take_target(module, state_dict, prefix, t, new_gamma, new_beta, error_msgs)
         if self.seen >= set(pieces):  # every entry of the fold has arrived: the checkpoint is complete
+            self.suspect = self.marks and self._open
             self._converted_form()
             self.seen.clear()
+            if self.marks:  # the Linears hold the fold now: the model's own state dict says so
+                module.get_submodule(self.norm).marks_fold = True
+
+    def _read_marker(self, marker: bool, pieces: bool, errors: list[str]) -> None:
+        """A re-applied norm: `FOLD_MARKER` arriving says the checkpoint is the converted model's own. It may
+        arrive in a call apart from the norm's γ, β (a shard boundary between them): taken as an original until
+        then, the checkpoint becomes the own one if nothing was folded yet; otherwise the load fails."""
+        if not marker:
+            return
+        late = self._open or (self.suspect and not pieces)
+        if late and (self.changed or not self._open):
+            errors.append(f"{self.norm}: its {FOLD_MARKER} entry (the converted model's own state dict) arrived in a "
+                          "call after its γ, β had been loaded as an original checkpoint's and folded into its "
+                          "Linears; load the norm's entries and its marker in one call")
+            return
+        self.gamma = self.beta = None  # the γ, β taken for an original's are this checkpoint's own
+        self.marked = True
+        for t in self.targets:
+            if t.state == "plain":
+                t.state = "folded"
 
     def _pieces(self) -> dict[str, tuple[str, str]]:
         """Every state-dict entry of this fold: name → (module, attribute)."""
@@ -130,6 +178,7 @@ class FoldOnLoad(ConvertedHook):
         """From here the Linears hold what the converted model holds."""
         self.awaiting = False
         self.gamma = self.beta = None
+        self.marked = self.changed = False
         for t in self.targets:
             if t.state == "plain":
                 t.state = "folded"
@@ -142,8 +191,8 @@ class FoldOnLoad(ConvertedHook):
         g_in, b_in = sd.get(gk), sd.get(bk)
         if g_in is None and b_in is None:
             return False, False
-        if self.reapplied:  # γ, β stay the norm's parameters; fold only into Linears still unfolded
-            if not self.awaiting:
+        if self.reapplied:  # γ, β stay the norm's parameters; fold into the Linears unless the checkpoint is own
+            if self.marked or not (self.marks or self.awaiting):
                 return False, False
             if g_in is not None:
                 self.gamma = effective_scale(g_in, self.param)
@@ -203,12 +252,14 @@ class FoldOnLoad(ConvertedHook):
         wk, bk = _key(prefix, t.linear, t.weight), _key(prefix, t.linear, "bias")
         w_in, b_in = sd.get(wk), sd.get(bk)
         if not self._open:  # no original affine arriving: tensors are what the model holds
-            if w_in is not None:
-                t.state = "plain" if self.awaiting else "folded"
+            if w_in is not None:  # a re-applied norm's: an original's until its marker says otherwise
+                t.state = "plain" if self.awaiting or (self.marks and not self.marked) else "folded"
             return
         lin = module.get_submodule(t.linear)
         beta = self.beta if self.beta_mode == "fold" and t.has_bias else None
-        if beta is not None and (b_in is not None or w_in is not None or new_beta):
+        # a re-applied norm's Linear that has not arrived yet holds the model's own fold: left to its arrival
+        live = new_beta and not (self.reapplied and not {f"{t.linear}.{t.weight}", f"{t.linear}.bias"} & self.seen)
+        if beta is not None and (b_in is not None or w_in is not None or live):
             self._fold_beta(lin, sd, bk, t, w_in, b_in, beta, errors)
         if self.gamma is None:  # β came first: γ folds into the weight when it arrives
             if w_in is not None:
@@ -216,6 +267,7 @@ class FoldOnLoad(ConvertedHook):
             return
         if w_in is not None:  # an arriving weight is an original one
             sd[wk] = fold_scale(w_in, self.gamma, t.layout)
+            self.changed = True
             for a in t.lora_a:
                 ak = _key(prefix, a, "weight")
                 if ak in sd:
@@ -223,6 +275,7 @@ class FoldOnLoad(ConvertedHook):
             t.state = "folded"
         elif new_gamma and t.state == "plain" and getattr(lin, t.weight).device.type != "meta":
             _copy_into(getattr(lin, t.weight), fold_scale(getattr(lin, t.weight), self.gamma, t.layout))
+            self.changed = True
             for a in t.lora_a:
                 a_w = module.get_submodule(a).weight
                 _copy_into(a_w, fold_lora_a(a_w, self.gamma))
@@ -255,6 +308,7 @@ class FoldOnLoad(ConvertedHook):
         new, shift = fold_bias(base, w_plain, beta, t.layout)
         new = new.to(b_in.dtype if b_in is not None else lin.bias.dtype)
         t.added = shift
+        self.changed = True
         if b_in is not None:
             sd[bk] = new
         else:
@@ -272,20 +326,19 @@ class FoldOnLoad(ConvertedHook):
 
 class FoldParamsOnLoad(ConvertedHook):
     """load_state_dict pre-hook for a norm folded into parameters used by functional ops (`ConsumerFold`). An
-    original checkpoint (the norm's weight is not the identity; for a norm whose affine is re-applied elsewhere, the
-    first load into a model converted on ``meta``) is folded as it arrives: those parameters' entries become what
+    original checkpoint (the norm's weight is not the identity; for a norm whose affine is re-applied elsewhere, no
+    `FOLD_MARKER` beside it) is folded as it arrives: those parameters' entries become what
     ``convert()`` makes of them. The norm's own entries are left to its `FoldOnLoad`, which runs after this hook.
     Every tensor of the fold must arrive in the same call (one state dict, not shards in separate calls); otherwise
     the load fails with that reason rather than load a different model. Pieces of β that go into buffers the state
     dict does not hold (EVA's ``k_bias``) are added to the live buffer."""
 
-    def __init__(self, fold, awaiting: bool):
+    def __init__(self, fold):
         self.norm = fold.name
         self.param = fold.param
         self.has_bias = fold.has_bias
         self.reapplied = bool(fold.reapply)
         self.targets = list(fold.params)
-        self.awaiting = awaiting
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
                  missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
@@ -294,7 +347,8 @@ class FoldParamsOnLoad(ConvertedHook):
         g = state_dict.get(_key(prefix, self.norm, "weight"))
         if not isinstance(g, torch.Tensor):
             return
-        original = self.awaiting if self.reapplied else bool(g.ne(identity_weight_value(self.param)).any())
+        marker = _key(prefix, self.norm, FOLD_MARKER) in state_dict  # a re-applied norm's own state dict
+        original = not marker if self.reapplied else bool(g.ne(identity_weight_value(self.param)).any())
         if not original:
             return
         stored = {n for t in self.targets for n in [t.weight] + [b.tensor for b in t.bias if b.persistent]}
@@ -317,4 +371,3 @@ class FoldParamsOnLoad(ConvertedHook):
                 state_dict[key] = new
             else:
                 _copy_into(live[name], new)
-        self.awaiting = False

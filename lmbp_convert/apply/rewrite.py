@@ -191,6 +191,8 @@ class UnitBuilder:
             for t in fold.targets:
                 self._fold_into(unit, t, gamma, bias if fold.beta is BetaMode.FOLD else None)
         loader = FoldOnLoad.for_fold(self.modules, fold)  # an unfolded checkpoint loaded later is folded too
+        # a re-applied norm keeps γ, β: its own state dict says that its Linears hold the fold (not on meta: not yet)
+        new.marks_fold = loader.marks and not loader.awaiting
         self.add_hook(unit, lambda h=loader: self.model.register_load_state_dict_pre_hook(h))
         self._add_norm_hooks(unit, fold, new)
         return unit
@@ -327,7 +329,7 @@ def consumer_fold(builder: UnitBuilder, fold: ConsumerFold) -> Unit:
     old = builder.modules[fold.name]
     meta = any(_tensor(builder, t.weight).device.type == "meta" for t in fold.params)
     if fold.params and not fold.prefolded:
-        hook = FoldParamsOnLoad(fold, awaiting=meta)
+        hook = FoldParamsOnLoad(fold)
         builder.add_hook(unit, lambda h=hook: builder.model.register_load_state_dict_pre_hook(h))
     norm_unit = builder.norm(fold)
     if not fold.prefolded and not meta:

@@ -30,9 +30,17 @@ def _check_trailing(x: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
                          f"shape {tuple(x.shape)}")
 
 
+#: the state-dict entry (``<norm>.lmbp_folded``) by which a converted model's own state dict says that the Linears of
+#: a norm whose affine is also re-applied (post-LN) already hold γ, β folded in: its entries look the same as an
+#: original checkpoint's otherwise (`lmbp_convert.apply.load_hooks`)
+FOLD_MARKER = "lmbp_folded"
+
+
 class _MSNorm(ConvertedModule, nn.Module):
     norm_type: NormType
     _has_bias: bool = False
+    #: write `FOLD_MARKER` into the state dict (set on a re-applied norm once its Linears hold the fold)
+    marks_fold: bool = False
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float, identity_affine: str | None = None,
                  *, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -67,6 +75,15 @@ class _MSNorm(ConvertedModule, nn.Module):
         norm.affine = AffineState.REAPPLIED
         norm.param = WeightParam(param)
         return norm
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.marks_fold:  # after γ, β: a shard boundary between them and the marker is resolved on load
+            destination[prefix + FOLD_MARKER] = torch.ones((), dtype=torch.bool)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args) -> None:
+        state_dict.pop(prefix + FOLD_MARKER, None)  # read by the model's FoldOnLoad hook; no tensor of its own
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def extra_repr(self) -> str:
         s = f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}"
