@@ -143,15 +143,19 @@ class AddShift(ConvertedHook):
 
 
 class FollowModule(ConvertedHook):
-    """Keeps one fold hook on whatever module sits at ``path`` of the converted root, checked by a root forward
-    pre-hook at every call.
+    """Keeps one fold hook on whatever module sits at ``path`` of the converted root, checked by a forward
+    pre-hook on the root and on every module between it and ``path`` at each of their calls.
 
     A hook lives on a module object, and transformers replaces whole modules after convert(): resizing the
     vocabulary builds a new head and copies the old rows into it, so the folded rows survive but a shift hook on
     the old head would not (GPT-2's untied head: 0.27 off on the old tokens' logits). The hook moves to the new
     module, which is then taken as holding folded weights, as a resized copy does; its new rows w are those of an
     original head w/γ. A new module the hook cannot act on (an `AddShift` target without a weight of the folded
-    width: ``nn.Identity``, another width) raises `ReplacedModuleError` rather than return unshifted values."""
+    width: ``nn.Identity``, another width) raises `ReplacedModuleError` rather than return unshifted values.
+
+    The check runs on the way down too, because the module replaced may be called from below the root: PEFT's
+    ``merge_and_unload()`` swaps every LoRA layer for its merged base Linear and returns the inner model, whose
+    calls never reach the PeftModel's hooks (a fold's re-applied input was lost there: GPT-J 0.85 off)."""
 
     def __init__(self, root: nn.Module, path: str, hook: ConvertedHook, pre: bool) -> None:
         self.path, self.hook, self.pre = path, hook, pre
@@ -166,9 +170,10 @@ class FollowModule(ConvertedHook):
             self._handle = module.register_forward_hook(self.hook)
         self.module = module
 
-    def root_pre(self, root: nn.Module, args: tuple, kwargs: dict):
+    def root_pre(self, root: nn.Module, args: tuple, kwargs: dict, path: str | None = None):
+        path = self.path if path is None else path
         try:
-            current = root.get_submodule(self.path)
+            current = root.get_submodule(path)
         except AttributeError:
             current = None
         if current is self.module:
@@ -185,8 +190,23 @@ class FollowModule(ConvertedHook):
 
     def attach(self, root: nn.Module) -> _Handles:
         self._register(self.module)
-        follow = root.register_forward_pre_hook(self.root_pre, with_kwargs=True, prepend=True)
-        return _Handles(follow, _Later(self))
+        parts = self.path.split(".")
+        follows = []
+        for i in range(len(parts)):  # the root, then each module on the way down to (not including) ``path``
+            above = root.get_submodule(".".join(parts[:i]))
+            check = _FollowFrom(self, ".".join(parts[i:]))
+            follows.append(above.register_forward_pre_hook(check, with_kwargs=True, prepend=True))
+        return _Handles(*follows, _Later(self))
+
+
+class _FollowFrom(ConvertedHook):
+    """`FollowModule.root_pre` as seen from one module above the hooked one (``path`` relative to it)."""
+
+    def __init__(self, follow: FollowModule, path: str) -> None:
+        self.follow, self.path = follow, path
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        return self.follow.root_pre(module, args, kwargs, self.path)
 
 
 class _Later:

@@ -166,7 +166,9 @@ def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, ref
     beyond it: on non-finite rows, on extreme rows (eval mode), or on all of them in train mode (a noise term, a
     dropout, a branch on ``self.training``). The train-mode forward draws from its own RNG stream."""
     rows = _beyond_inputs(x.shape[-1], gen)
-    cases = [(f"on {name} input", t, False) for name, t in rows.items()]
+    cases = [(f"at input shape {tuple(t.shape[:-1])} + (C,)", t, False)  # batch- or length-dependent code
+             for t in (x.reshape(-1, 1, x.shape[-1]), x.reshape(1, -1, x.shape[-1]))]
+    cases += [(f"on {name} input", t, False) for name, t in rows.items()]
     cases.append(("in train mode", torch.cat([x, *rows.values()], dim=1), True))
     for where, t, train in cases:
         probe.train(train)
@@ -179,7 +181,27 @@ def _beyond_problem(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, ref
         if isinstance(y, str) or not _same_values(y, reference(t), 1e-4):
             return Reason(ReasonCode.BEYOND_PROBE, f"acts as {what} on the probe but not {where} (its forward "
                           "runs code the probe does not reach)")
+    if not _same_gradient(probe, x[:, :2], gen, reference, channel_dim):
+        return Reason(ReasonCode.BEYOND_PROBE, f"acts as {what} on the probe but its input gradient is not that "
+                      "norm's (its forward changes the backward: a hook on a tensor, a custom autograd function)")
     return None
+
+
+def _same_gradient(probe: nn.Module, x: torch.Tensor, gen: torch.Generator, reference, channel_dim: int) -> bool:
+    """The module's input gradient for a random output gradient, against the fp64 norm's, on ordinary rows (the
+    memory-sharing norm computes the norm's own backward, whatever the module's forward did to it)."""
+    g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+    x32 = x.detach().clone().requires_grad_(True)
+    x64 = x.detach().double().requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            y = probe(x32 if channel_dim == -1 else channels_first(x32))
+            y = y if channel_dim == -1 else y.squeeze(-1).movedim(1, -1)
+            (gx,) = torch.autograd.grad(y, x32, g.to(y.dtype))
+            (want,) = torch.autograd.grad(reference(x64), x64, g)
+    except Exception:  # noqa: BLE001 - no gradient at all (a detaching forward) is not the norm's either
+        return False
+    return _rows_match(gx, want, 1e-4)
 
 
 def _probe_copy(module: nn.Module, dtype: torch.dtype) -> nn.Module:

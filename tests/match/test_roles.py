@@ -1,6 +1,7 @@
 """Behaviour checks beyond the probe (match/roles.py): a module that acts as a norm on the behaviour probe but runs
-code the probe does not reach (a train-time noise term, a NaN guard, a clamp for large values) is refused, naming
-its class, unless ``accept_norms`` names it; the norms of the families pass them."""
+code the probe does not reach (a train-time noise term, a NaN guard, a clamp for large values, a branch on the batch
+or sequence size, a hook that changes its gradient) is refused, naming its class, unless ``accept_norms`` names it;
+the norms of the families pass them."""
 import copy
 
 import pytest
@@ -42,6 +43,31 @@ class DropoutLN(nn.LayerNorm):
         return F.dropout(super().forward(x), 0.1, self.training)
 
 
+class BatchLN(nn.LayerNorm):
+    """Code for batches larger than the probe's (2)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y * 0.9 if x.size(0) > 2 else y
+
+
+class LongLN(nn.LayerNorm):
+    """Code for sequences longer than the probe's rows: before, its refusal blamed train mode."""
+
+    def forward(self, x):
+        return super().forward(x.clamp(-0.5, 0.5) if x.size(-2) > 10 else x)
+
+
+class HalvedGradLN(nn.LayerNorm):
+    """Same values, another backward (a gradient hook on the output): swapped, its gradients were 3.8x off."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        if y.requires_grad:
+            y.register_hook(lambda g: g * 0.5)
+        return y
+
+
 class Block(nn.Module):
     def __init__(self, norm):
         super().__init__()
@@ -58,7 +84,8 @@ class Block(nn.Module):
 
 X = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(0))
 REFUSED = {NoisyLN: "in train mode", GuardLN: "on non-finite input", ClampRMS: "on extreme input",
-           DropoutLN: "in train mode"}
+           DropoutLN: "in train mode", BatchLN: "at input shape (12, 1)", LongLN: "at input shape (1, 12)",
+           HalvedGradLN: "input gradient"}
 
 
 @pytest.mark.parametrize("cls", list(REFUSED), ids=lambda c: c.__name__)
