@@ -78,6 +78,13 @@ def _compiled_bytes(fam, model, x, autocast: bool) -> tuple[int, dict]:
     return C.per_block_bytes(fam, model, x, autocast), info
 
 
+def _norm_count(plan) -> int:
+    """Norms the plan rewrites, whatever the rewrite (exact, folded, kept affine, affine-free)."""
+    from lmbp_convert.match.plan import AffineNormItem, NormSwap
+
+    return sum(isinstance(it, (AffineNormItem, NormSwap)) for it in plan.items)
+
+
 def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool = True,
                    log=print) -> list[dict]:
     """One row per variant: per-block saved bytes of ``fam`` in ``mode``."""
@@ -122,7 +129,7 @@ def measure_blocks(fam: C.Family, mode: str, device: str = "cpu", compile_: bool
         conv["m"] = m
         p = rep.plan
         return C.per_block_bytes(fam, m, x, ac), {
-            "converted": f"{len(p.act_swaps)} act, {len(p.norm_folds)} norm, {len(p.gated_mlps)} gated MLP"}
+            "converted": f"{len(p.act_swaps)} act, {_norm_count(p)} norm, {len(p.gated_mlps)} gated MLP"}
 
     add(V_CONV, converted)
     if compile_ and "m" in conv:
