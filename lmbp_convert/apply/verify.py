@@ -187,13 +187,21 @@ class Comparison:
     error: float
     compared: int
     mismatch: str | None = None  # why the outputs differ beyond numbers (structure, non-finite positions)
+    #: train-mode checks with a backward (`train_backward`): what the converted model's backward raised, and the
+    #: relative error of its gradients against the original's (only where every applied rewrite claims exact
+    #: training; None: not compared)
+    backward_failure: str | None = None
+    gradient_error: float | None = None
 
     def verdict(self, rtol: float) -> Verification:
-        if self.mismatch is not None:
+        if self.mismatch is not None or self.backward_failure is not None or not self.gradients_pass(rtol):
             return FAILED
         if self.compared == 0:
             return CANNOT_VERIFY
         return PASSED if self.error <= rtol else FAILED  # error is never NaN (see compare_outputs)
+
+    def gradients_pass(self, rtol: float) -> bool:
+        return self.gradient_error is None or self.gradient_error <= rtol
 
 
 def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> bool:
