@@ -24,7 +24,7 @@ from torch import nn
 
 from ..trace.device import training_mode
 from ..trace.tracer import OUT_OF_MEMORY, call_model
-from .verify import _buffers_kept, _seeded, float_tensors
+from .verify import _buffers_kept, _nonfinite_mismatch, _seeded, float_tensors
 
 __all__ = ["TrainRun", "gradient_error", "run_train_step"]
 
@@ -118,22 +118,29 @@ def _detached_mapping(obj: Any) -> Any:
     return obj
 
 
-def gradient_error(grads: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]) -> float:
+def gradient_error(grads: dict[str, torch.Tensor | None], reference: dict[str, torch.Tensor | None]
+                   ) -> float | None:
     """‖g − g_ref‖ / ‖g_ref‖ over the parameters both have (exact rewrites keep the names; a parameter the
     converted model no longer has is not compared), as one vector, a gradient the scalar no longer reaches
     counting as zeros: a per-parameter ratio would be rounding noise over noise where the exact gradient is zero
-    (attention key biases). inf when they differ and the reference is non-finite or zero."""
+    (attention key biases). As for outputs (`verify.compare_outputs`): the finite reference values are compared,
+    non-finite ones must match exactly (else inf), and None when nothing finite is left to compare."""
     num = den = 0.0
+    compared = 0
     for name, ref in reference.items():
         if ref is None or name not in grads:
             continue
         got = grads[name]
         r = ref.detach().double()
         g = torch.zeros_like(r) if got is None else got.detach().double()
-        if g.shape != r.shape:
+        if g.shape != r.shape or _nonfinite_mismatch(g, r):
             return math.inf
-        num += float(((g - r) ** 2).sum())
-        den += float((r ** 2).sum())
+        finite = torch.isfinite(r)
+        compared += int(finite.sum())
+        num += float(((g - r)[finite] ** 2).sum())
+        den += float((r[finite] ** 2).sum())
+    if compared == 0:
+        return None
     if not math.isfinite(num) or not math.isfinite(den):
         return math.inf
     if den == 0.0:
