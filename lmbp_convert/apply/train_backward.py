@@ -10,7 +10,9 @@ where every applied rewrite claims exact training, its gradients against the ori
 Nothing of the model changes: ``torch.autograd.grad`` returns the gradients without accumulating into ``.grad``;
 requires_grad is set on every floating-point parameter for the run only when none has it (the model will train
 something; all of it is the widest case) and put back; the RNG is forked and seeded, buffers a training forward
-updates are put back, every module's training flag is restored (`verify.run_probe_train`'s guards).
+updates are put back, every module's training flag is restored (`verify.run_probe_train`'s guards); the
+modules' backward hooks are held back for the run and put back (the same entries, in order: their handles still
+remove them), so a user's gradient hook does not fire for convert()'s check.
 """
 from __future__ import annotations
 
@@ -38,6 +40,20 @@ class TrainRun:
     output: Any
     grads: dict[str, torch.Tensor | None] | None = None
     failure: str | None = None
+
+
+@contextmanager
+def _backward_hooks_held(model: nn.Module) -> Iterator[None]:
+    """Every module's backward hooks and backward pre-hooks out of their dicts for the check, then back."""
+    held = [(d, dict(d)) for m in model.modules() for d in (m._backward_hooks, m._backward_pre_hooks) if d]
+    try:
+        for d, _ in held:
+            d.clear()
+        yield
+    finally:
+        for d, entries in held:
+            d.clear()
+            d.update(entries)
 
 
 @contextmanager
@@ -75,7 +91,7 @@ def run_train_step(model: nn.Module, probe: Any, seed: int, keep_grads: bool) ->
     and the caller's RNG unchanged. The forward's own exceptions propagate; the backward's are returned as
     ``failure`` (out-of-memory propagates: the machine's limit, not the rewrite's)."""
     with training_mode(model, True), torch.enable_grad(), _seeded(model, seed), _buffers_kept(model), \
-            _trainable(model) as params:
+            _backward_hooks_held(model), _trainable(model) as params:
         out = call_model(model, probe)
         outputs = [t for t in float_tensors(out) if t.requires_grad]
         detached = _detached(out)

@@ -70,16 +70,23 @@ def test_the_check_leaves_grads_flags_rng_and_modes_alone():
     model.head.weight.requires_grad_(False)
     model.proj.weight.grad = torch.full_like(model.proj.weight, 0.5)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    fired = []
+    handle = model.proj.register_full_backward_hook(lambda m, gin, gout: fired.append(1))
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
     report = convert(model, probe=PROBE).lmbp_report
+    assert not fired  # the user's hook is held back for convert()'s backward
     assert report.train_backward and not report.rolled_back and type(model.norm) is not nn.RMSNorm, str(report)
     assert torch.equal(torch.rand(3), expected)
     assert torch.equal(model.proj.weight.grad, torch.full_like(model.proj.weight, 0.5))
     assert all(p.grad is None for n, p in model.named_parameters() if n != "proj.weight")
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     assert not any(m.training for m in model.modules())
+    _train_loss(model, PROBE.clone().requires_grad_(True))
+    assert fired == [1]  # back in place for training, and its handle still removes it
+    handle.remove()
+    assert not model.proj._backward_hooks
 
 
 def test_frozen_model_is_checked_with_every_parameter_trainable_and_left_frozen():
@@ -179,3 +186,12 @@ def test_switch_transformers_trains_after_convert(fold):
         out.loss.backward()
         losses.append(out.loss.detach())
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_no_backward_runs_when_verification_is_off(monkeypatch):
+    """verify=False: the injected raising backward is never reached, the rewrite stays."""
+    real = MSExactNorm.forward
+    monkeypatch.setattr(MSExactNorm, "forward", lambda self, x: _RaisingBackward.apply(real(self, x)))
+    model = Plain()
+    report = convert(model, probe=PROBE, verify=False).lmbp_report
+    assert not report.rolled_back and not report.train_backward and isinstance(model.norm, MSExactNorm)
