@@ -18,7 +18,6 @@ from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
-from ..reasons import Reason, ReasonCode
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
@@ -30,7 +29,7 @@ from .ties import TieRecord
 from .train_backward import gradient_error, run_train_step
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
-                     rng_kept, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
+                     rng_kept, rollback_reason, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
 
 __all__ = ["CONFIG_KEY", "convert", "plan_conversion", "prefolded_norms"]
 
@@ -414,24 +413,11 @@ def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
                           ("the verification inputs", cmp))
         u.undo()
         report.rolled_back.append((u.label, cmp.error))
-        why = _rollback_reason(one, where, rtol)
+        why = rollback_reason(one, where, rtol)
         if why.parts:
             report.rolled_back_cause[u.label] = why.parts[0].text
         report.plan.drop(item, why)
     return _check_all(model, checks, kept)
-
-
-def _rollback_reason(cmp: Comparison, where: str, rtol: float) -> Reason:
-    """Why verification rolled a unit back, as data: the code says whether the outputs, the backward or the
-    gradients failed (the cause is the reason's part)."""
-    if cmp.mismatch is None and cmp.error <= rtol and cmp.backward_failure is not None:
-        cause = Reason(ReasonCode.BACKWARD_FAILED, f"training's backward failed: {cmp.backward_failure}")
-    elif cmp.mismatch is None and cmp.error <= rtol and not cmp.gradients_pass(rtol):
-        cause = Reason(ReasonCode.GRADIENTS_CHANGED, f"changed the gradients (relative error "
-                       f"{cmp.gradient_error:.2e}) though it claims exact training")
-    else:
-        return Reason(ReasonCode.ROLLED_BACK, f"rolled back: changed the outputs beyond tolerance on {where}")
-    return Reason(ReasonCode.ROLLED_BACK, f"rolled back: {cause.text}, on {where}", parts=(cause,))
 
 
 def _restore(model: nn.Module, units: list, had_report: bool, old_report: Any, exc: BaseException) -> None:

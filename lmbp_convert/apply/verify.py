@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..enums import Verification
+from ..reasons import Reason, ReasonCode
 from ..trace.containers import children
 from ..trace.device import training_mode
 from ..trace.tracer import call_model
@@ -245,3 +246,16 @@ def compare_outputs(out: Any, ref: Any) -> Comparison:
 def relative_error(out: Any, ref: Any) -> float:
     """Relative error of ``out`` against ``ref`` (inf on any mismatch; NaN never)."""
     return compare_outputs(out, ref).error
+
+
+def rollback_reason(cmp: Comparison, where: str, rtol: float) -> Reason:
+    """Why verification rolled a unit back, as data: the code says whether the outputs, the backward or the
+    gradients failed (the cause is the reason's part)."""
+    if cmp.mismatch is None and cmp.error <= rtol and cmp.backward_failure is not None:
+        cause = Reason(ReasonCode.BACKWARD_FAILED, f"training's backward failed: {cmp.backward_failure}")
+    elif cmp.mismatch is None and cmp.error <= rtol and not cmp.gradients_pass(rtol):
+        cause = Reason(ReasonCode.GRADIENTS_CHANGED, f"changed the gradients (relative error "
+                       f"{cmp.gradient_error:.2e}) though it claims exact training")
+    else:
+        return Reason(ReasonCode.ROLLED_BACK, f"rolled back: changed the outputs beyond tolerance on {where}")
+    return Reason(ReasonCode.ROLLED_BACK, f"rolled back: {cause.text}, on {where}", parts=(cause,))
