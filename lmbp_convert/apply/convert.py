@@ -242,15 +242,9 @@ def _train_checks(model: nn.Module, probe: Any, report: ConversionReport, gradie
         return Check(probe, out, f"the traced probe in train mode (RNG seed {seed})", seed, **kw)
 
     try:
-        step = run_train_step(model, probe, 0, keep_grads=gradients)
-        if step.failure is None:
-            head = check(0, step.output, backward=True, grads=step.grads)
-        else:
-            head = check(0, step.output)
-            report.notes.append(f"train mode verified without a backward: the original's backward on the probe "
-                                f"failed ({step.failure})")
+        head = _backward_check(model, probe, report, gradients, check)
         second = run_probe_train(model, probe, 1)
-        again = compare_outputs(second, step.output)
+        again = compare_outputs(second, head.reference)
         if again.mismatch is None and again.error == 0.0:  # nothing random in training: one draw says it all
             return [head]
         return [head, check(1, second)] + [check(s, run_probe_train(model, probe, s))
@@ -261,6 +255,22 @@ def _train_checks(model: nn.Module, probe: Any, report: ConversionReport, gradie
         report.notes.append(f"verified in eval mode only: the original's training forward on the probe failed "
                             f"({type(exc).__name__}: {exc})")
         return []
+
+
+def _backward_check(model: nn.Module, probe: Any, report: ConversionReport, gradients: bool, check) -> Check:
+    """The first train draw with its backward (`train_backward`); without one, noted, where the original's own
+    backward fails or runs out of memory (a plain train-mode forward is what verification ran before)."""
+    try:
+        step = run_train_step(model, probe, 0, keep_grads=gradients)
+    except OUT_OF_MEMORY as exc:
+        report.notes.append(f"train mode verified without a backward: the original's training step on the probe "
+                            f"ran out of memory ({type(exc).__name__})")
+        return check(0, run_probe_train(model, probe, 0))
+    if step.failure is not None:
+        report.notes.append(f"train mode verified without a backward: the original's backward on the probe "
+                            f"failed ({step.failure})")
+        return check(0, step.output)
+    return check(0, step.output, backward=True, grads=step.grads)
 
 
 def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport, index: int = 0

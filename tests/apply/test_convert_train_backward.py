@@ -195,3 +195,29 @@ def test_no_backward_runs_when_verification_is_off(monkeypatch):
     model = Plain()
     report = convert(model, probe=PROBE, verify=False).lmbp_report
     assert not report.rolled_back and not report.train_backward and isinstance(model.norm, MSExactNorm)
+
+
+class _Raises(torch.autograd.Function):
+    error: type[BaseException] = RuntimeError
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise _Raises.error("the model's own backward fails")
+
+
+class OwnBackwardFails(Plain):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Raises.apply(self.proj(self.norm(x)))
+
+
+@pytest.mark.parametrize("error, said", [(RuntimeError, "failed"), (torch.OutOfMemoryError, "ran out of memory")])
+def test_the_originals_own_backward_failing_is_noted_and_not_held_against_the_rewrite(monkeypatch, error, said):
+    monkeypatch.setattr(_Raises, "error", error)
+    model = OwnBackwardFails()
+    report = convert(model, probe=PROBE).lmbp_report
+    assert isinstance(model.norm, MSExactNorm) and report.verified and not report.train_backward, str(report)
+    assert any(n.startswith("train mode verified without a backward") and said in n for n in report.notes)
