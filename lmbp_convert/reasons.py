@@ -45,7 +45,9 @@ class ReasonCode(StrChoice):
     LOSS = "loss"  # a loss the memory-sharing one cannot replace
     ON_DISK = "on_disk"  # the checkpoint on disk cannot hold this fold
     NO_EXACT_FORM = "no_exact_form"  # the exact default has no form for this fold yet (fold_norms=True folds it)
-    ROLLED_BACK = "rolled_back"  # verification rolled the rewrite back
+    ROLLED_BACK = "rolled_back"  # verification rolled the rewrite back (a part, if any, says why beyond outputs)
+    BACKWARD_FAILED = "backward_failed"  # training's backward through the rewrite raised (a saved tensor modified)
+    GRADIENTS_CHANGED = "gradients_changed"  # a rewrite that claims exact training changed the gradients
     RECORDED = "recorded"  # read from a plan written before reasons had codes
 
 

@@ -28,7 +28,12 @@ class ConversionReport:
     verified_on: list[str] = field(default_factory=list)
     #: train-mode draws (RNG seeds) of the traced probe verification also compared on (`verify.TRAIN_DRAWS`)
     train_draws: int = 0
-    rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, error it caused)
+    rolled_back: list[tuple[str, float]] = field(default_factory=list)  # (unit label, output error it caused)
+    #: unit label → why it was rolled back when its outputs were within tolerance (its backward, its gradients)
+    rolled_back_cause: dict[str, str] = field(default_factory=dict)
+    train_backward: bool = False  # the first train-mode draw ran a backward too (`apply/train_backward.py`)
+    #: relative error of the gradients against the original's on that draw (None: not compared)
+    gradient_error: float | None = None
     notes: list[str] = field(default_factory=list)
     mismatch: str = ""  # how the converted outputs differ in structure from the original's ("": they do not)
     unverified_why: str = ""  # why verification could not compare anything ("": it could)
@@ -78,9 +83,12 @@ class ConversionReport:
         elif self.verified_on:
             on = " on the traced probe only"
         if self.train_draws:
-            on += f", in train mode too ({self.train_draws} RNG draw{'s' if self.train_draws > 1 else ''})"
+            back = ", a backward on the first" if self.train_backward else ""
+            on += f", in train mode too ({self.train_draws} RNG draw{'s' if self.train_draws > 1 else ''}{back})"
         line = (f"verification: {'passed' if passed else 'FAILED'}{on}; relative output error "
                 f"{err} (tolerance {self.rtol:.0e})")
+        if self.gradient_error is not None:
+            line += f"; gradients' relative error {self.gradient_error:.2e}"
         return line + (f"; converted outputs differ: {self.mismatch}" if self.mismatch and not passed else "")
 
     def to_dict(self) -> dict:
@@ -114,7 +122,8 @@ class ConversionReport:
         if p.already_converted:
             lines.append(f"already converted: {len(p.already_converted)} modules")
         for label, err in self.rolled_back:
-            lines.append(f"rolled back: {label} (changed outputs, relative error {err:.2e})")
+            cause = self.rolled_back_cause.get(label, f"changed outputs, relative error {err:.2e}")
+            lines.append(f"rolled back: {label} ({cause})")
         lines.append(self._verification_line())
         if self.measured_bytes is not None:
             lines.append(self._measured_line())

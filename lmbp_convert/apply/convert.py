@@ -2,6 +2,7 @@
 whole call is a transaction (any exception restores the model)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from ..match.plan import Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
-from ..reasons import Reason, ReasonCode
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device, outside_autocast
 from ..trace.probe import make_probe_with_output, search_probe
@@ -26,9 +26,10 @@ from ..trace.tracer import OUT_OF_MEMORY, trace
 from .measure import measure_saved
 from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
+from .train_backward import gradient_error, run_train_step
 from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, calibrated_rtol, compare_outputs,
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
-                     rng_kept, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
+                     rng_kept, rollback_reason, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
 
 __all__ = ["CONFIG_KEY", "convert", "plan_conversion", "prefolded_norms"]
 
@@ -147,7 +148,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
             report.notes.append(f"verified in eval mode only: accept_norms accepts {', '.join(accepted)}, whose "
                                 "training forward is not a plain norm's (so train-mode outputs would differ by design)")
         else:
-            checks += _train_checks(model, probe, report)
+            checks += _train_checks(model, probe, report, _wants_gradients(model, plan))
     rtol = _budget(model, checks, opt, report)  # a half-precision budget is measured on every check, train ones too
     builder = UnitBuilder(model)
     units: list[tuple[Unit, PlanItem | None]] = [(item.build_unit(builder), item) for item in plan.items]
@@ -196,9 +197,22 @@ class Check:
     reference: Any
     how: str  # where the input came from, for the report
     train_seed: int | None = None  # run in train mode on this RNG seed (`verify.run_probe_train`), else eval mode
+    backward: bool = False  # train mode: a backward too (`train_backward.run_train_step`), whose failure fails
+    grads: dict[str, torch.Tensor | None] | None = None  # the original's gradients on it (None: not compared)
 
     def run(self, model: nn.Module) -> Any:
         return run_in_mode(model, self.probe, self.train_seed)
+
+    def compare(self, model: nn.Module, exact_training: bool) -> Comparison:
+        """The converted model against the original here; gradients too where every rewrite applied now claims
+        exact training (approximate backward and folds change them by design)."""
+        if not self.backward:
+            return compare_outputs(self.run(model), self.reference)
+        want = exact_training and self.grads is not None
+        got = run_train_step(model, self.probe, self.train_seed, keep_grads=want)
+        cmp = compare_outputs(got.output, self.reference)
+        err = gradient_error(got.grads, self.grads) if want and got.grads is not None else None
+        return dataclasses.replace(cmp, backward_failure=got.failure, gradient_error=err)
 
 
 def _accepted_norms(plan: Plan, opt: ConvertOptions) -> list[str]:
@@ -207,19 +221,33 @@ def _accepted_norms(plan: Plan, opt: ConvertOptions) -> list[str]:
     return [it.name for it in plan.items if it.cls in names or it.cls.rsplit(":", 1)[-1] in names]
 
 
-def _train_checks(model: nn.Module, probe: Any, report: ConversionReport) -> list[Check]:
+def _wants_gradients(model: nn.Module, plan: Plan) -> bool:
+    """Keep the original's gradients for comparison: some planned rewrite claims exact training, and the model is
+    not half precision (its gradients' rounding noise is not what the output budget was calibrated on)."""
+    return not half_precision(model) and any(not item.inexact_training for item in plan.items)
+
+
+def _exact_training(units: list[tuple[Unit, PlanItem | None]]) -> bool:
+    return all(item is None or not item.inexact_training for _, item in units)
+
+
+def _train_checks(model: nn.Module, probe: Any, report: ConversionReport, gradients: bool) -> list[Check]:
     """The traced probe in train mode, on `TRAIN_DRAWS` RNG seeds (one where the output does not depend on the
     seed), with the original's outputs: branches only training takes (dropout, LayerDrop, code under
-    ``if self.training``) are verified too. A model whose training forward fails on the probe gets a note."""
-    def check(seed: int, out: Any) -> Check:
-        return Check(probe, out, f"the traced probe in train mode (RNG seed {seed})", seed)
+    ``if self.training``) are verified too. The first draw also runs one backward (`train_backward`): a rewrite
+    whose backward fails (a tensor it keeps modified in place) fails it; with ``gradients`` the original's
+    gradients are kept for the rewrites that claim exact training. A model whose training forward fails on the
+    probe gets a note, as does one whose own backward fails (then no draw runs a backward)."""
+    def check(seed: int, out: Any, **kw: Any) -> Check:
+        return Check(probe, out, f"the traced probe in train mode (RNG seed {seed})", seed, **kw)
 
     try:
-        first, second = run_probe_train(model, probe, 0), run_probe_train(model, probe, 1)
-        again = compare_outputs(second, first)
+        head = _backward_check(model, probe, report, gradients, check)
+        second = run_probe_train(model, probe, 1)
+        again = compare_outputs(second, head.reference)
         if again.mismatch is None and again.error == 0.0:  # nothing random in training: one draw says it all
-            return [check(0, first)]
-        return [check(0, first), check(1, second)] + [check(s, run_probe_train(model, probe, s))
+            return [head]
+        return [head, check(1, second)] + [check(s, run_probe_train(model, probe, s))
                                                       for s in range(2, TRAIN_DRAWS)]
     except OUT_OF_MEMORY:
         raise
@@ -227,6 +255,22 @@ def _train_checks(model: nn.Module, probe: Any, report: ConversionReport) -> lis
         report.notes.append(f"verified in eval mode only: the original's training forward on the probe failed "
                             f"({type(exc).__name__}: {exc})")
         return []
+
+
+def _backward_check(model: nn.Module, probe: Any, report: ConversionReport, gradients: bool, check) -> Check:
+    """The first train draw with its backward (`train_backward`); without one, noted, where the original's own
+    backward fails or runs out of memory (a plain train-mode forward is what verification ran before)."""
+    try:
+        step = run_train_step(model, probe, 0, keep_grads=gradients)
+    except OUT_OF_MEMORY as exc:
+        report.notes.append(f"train mode verified without a backward: the original's training step on the probe "
+                            f"ran out of memory ({type(exc).__name__})")
+        return check(0, run_probe_train(model, probe, 0))
+    if step.failure is not None:
+        report.notes.append(f"train mode verified without a backward: the original's backward on the probe "
+                            f"failed ({step.failure})")
+        return check(0, step.output)
+    return check(0, step.output, backward=True, grads=step.grads)
 
 
 def _other_inputs(model: nn.Module, given: Any, traced: Any, report: ConversionReport, index: int = 0
@@ -275,21 +319,25 @@ def _reference(model: nn.Module, probe: Any, number: int) -> Any:
                          f"({type(exc).__name__}: {exc})") from exc
 
 
-def _compare_each(model: nn.Module, checks: list[Check]) -> list[Comparison]:
+def _compare_each(model: nn.Module, checks: list[Check], exact_training: bool = False) -> list[Comparison]:
     """The converted model against the original on every input, one comparison per check."""
-    return [compare_outputs(c.run(model), c.reference) for c in checks]
+    return [c.compare(model, exact_training) for c in checks]
 
 
 def _worst(cmps: list[Comparison]) -> Comparison:
-    """The worst of the checks' comparisons (a mismatch first)."""
+    """The worst of the checks' comparisons (a mismatch first; a backward's failure and the worst gradient error
+    carried along)."""
     bad = next((c for c in cmps if c.mismatch is not None), None)
     if bad is not None:
         return bad
-    return Comparison(max(c.error for c in cmps), sum(c.compared for c in cmps))
+    failure = next((c.backward_failure for c in cmps if c.backward_failure is not None), None)
+    grads = [c.gradient_error for c in cmps if c.gradient_error is not None]
+    return Comparison(max(c.error for c in cmps), sum(c.compared for c in cmps), None, failure,
+                      max(grads) if grads else None)
 
 
-def _check_all(model: nn.Module, checks: list[Check]) -> Comparison:
-    return _worst(_compare_each(model, checks))
+def _check_all(model: nn.Module, checks: list[Check], units: list) -> Comparison:
+    return _worst(_compare_each(model, checks, _exact_training(units)))
 
 
 def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: ConversionReport) -> float:
@@ -330,7 +378,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
                             else "verify=False")
         return
     report.rtol = rtol
-    cmp = _check_all(model, checks)
+    cmp = _check_all(model, checks, units)
     if cmp.verdict(rtol) == FAILED:
         cmp = _isolate_failures(model, checks, units, rtol, report)
     report.verification = cmp.verdict(rtol)
@@ -338,9 +386,13 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
     report.relative_error = cmp.error if cmp.compared or cmp.mismatch else None  # inf on a mismatch
     report.verified_on = [c.how for c in checks if c.train_seed is None]
     report.train_draws = sum(c.train_seed is not None for c in checks)
+    report.train_backward = any(c.backward for c in checks)
+    report.gradient_error = cmp.gradient_error
     if cmp.mismatch:
         report.mismatch = cmp.mismatch
         report.notes.append(f"converted outputs differ: {cmp.mismatch}")
+    if cmp.backward_failure:
+        report.notes.append(f"the converted model's backward fails: {cmp.backward_failure}")
     reference = checks[0].reference
     if report.verification == CANNOT_VERIFY:
         why = ("the original model's outputs on the probe are NaN or inf everywhere (non-finite weights or "
@@ -355,21 +407,27 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
 
 def _isolate_failures(model, checks, units, rtol, report) -> Comparison:
     """Undo everything, then re-apply unit by unit, keeping only those that leave outputs unchanged on every
-    input."""
+    input, whose backward runs, and (where every unit kept so far claims exact training) whose gradients are the
+    original's."""
     for u, _ in reversed(units):
         u.undo()
+    kept: list = []
     for u, item in units:
         u.apply()
-        each = _compare_each(model, checks)
+        each = _compare_each(model, checks, _exact_training([*kept, (u, item)]))
         cmp = _worst(each)
-        if cmp.verdict(rtol) == FAILED:
-            where = next((c.how for c, one in zip(checks, each) if one.verdict(rtol) == FAILED),
-                         "the verification inputs")
-            u.undo()
-            report.rolled_back.append((u.label, cmp.error))
-            report.plan.drop(item, Reason(ReasonCode.ROLLED_BACK,
-                                          f"rolled back: changed the outputs beyond tolerance on {where}"))
-    return _check_all(model, checks)
+        if cmp.verdict(rtol) != FAILED:
+            kept.append((u, item))
+            continue
+        where, one = next(((c.how, one) for c, one in zip(checks, each) if one.verdict(rtol) == FAILED),
+                          ("the verification inputs", cmp))
+        u.undo()
+        report.rolled_back.append((u.label, cmp.error))
+        why = rollback_reason(one, where, rtol)
+        if why.parts:
+            report.rolled_back_cause[u.label] = why.parts[0].text
+        report.plan.drop(item, why)
+    return _check_all(model, checks, kept)
 
 
 def _restore(model: nn.Module, units: list, had_report: bool, old_report: Any, exc: BaseException) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..enums import Verification
+from ..reasons import Reason, ReasonCode
 from ..trace.containers import children
 from ..trace.device import training_mode
 from ..trace.tracer import call_model
@@ -187,13 +188,21 @@ class Comparison:
     error: float
     compared: int
     mismatch: str | None = None  # why the outputs differ beyond numbers (structure, non-finite positions)
+    #: train-mode checks with a backward (`train_backward`): what the converted model's backward raised, and the
+    #: relative error of its gradients against the original's (only where every applied rewrite claims exact
+    #: training; None: not compared)
+    backward_failure: str | None = None
+    gradient_error: float | None = None
 
     def verdict(self, rtol: float) -> Verification:
-        if self.mismatch is not None:
+        if self.mismatch is not None or self.backward_failure is not None or not self.gradients_pass(rtol):
             return FAILED
         if self.compared == 0:
             return CANNOT_VERIFY
         return PASSED if self.error <= rtol else FAILED  # error is never NaN (see compare_outputs)
+
+    def gradients_pass(self, rtol: float) -> bool:
+        return self.gradient_error is None or self.gradient_error <= rtol
 
 
 def _nonfinite_mismatch(x: torch.Tensor, y: torch.Tensor) -> bool:
@@ -237,3 +246,16 @@ def compare_outputs(out: Any, ref: Any) -> Comparison:
 def relative_error(out: Any, ref: Any) -> float:
     """Relative error of ``out`` against ``ref`` (inf on any mismatch; NaN never)."""
     return compare_outputs(out, ref).error
+
+
+def rollback_reason(cmp: Comparison, where: str, rtol: float) -> Reason:
+    """Why verification rolled a unit back, as data: the code says whether the outputs, the backward or the
+    gradients failed (the cause is the reason's part)."""
+    if cmp.mismatch is None and cmp.error <= rtol and cmp.backward_failure is not None:
+        cause = Reason(ReasonCode.BACKWARD_FAILED, f"training's backward failed: {cmp.backward_failure}")
+    elif cmp.mismatch is None and cmp.error <= rtol and not cmp.gradients_pass(rtol):
+        cause = Reason(ReasonCode.GRADIENTS_CHANGED, f"changed the gradients (relative error "
+                       f"{cmp.gradient_error:.2e}) though it claims exact training")
+    else:
+        return Reason(ReasonCode.ROLLED_BACK, f"rolled back: changed the outputs beyond tolerance on {where}")
+    return Reason(ReasonCode.ROLLED_BACK, f"rolled back: {cause.text}, on {where}", parts=(cause,))

@@ -155,7 +155,7 @@ def _hf_candidates(model: nn.Module, params: list[inspect.Parameter], main: str,
 def _image_candidates(model: nn.Module, batch: int, seed: int) -> Iterator[Candidate]:
     pcfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None)
     declared = tuple(pcfg["input_size"]) if isinstance(pcfg, dict) and pcfg.get("input_size") else None
-    if declared is None and next(pi.module_attrs(model, "img_size"), None) is None:
+    if declared is None and not pi.image_sizes(model):
         return  # nothing says this model takes images
     for chans in pi.image_channels(model, declared[0] if declared else None):
         for size in pi.image_sizes(model, declared[1:] if declared else None):

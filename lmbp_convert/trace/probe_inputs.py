@@ -136,10 +136,32 @@ def _grid_sizes(model: nn.Module) -> Iterator[Size2]:
                 yield g * stride[0], g * stride[1]
 
 
+def _token_grid_sizes(model: nn.Module) -> Iterator[Size2]:
+    """The image size implied by the first token grid a module records it was built for (``resolution``, as
+    LeViT's attention keeps it: its biases are sized by it, so another input size fails) times the strides of
+    every 2-D convolution before it in module order (the stem): models that turn ``img_size`` into a grid when
+    built and keep only the grid."""
+    stride = (1, 1)
+    for mod in model.modules():
+        if isinstance(mod, nn.Conv2d):
+            step = _pair(tuple(mod.stride)) or (1, 1)
+            stride = (stride[0] * step[0], stride[1] * step[1])
+            continue
+        res = getattr(mod, "resolution", None)
+        grid = None if isinstance(res, bool) else _pair(res)
+        if grid is not None:
+            if stride != (1, 1):
+                yield grid[0] * stride[0], grid[1] * stride[1]
+            return
+
+
 def image_sizes(model: nn.Module, declared: Any = None) -> list[Size2]:
     """Sizes to try, in order: what a module records it was built for (``img_size``: patch embedding, stem,
-    the model), what position embeddings imply, then the declared default (``pretrained_cfg['input_size']``)."""
-    found = [s for s in map(_pair, (*module_attrs(model, "img_size"), *_grid_sizes(model), declared)) if s]
+    the model), what position embeddings imply, what a recorded token grid implies, then the declared default
+    (``pretrained_cfg['input_size']``, which timm keeps at the architecture's default when a model is built at
+    another size: the modules decide)."""
+    found = [s for s in map(_pair, (*module_attrs(model, "img_size"), *_grid_sizes(model),
+                                    *_token_grid_sizes(model), declared)) if s]
     return list(dict.fromkeys(found))
 
 

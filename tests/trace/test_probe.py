@@ -176,6 +176,59 @@ def test_one_channel_timm_vit_converts():
     assert len(model.lmbp_report.plan.items) == 7  # 2 GELUs, 5 norms
 
 
+def _levit(**kw):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("levit_128s", pretrained=False, img_size=64, num_classes=10, **kw)
+    assert model.pretrained_cfg["input_size"] == (3, 224, 224)  # the declared default, not what it was built for
+    return model.eval()
+
+
+def test_levit_probes_at_the_size_its_token_grid_was_built_for():
+    """LeViT keeps no ``img_size``: it turns it into its attention's token grid (``resolution``, 4×4 at 64 pixels
+    over a stride-16 stem), whose biases refuse any other size. The grid times the stem convolutions' strides says
+    the size; the declared 224 comes after it."""
+    model = _levit(act_layer="gelu", in_chans=1)
+    probe, _, unit = make_probe(model)
+    assert unit == "image" and tuple(probe.shape) == (2, 1, 64, 64)
+    convert(model)
+    assert model.lmbp_report.verification == "passed" and model.lmbp_report.plan.act_swaps
+
+
+class _Refuses(nn.Module):
+    """A timm-style wrapper that refuses every input, around a model built at 64 pixels, 1 channel."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.pretrained_cfg = inner.pretrained_cfg
+
+    def forward(self, x):
+        self.inner(x)
+        raise ValueError("refuses every input")
+
+
+def test_probe_error_example_shape_comes_from_the_model():
+    with pytest.raises(ProbeError, match=r"(?s)ValueError: refuses every input.*"
+                                         r"convert\(model, probe=\{'x': torch.randn\(2, 1, 64, 64\)\}\)"):
+        make_probe(_Refuses(_levit(in_chans=1)))
+
+
+def test_unknown_conv_model_gets_an_example_of_the_size_it_records():
+    class Unrun(nn.Module):  # no pretrained_cfg; a stride-4 stem, then a block built for a 5×5 grid
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(2, 8, 2, stride=2), nn.Conv2d(8, 8, 2, stride=2))
+            self.block = nn.Linear(8, 8)
+            self.block.resolution = 5
+
+        def forward(self, x, mask):
+            return self.block(self.stem(x).flatten(2).transpose(1, 2))
+
+    with pytest.raises(ProbeError, match=r"'x': torch.randn\(2, 2, 20, 20\), 'mask': \.\.\."):
+        make_probe(Unrun())
+
+
 def test_config_without_sizes_names_the_main_input():
     model = PROBE_FAMILIES["clip"]()
     model.config.text_config.vocab_size = 0  # nothing to draw ids from
