@@ -8,8 +8,8 @@ train-mode checks run one, on the original (for its gradients) and on the conver
 where every applied rewrite claims exact training, its gradients against the original's).
 
 Nothing of the model changes: ``torch.autograd.grad`` returns the gradients without accumulating into ``.grad``;
-requires_grad is set on every floating-point parameter for the run only when none has it (the model will train
-something; all of it is the widest case) and put back; the RNG is forked and seeded, buffers a training forward
+requires_grad is set for the run only when no parameter has it (on the floating-point vectors: `_trainable`) and
+put back; the RNG is forked and seeded, buffers a training forward
 updates are put back, every module's training flag is restored (`verify.run_probe_train`'s guards); the
 modules' backward hooks are held back for the run and put back (the same entries, in order: their handles still
 remove them), so a user's gradient hook does not fire for convert()'s check.
@@ -58,12 +58,15 @@ def _backward_hooks_held(model: nn.Module) -> Iterator[None]:
 
 @contextmanager
 def _trainable(model: nn.Module) -> Iterator[list[tuple[str, nn.Parameter]]]:
-    """The parameters the backward differentiates: those that require grad; when none does, every floating-point
-    parameter, its requires_grad flag put back afterwards."""
+    """The parameters the backward differentiates: those that require grad; when none does (a frozen model
+    converted before PEFT adds adapters), the floating-point vectors (norm weights, biases: every layer has some,
+    so the backward still runs through each, for a few bytes of gradient where lifting every matrix would hold
+    a second model's worth), else every floating-point parameter; requires_grad is put back afterwards."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     lifted: list[nn.Parameter] = []
     if not params:
-        params = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+        floats = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+        params = [(n, p) for n, p in floats if p.dim() <= 1] or floats
         lifted = [p for _, p in params]
     try:
         for p in lifted:
