@@ -44,6 +44,7 @@ class ReasonCode(StrChoice):
     GATED_MLP = "gated_mlp"  # a gated MLP the fused op cannot take
     LOSS = "loss"  # a loss the memory-sharing one cannot replace
     ON_DISK = "on_disk"  # the checkpoint on disk cannot hold this fold
+    DOOR = "door"  # a module a user may call on its own would see a fold's affine-less output (kept exact)
     NO_EXACT_FORM = "no_exact_form"  # the exact default has no form for this fold yet (fold_norms=True folds it)
     ROLLED_BACK = "rolled_back"  # verification rolled the rewrite back
     RECORDED = "recorded"  # read from a plan written before reasons had codes
