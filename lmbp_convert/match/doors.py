@@ -101,12 +101,11 @@ def door_reason(ctx: MatchContext, item: NormFold, returned: dict[int, list[int]
                 inner = _common(inner, c.scopes)
     s = inner[-1] if inner else frames[0]
     if s in frames or (g.scopes[s].parent in frames and set(g.scopes[s].outputs) & set(g.root_outputs)):
-        where = ("the model's own forward" if s in frames else
-                 f"{g.scopes[s].module}, whose output the model returns (its head)")
+        module = "" if s == frames[0] else g.scopes[s].module
+        where = f"{module}, whose output the model returns" if module else "the model's own forward"
         return Reason(ReasonCode.DOOR, f"the fold would run inside {where}: a door (the model's methods, such as "
                       "timm's forward_features / forward_head, or that module called on its own) would see its "
-                      "output without the affine, so it stays exact: γ, β kept, the output rebuilt from x̂",
-                      "" if s in frames else g.scopes[s].module)
+                      "output without the affine, so it stays exact: γ, β kept, the output rebuilt from x̂", module)
     return None
 
 
