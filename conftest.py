@@ -43,3 +43,15 @@ def pytest_collection_modifyitems(items):
         if (SLOW_FAMILIES & {v for v in params.values() if isinstance(v, str)}
                 and item.originalname not in SLOW_FAMILY_KEPT_IN_FAST_LOOP):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def past_doors():
+    """Plan folds a door could see as folds (`lmbp_convert.match.doors.fold_past_doors`, as the checkpoint CLI plans):
+    for tests of the fold machinery itself (re-apply sites, unfolding, fold-on-load, untying, the fold's analysis on
+    toy models whose norm sits in the model's own frame), on folds that ``convert(fold_norms=True)`` would keep
+    exact. Which folds convert() keeps exact is tests/match/test_doors.py's business."""
+    from lmbp_convert.match.doors import fold_past_doors
+
+    with fold_past_doors():
+        yield

@@ -41,9 +41,13 @@ class ConvertOptions:
         from the output (docs/affine_ms_norm.md). Under autocast its output is in the autocast dtype, so a
         residual add that reads it sees the rounded value.
     fold_norms: True: fold a norm's affine into the next Linears (the optimiser then trains W·diag(γ), not W and
-        γ; the checkpoint CLI folds on disk). False (default): exact norms instead (`MSExactNorm`: γ, β, W, b stay the original parameters with the original
-        gradients and state dict; the consumers' copies of the norm's output are rebuilt from x̂ for backward,
-        the same bytes as the fold). Channel-first norms and norms with functional consumers are folded either way.
+        γ; the checkpoint CLI folds on disk), except a fold whose affine-less output a door could see (it leaves a
+        module call, or the fold runs in the model's own frame or its head: `lmbp_convert.match.doors`), which
+        stays exact and says why. False (default): exact norms instead (`MSExactNorm`: γ, β, W, b stay the
+        original parameters with the original gradients and state dict; the consumers' copies of the norm's output
+        are rebuilt from x̂ for backward, the same bytes as the fold). Channel-first norms and norms with
+        functional consumers follow the same rule: exact by default, folded into the consumers' parameters with
+        True.
     measure: measure what the conversion saves (one training forward on the probe before and one after, by the
         exact ledger; `ConversionReport.measured_saved_bytes`), in the dtype, autocast and trainable parameters
         of the convert() call. Off: only the analytic per-rewrite prediction.

@@ -44,6 +44,7 @@ class ReasonCode(StrChoice):
     GATED_MLP = "gated_mlp"  # a gated MLP the fused op cannot take
     LOSS = "loss"  # a loss the memory-sharing one cannot replace
     ON_DISK = "on_disk"  # the checkpoint on disk cannot hold this fold
+    DOOR = "door"  # a module a user may call on its own would see a fold's affine-less output (kept exact)
     NO_EXACT_FORM = "no_exact_form"  # the exact default has no form for this fold yet (fold_norms=True folds it)
     ROLLED_BACK = "rolled_back"  # verification rolled the rewrite back (a part, if any, says why beyond outputs)
     BACKWARD_FAILED = "backward_failed"  # training's backward through the rewrite raised (a saved tensor modified)

@@ -55,6 +55,7 @@ def _roundtrip(build, **convert_kw):
     return model, plain.eval(), probe
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_post_ln_bert_unfolds_linears_with_current_gamma_beta():
     model, plain, probe = _roundtrip(lambda: hf("bert", head="cls"))
     folds = [f for f in model.lmbp_report.plan.norm_folds if f.reapply]
@@ -95,6 +96,7 @@ def test_bias_less_linear_gets_no_new_key_and_the_state_dict_is_plain():
     assert _rel(_out(plain, probe), _out(model, probe)) < 1e-5
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_untied_head_gets_no_bias_and_exports_after_training():
     """GPT-2 with untie=True folds ln_f (with β) into an untied, bias-less lm_head: no ``lm_head.bias`` is made
     (it was, and a plain load dropped it); the shift trains as ln_f's own bias and every state stays plain."""
@@ -130,6 +132,7 @@ class _GemmaToy(nn.Module):
         return self.lin(y), y
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_one_plus_w_norm_unfolds_with_one_plus_w():
     model = _GemmaToy()
     plain = copy.deepcopy(model)
@@ -142,6 +145,7 @@ def test_one_plus_w_norm_unfolds_with_one_plus_w():
     torch.testing.assert_close(_out(plain, x), _out(model, x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_zero_gamma_with_live_channel_is_refused():
     model = _GemmaToy()
     x = torch.randn(2, 5, 16)
@@ -205,6 +209,7 @@ def test_export_after_a_second_convert_call():
     assert _rel(_out(plain.eval(), probe), _out(model.eval(), probe)) < 1e-5
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_unreported_reapplied_norm_is_refused():
     model = hf("bert", head="cls")
     convert(model, **FOLD)
@@ -214,6 +219,7 @@ def test_unreported_reapplied_norm_is_refused():
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_non_finite_gamma_is_refused_not_written(value):
     """A NaN/inf γ of a re-applied norm would be divided out of its Linears: NaN weights, written silently."""
     model = hf("bert", head="cls")
@@ -226,6 +232,7 @@ def test_non_finite_gamma_is_refused_not_written(value):
         plain_state_dict(model)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_tiny_gamma_overflowing_the_dtype_is_refused():
     """W'/γ with γ = 1e-6 overflows fp16: an inf weight is not the converted model's function."""
     model = hf("bert", head="cls").half()

@@ -39,6 +39,7 @@ def _train_a_step(model, x):
     opt.step()
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_reapplied_norm_unfolds_in_proj_rows_and_conv_channels_after_training():
     torch.manual_seed(0)
     model, x = randomize_norms(ReturnsNorm()), torch.randn(2, 16, D)
@@ -54,6 +55,7 @@ def test_reapplied_norm_unfolds_in_proj_rows_and_conv_channels_after_training():
             assert float((a - b).norm() / b.norm()) < 1e-5
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_beta_share_in_an_unsaved_buffer_is_an_export_error():
     import sys
 

@@ -24,6 +24,7 @@ import torch
 from ..apply.convert import CONFIG_KEY, plan_conversion
 from ..errors import NothingToConvertError
 from ..fold import Scratch, effective_scale, fold_affine, fold_rows, identity_weight_value
+from ..match.doors import fold_past_doors
 from ..options import ConvertOptions
 from ..reasons import cli_spelling
 from . import fsops
@@ -133,7 +134,8 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
             raise CheckpointError(str(exc)) from exc
         t = time.perf_counter()
         try:
-            with quiet_loggers(), cli_spelling():  # reasons name --untie, not untie=True
+            # reasons name --untie, not untie=True; every fold it can is made on disk (doors: match/doors.py)
+            with quiet_loggers(), cli_spelling(), fold_past_doors():
                 plan = plan_conversion(view.model, opts)
         except Exception as exc:
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -13,6 +13,9 @@ from ..options import ConvertOptions
 from ..reasons import Reason
 from ..trace.graph import Graph, Node
 from .roles import Role
+
+if TYPE_CHECKING:  # the walker imports this module
+    from .norm_walk import Walk
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -60,6 +63,8 @@ class MatchContext:
     #: LoRA Linear → why the norm's β cannot be folded into it (adapter dropout, a trained adapter): a problem of
     #: folds only, so under exact norms (``fold_norms=False``) it refuses only a norm that stays a fold
     beta_fold_problems: dict[str, Reason] = field(default_factory=dict, init=False)
+    #: norm → the walk its fold was planned from (`match.norm.plan_norm`): what the door check reads
+    walks: dict[str, Walk] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

@@ -126,6 +126,7 @@ def plan_norm(ctx: MatchContext, name: str, mod: nn.Module, nr: NormRole, walk: 
         raise Refused(Reason(ReasonCode.HOOKED, f"{watched}, which would see the normalised tensor without its "
                              "affine (folded into the next Linears); remove the hook or exclude this norm"))
     beta = _beta_mode(mod, nr, walk)
+    ctx.walks[name] = walk
     return NormFold(name, class_key(mod), nr.norm_type, nr.param, nr.eps, list(nr.shape), nr.has_bias,
                     list(walk.targets.values()), sites, sorted(set(walk.caveats)),
                     predicted_norm_bytes(ctx, node, nr), beta=beta, out_dtype=emitted_dtype(ctx, node))

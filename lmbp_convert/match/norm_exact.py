@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from ..reasons import Reason, ReasonCode
 from .consumers import ConsumerFold
 from .norm_kept import NormKeep
-from .plan import AffineNormItem, NormFold, PlanItem, Skip
+from .plan import AffineNormItem, NormFold, PlanItem, Skip, renamed
 
-__all__ = ["NormExact", "exact_items", "exact_plan"]
+__all__ = ["NormExact", "exact_for_door", "exact_items", "exact_plan"]
 
 
 @dataclass
@@ -37,11 +37,28 @@ class NormExact(AffineNormItem):
     predicted_saved_bytes: int = 0
     out_dtype: str | None = None
     channel_dim: int = -1  # 1: a channel-first norm (NCHW)
+    #: with ``fold_norms=True``: why this norm is exact instead of folded (a door could see its output without the
+    #: affine, `match.doors`); None: the exact default
+    door: Reason | None = None
 
     def describe(self) -> list[str]:
         where = f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else ""
-        return [f"  {self.name} [{self.norm_type}, {self.param}{where}] → output shared with "
-                f"{', '.join(self.readers) or '-'}"]
+        lines = [f"  {self.name} [{self.norm_type}, {self.param}{where}] → output shared with "
+                 f"{', '.join(self.readers) or '-'}"]
+        return lines + ([f"      not folded: {self.door}"] if self.door is not None else [])
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["door"] = None if self.door is None else {"reason": self.door.text, **self.door.to_dict()}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "NormExact":
+        d = renamed(cls, data)
+        door = d.pop("door", None)
+        item = cls(**d)
+        item.door = None if door is None else Reason.from_dict(door["reason"], door)
+        return item
 
 
 def _exact(item: PlanItem) -> PlanItem:
@@ -53,6 +70,15 @@ def _exact(item: PlanItem) -> PlanItem:
         return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
                          list(item.keepers), item.predicted_saved_bytes, item.out_dtype)
     return item
+
+
+def exact_for_door(item: PlanItem, why: Reason) -> PlanItem:
+    """``item``'s exact form, carrying ``why`` (fold mode: a door could see the fold's output); an item without an
+    exact form stays as it is."""
+    exact = _exact(item)
+    if isinstance(exact, NormExact):
+        exact.door = why
+    return exact
 
 
 def exact_items(items: list[PlanItem]) -> list[PlanItem]:

@@ -16,6 +16,7 @@ from ..enums import ConvertedModule
 from ..options import ConvertOptions
 from ..trace.graph import Graph
 from .context import MatchContext, code_bytes, tensor_bytes
+from .doors import keep_doors_exact
 from .kinds import Matcher, matchers
 from .norm_exact import exact_plan
 from .plan import Plan, Skip
@@ -42,4 +43,6 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
     if not options.fold_norms:
         plan.items, skips = exact_plan(plan.items)
         plan.skips += skips
+    else:  # a fold whose affine-less output a door could see stays exact (match/doors.py)
+        plan.items = keep_doors_exact(ctx, plan.items)
     return plan

@@ -38,6 +38,7 @@ def _saved_bytes(model, x):
 
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("linear", [False, True], ids=["mlp-experts", "linear-experts"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_expert_the_probe_never_routed_to_is_folded_too(linear, fold):
     torch.manual_seed(0)
     model = TinyMoE(D, linear=linear).eval()
@@ -105,6 +106,7 @@ class Branchy(nn.Module):
         return y
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_second_input_catches_a_consumer_the_trace_missed_and_rolls_the_fold_back():
     torch.manual_seed(0)
     model = Branchy().eval()
@@ -125,6 +127,7 @@ def test_second_input_catches_a_consumer_the_trace_missed_and_rolls_the_fold_bac
         assert _rel(exact(_fresh()), original(_fresh())) <= 1e-5
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_user_given_probes_are_all_verified():
     torch.manual_seed(0)
     model = Branchy().eval()
@@ -191,6 +194,7 @@ def test_moe_families_verify_on_a_second_probe_keep_routing_and_fold_into_the_pa
     assert after < before
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_unseen_targets_serialise_and_the_layer_stack_a_norm_lives_in_is_not_mirrored():
     from lmbp_convert import plan_conversion
     from lmbp_convert.match.plan import Plan

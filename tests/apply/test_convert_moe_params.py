@@ -215,6 +215,7 @@ def _skip(model, x):
     return {s.name: s.reason for s in plan.skips}, plan
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_plain_parameter_experts_fold_every_expert():
     torch.manual_seed(0)
     model, x = _Block().eval(), torch.randn(4, 5, 8)

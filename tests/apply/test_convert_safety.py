@@ -181,6 +181,7 @@ def test_activation_and_norm_switches():
     assert rep.plan.of(NormExact) and not rep.plan.act_swaps
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_tied_head_is_skipped_with_reason_unless_untied():
     model = hf("llama", tie_word_embeddings=True)
     rep = convert(model, keep_affine=False).lmbp_report
@@ -209,6 +210,7 @@ def test_tied_head_is_skipped_with_reason_unless_untied():
         assert torch.allclose(call_model(model.eval(), probe).logits, call_model(ref, probe).logits, atol=1e-5)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_post_ln_reapplies_affine_on_residual_and_output():
     model = hf("bert", head="base")
     rep = convert(model, fold_norms=True).lmbp_report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,6 +34,7 @@ def test_a_rewrite_wrong_only_in_training_is_rolled_back(monkeypatch):
     assert report.verified and report.train_draws == 1  # no dropout in this config: one draw
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_layerdrop_branch_of_a_fold_is_caught():
     """BART's last encoder norm folded into every cross-attention k/v is wrong when LayerDrop skips that layer:
     eval verification never sees it, the train-mode draws do, and after the roll-back every draw is the

@@ -79,6 +79,7 @@ def _bert():
 
 @pytest.mark.slow  # one conversion per forward of the model
 @pytest.mark.parametrize("family", ["llama", "bert"])  # pre-LN decoder; post-LN encoder (re-apply hooks)
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_exception_at_every_forward_restores_the_model(family, monkeypatch):
     """One Linear's fold is wrong, so convert() runs every kind of forward it has: the trace, the verification
     of all rewrites, one re-check per rewrite (rollback path) and the final check."""
@@ -174,6 +175,7 @@ def test_exception_while_applying_a_unit_restores_the_model(monkeypatch):
     # Parameter of the norm (the head has no bias: `BetaMode.SHIFT`); test_rewrite.py covers a `bias=None` slot filled
     ("llama", ["model.layers.0.mlp"]),  # gated MLP
 ])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_interrupt_right_after_any_rewrite_step_restores_the_model(family, include, monkeypatch):
     """An interrupt can land after a step's change but before its bookkeeping: simulated after every step."""
     model = hf(family, head="cls") if family == "bert" else hf(family)

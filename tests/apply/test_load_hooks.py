@@ -88,6 +88,7 @@ def _case(name: str) -> _Case:
 
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("name", FAMILIES + PRE_LN)
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_original_checkpoint_loads_as_into_the_plain_model(name, order):
     c = _case(name)
     if name not in PRE_LN:
@@ -124,6 +125,7 @@ def _fold_of(c: _Case):
     return fold, norm, linears
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_marker_in_the_call_after_its_norm_is_resolved():
     """A shard boundary between a norm's γ, β and its marker: γ, β are taken for an original's until the marker
     arrives; nothing was folded yet (the Linears come later), so the checkpoint loads as the own one."""
@@ -139,6 +141,7 @@ def test_marker_in_the_call_after_its_norm_is_resolved():
 
 
 @pytest.mark.parametrize("split", ["linears_with_norm", "marker_alone_after"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_marker_after_its_fold_was_applied_fails_the_load(split):
     """The undecidable case is loud: the own state dict's norm and Linears arrive without their marker (so they
     are folded as an original's), then the marker arrives."""
@@ -162,6 +165,7 @@ def test_strict_original_load_reports_no_marker_missing_and_the_state_dict_marks
     assert {k for k in model.state_dict() if k.endswith(FOLD_MARKER)} == {f"{n}.{FOLD_MARKER}" for n in c.reapplied}
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_meta_converted_model_takes_an_own_state_dict():
     """Converted on meta, the Linears hold nothing yet and the state dict has no marker; the own state dict of a
     real converted model (marked) loads as it is, not folded a second time."""

@@ -67,6 +67,7 @@ def _meta_converted(name, fold=True):
 
 @pytest.mark.parametrize("fold", [True, False], ids=["fold", "exact"])
 @pytest.mark.parametrize("name", FAMS + sorted(EXTRA))
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_meta_convert_then_load_original_weights(name, fold):
     ref = _build(name).eval()
     sd = ref.state_dict()
@@ -86,6 +87,7 @@ def test_meta_convert_then_load_original_weights(name, fold):
 
 
 @pytest.mark.parametrize("name", ["gpt2_untied", "timm_swin", "bert"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_sharded_partial_loads_in_any_order(name):
     """One ``load_state_dict(strict=False)`` per shard (transformers' ``load_sharded_checkpoint``, Trainer resume):
     a norm and its Linears may arrive in different calls, in either order."""
@@ -183,6 +185,7 @@ def test_checkpoint_written_by_the_cli_loads_unchanged(tmp_path):
     assert _rel(_out(model, probe), _out(ref, probe)) < 1e-5
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_unexpressible_shift_is_an_error_not_a_silent_model():
     """γ = 0 on a channel with β ≠ 0, arriving for a norm folded into a bias-less Linear, cannot be held."""
     ref = _build("gpt2_untied")

@@ -34,6 +34,7 @@ def _untied(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_tie_weights_after_an_untied_convert_keeps_outputs(arch):
     model, ref = _untied(arch)
     assert model.config.tie_word_embeddings is False
@@ -46,6 +47,7 @@ def test_tie_weights_after_an_untied_convert_keeps_outputs(arch):
 # GPT-2's folded head takes ln_f's β through a shift hook (the head has no bias); resizing replaces the head module,
 # and the hook follows it (apply/hooks.py FollowModule): before, the old tokens' logits were 0.27 off
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_resize_token_embeddings_after_an_untied_convert_keeps_outputs(arch):
     model, ref = _untied(arch)
     vocab = model.get_input_embeddings().weight.shape[0]

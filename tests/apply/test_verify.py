@@ -65,6 +65,7 @@ class PaddedVocabHead(nn.Module):
         return logits.masked_fill(pad, -math.inf)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_masked_logits_do_not_hide_a_wrong_rewrite(monkeypatch):
     """A rewrite that moves every finite logit by 2e-2 is rolled back, although the outputs hold −inf."""
     model = hf("llama").eval()

@@ -2,6 +2,7 @@
 nn.MultiheadAttention's in_proj) is a skip with that reason, and convert() still folds it when it loads DST."""
 import copy
 
+import pytest
 import torch
 
 from ckpt_helpers import save_model
@@ -19,6 +20,7 @@ def _siglip():
     return randomize_norms(SiglipVisionModel(cfg)).eval()
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_mha_rows_are_refused_on_disk_and_folded_by_convert_on_load(tmp_path, cli):
     from transformers import SiglipVisionModel
 

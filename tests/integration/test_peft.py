@@ -108,6 +108,7 @@ def test_convert_after_get_peft_model_keeps_function_with_trained_adapters():
     assert isinstance(exact.base_model.model.model.layers[0].input_layernorm, MSExactNorm)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_convert_after_get_peft_model_folds_beta_into_base_only():
     """LayerNorm with β and fresh adapters (B = 0, dropout 0): β goes to the base bias, γ to base and lora_A;
     the adapters then train."""
@@ -278,6 +279,7 @@ def test_adapters_save_and_load_onto_a_converted_base(order, tmp_path):
 
 @pytest.mark.parametrize("fold", [False, True], ids=["exact", "fold"])
 @pytest.mark.parametrize("order", ["convert_then_peft", "peft_then_convert"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_merged_adapters_export_to_a_plain_checkpoint(order, fold):
     """merge_and_unload() + plain_state_dict: a plain model (no lmbp_convert, no PEFT) computes the same."""
     base = hf("bert", head="cls", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)

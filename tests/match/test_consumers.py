@@ -119,6 +119,7 @@ def _folds(rep):
     return {f.name: f for f in rep.plan.of(ConsumerFold)}
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_fused_qkv_with_assembled_bias_folds_exactly():
     torch.manual_seed(0)
     model, x = randomize_norms(FusedQKV()), torch.randn(2, 6, D)
@@ -134,6 +135,7 @@ def test_fused_qkv_with_assembled_bias_folds_exactly():
     assert (before, _saved(model, x)) == (9504, 7872)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_fused_qkv_without_bias_refuses_beta_and_takes_rms():
     torch.manual_seed(0)
     model = randomize_norms(FusedQKV(with_bias=False))
@@ -158,6 +160,7 @@ def test_timm_eva_norm1_folds_into_qkv_and_its_bias_parts():
 
 
 @pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_transformer_encoder_layer(norm_first):
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(D, H, 2 * D, dropout=0.0, batch_first=True, norm_first=norm_first)
@@ -183,6 +186,7 @@ def test_transformer_encoder_layer(norm_first):
 
 
 @pytest.mark.parametrize("feeds, rows", [("query", [[0, D]]), ("kv", [[D, 2 * D], [2 * D, 3 * D]])])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_cross_attention_folds_only_the_rows_of_the_norm_fed_inputs(feeds, rows):
     torch.manual_seed(0)
     model, x = randomize_norms(CrossMHA(feeds)), torch.randn(2, 6, D)
@@ -195,6 +199,7 @@ def test_cross_attention_folds_only_the_rows_of_the_norm_fed_inputs(feeds, rows)
         assert torch.equal(model.attn.in_proj_weight[a:b], w0[a:b])
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_conv_without_padding_takes_gamma_and_beta():
     torch.manual_seed(0)
     model, x = randomize_norms(ChannelFirstConv()), torch.randn(2, 16, D)
@@ -205,6 +210,7 @@ def test_conv_without_padding_takes_gamma_and_beta():
     assert (before, _saved(model, x)) == (8448, 4096)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_conv_with_padding_refuses_beta_but_not_rms():
     torch.manual_seed(0)
     model = randomize_norms(ChannelFirstConv(padding=1, kernel=3))
@@ -218,6 +224,7 @@ def test_conv_with_padding_refuses_beta_but_not_rms():
 
 
 @pytest.mark.parametrize("make", [lambda: FusedQKV(), lambda: CrossMHA("kv"), lambda: ChannelFirstConv()])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_plan_round_trips_and_an_original_checkpoint_is_folded_on_load(make):
     torch.manual_seed(0)
     model = randomize_norms(make())
@@ -238,6 +245,7 @@ def test_plan_round_trips_and_an_original_checkpoint_is_folded_on_load(make):
         model.load_state_dict(partial, strict=False)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_converted_on_meta_then_loaded():
     torch.manual_seed(0)
     ref = randomize_norms(FusedQKV(bias_buffer_persistent=True))
@@ -278,6 +286,7 @@ def _hf_channels_first():
 
 
 @pytest.mark.parametrize("make_norm", [_timm_layernorm2d, _hf_channels_first])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_channel_first_norm_is_found_and_folds_into_a_1x1_conv(make_norm):
     from lmbp_convert.catalogue import load_catalogue
     from lmbp_convert.match.roles import assign_roles
@@ -340,6 +349,7 @@ EXACT_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(EXACT_CASES))
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_exact_default_keeps_every_parameter_and_saves_the_folds_bytes(case):
     """What ``fold_norms=True`` folds into functional or channel-first consumers, the default makes exact: the
     norm keeps γ, β (channel-first norms over dim 1), the consumers' parameters stay the original tensors, the

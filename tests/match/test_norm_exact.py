@@ -3,6 +3,7 @@ channel-first norms included), and a fold kind with no exact form is a skip, nev
 import dataclasses
 import sys
 
+import pytest
 import torch
 
 from lmbp_convert import plan_conversion
@@ -20,6 +21,7 @@ def _fold(model, x) -> ConsumerFold:
     return fold
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_consumer_folds_become_exact_norms_and_round_trip():
     torch.manual_seed(0)
     model, x = randomize_norms(ConvMlpBlock(_timm_layernorm2d())), torch.randn(2, D, 6, 6)
@@ -31,6 +33,7 @@ def test_consumer_folds_become_exact_norms_and_round_trip():
     assert Plan.from_dict(plan.to_dict()).of(NormExact) == [item]
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_a_fold_kind_without_an_exact_form_is_a_skip_that_names_the_fold():
     torch.manual_seed(0)
     fold = _fold(randomize_norms(FusedQKV()), torch.randn(2, 6, D))

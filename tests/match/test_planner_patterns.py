@@ -51,6 +51,7 @@ COMMUTING = {
 
 
 @pytest.mark.parametrize("name", sorted(COMMUTING))
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_affine_commuting_paths_fold_exactly(name):
     m, plan, x = _plan(COMMUTING[name])
     assert [f.name for f in plan.norm_folds] == ["norm"], plan.skips
@@ -60,6 +61,7 @@ def test_affine_commuting_paths_fold_exactly(name):
     assert torch.allclose(m(x), ref, atol=1e-5)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_zero_pad_folds_a_norm_without_beta():
     """γ·0 = 0: a zero pad commutes with a norm that has no β, at every shape."""
     f = lambda h, m: F.pad(h, (0, 0, 0, 2 - h.shape[1] % 2))  # noqa: E731 - pads odd token counts
@@ -176,6 +178,7 @@ class PostLN(nn.Module):
         return self.res(self.fc(h), h)
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_other_branch_at_module_boundary_gets_affine_reapplied():
     m, x = PostLN(), torch.randn(3, 8)
     ref = m(x)
@@ -241,6 +244,7 @@ class Gemmaish(nn.Module):
         return self.fc(self.norm(x))
 
 
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_unlisted_norm_class_is_identified_by_behaviour():
     m, x = Gemmaish(), torch.randn(4, 8)
     ref = m(x)

@@ -110,6 +110,7 @@ def test_refusal_keeps_train_mode_and_nan_behaviour():
 
 
 @pytest.mark.parametrize("accept", ["NoisyLN", f"{__name__}:NoisyLN"])
+@pytest.mark.usefixtures("past_doors")  # the fold machinery: folds a door could see
 def test_accept_norms_swaps_it_anyway(accept):
     model = Block(NoisyLN)
     ref = copy.deepcopy(model).eval()
