@@ -16,25 +16,45 @@ from lmbp_convert.reasons import ReasonCode
 from testsupport.families import randomize_norms
 
 
+class _JitterBlock(nn.Module):
+    """norm → (train mode: its output multiplied in place by noise, as a router's jitter) → Linear, inside a block
+    (a fold in the model's own frame would be kept exact for the doors: match/doors.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)  # no β: the noise commutes with the fold's affine, so outputs stay equal
+        self.proj = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.training:
+            h *= torch.empty_like(h).uniform_(0.99, 1.01)
+        return self.proj(h)
+
+
 class JitterInTraining(nn.Module):
-    """embed → norm → (train mode: its output multiplied in place by noise, as a router's jitter) → Linear → head
-    (the embedding makes the norm's input need a gradient, so the norm keeps its output for backward)."""
+    """embed → block (norm, jitter, Linear) → head (the embedding makes the norm's input need a gradient, so the
+    norm keeps its output for backward)."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Linear(16, 16)
-        self.norm = nn.RMSNorm(16)  # no β: the noise commutes with the fold's affine, so outputs stay equal
-        self.proj = nn.Linear(16, 16)
+        self.block = _JitterBlock()
         self.head = nn.Linear(16, 4)
-        with torch.no_grad():
-            self.norm.weight.uniform_(0.5, 1.5)
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.block.norm
+
+    @property
+    def proj(self) -> nn.Module:
+        return self.block.proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(self.embed(x))
-        if self.training:
-            h *= torch.empty_like(h).uniform_(0.99, 1.01)
-        return self.head(self.proj(h))
+        return self.head(self.block(self.embed(x)))
 
 
 PROBE = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
@@ -57,7 +77,7 @@ def test_fold_whose_saved_output_is_modified_in_training_is_rolled_back():
     model = JitterInTraining()
     ref = copy.deepcopy(model)
     report = convert(model, probe=PROBE, fold_norms=True).lmbp_report
-    assert _rolled_back(report, ReasonCode.BACKWARD_FAILED) == ["norm"], str(report)
+    assert _rolled_back(report, ReasonCode.BACKWARD_FAILED) == ["block.norm"], str(report)
     assert "training's backward failed" in str(report) and report.train_backward, str(report)
     assert type(model.norm) is nn.RMSNorm
     torch.testing.assert_close(_train_loss(model, PROBE), _train_loss(ref, PROBE), rtol=0, atol=0)
@@ -80,7 +100,7 @@ def test_the_check_leaves_grads_flags_rng_and_modes_alone():
     assert report.train_backward and not report.rolled_back and type(model.norm) is not nn.RMSNorm, str(report)
     assert torch.equal(torch.rand(3), expected)
     assert torch.equal(model.proj.weight.grad, torch.full_like(model.proj.weight, 0.5))
-    assert all(p.grad is None for n, p in model.named_parameters() if n != "proj.weight")
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "block.proj.weight")
     assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
     assert not any(m.training for m in model.modules())
     _train_loss(model, PROBE.clone().requires_grad_(True))
@@ -90,11 +110,11 @@ def test_the_check_leaves_grads_flags_rng_and_modes_alone():
 
 
 def test_frozen_model_is_checked_with_every_parameter_trainable_and_left_frozen():
-    """No parameter requires grad: the backward differentiates all of them for the check, then they are frozen
-    again; the failing fold is still found."""
+    """No parameter requires grad: the backward differentiates the floating-point vectors (norm weights, biases)
+    for the check, then they are frozen again; the failing fold is still found."""
     model = JitterInTraining().requires_grad_(False)
     report = convert(model, probe=PROBE, fold_norms=True).lmbp_report
-    assert _rolled_back(report, ReasonCode.BACKWARD_FAILED) == ["norm"], str(report)
+    assert _rolled_back(report, ReasonCode.BACKWARD_FAILED) == ["block.norm"], str(report)
     assert not any(p.requires_grad for p in model.parameters())
 
 
