@@ -233,8 +233,8 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "consumers: no saved-tensor hook runs inside a compiled graph, so y is rebuilt from x̂ only where the "
         "partitioner may recompute it. Under autocast the Linear's own bf16 cast of y is a node its backward "
         "reads, which inductor saves beside x̂ (one bf16 copy of each norm's output); and a post-LN norm's y "
-        "leaves its block's graph, so the next block's graph saves it as an input (BERT). `fold_norms=True` "
-        "compiles to the eager bytes there (its Linears read x̂ itself).",
+        "leaves its block's graph, so the next block's graph saves it as an input (BERT). A fold "
+        "(`fold_norms=True`, on the pre-LN blocks' norms) compiles to the eager bytes (its Linears read x̂ itself).",
         "- *checkpointing*: per-block, non-reentrant activation checkpointing of the original: only the block "
         "input is kept, at the price of a second forward in backward (see the step times).",
         "- *Liger-Kernel* is Triton/CUDA-only and cannot run on this CPU; its column shows the GPU run's "

@@ -3,7 +3,9 @@ EVA02 / EVA / BEiT (F.linear on ``qkv.weight`` with a bias assembled in forward)
 attention-pool head and nn.TransformerEncoder (pre-LN) (nn.MultiheadAttention's in_proj), timm PVT-v2 (a channel-first
 view into the spatial-reduction conv), timm ConvNeXt and HF ConvNext (channel-first LayerNorms into 1×1 / strided
 convs). For each: the original model, convert(fold_norms=True) without the consumer matcher (what it did before), with
-it, and the exact default convert() (no parameter folded), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
+it (both planned past the doors, `fold_past_doors`, as the checkpoint CLI plans: this measures the folds
+themselves, including those ``convert(fold_norms=True)`` keeps exact because a door could see them), and the exact
+default convert() (no parameter folded), one forward each (`lmbp_convert.SavedTensorLedger`), in fp32, bf16 weights and bf16 autocast, with
 convert()'s verification error.
 
     python -m benchmarks.consumers --models eva beit siglip transformer_encoder pvt_v2_b0 convnext_atto
@@ -20,6 +22,7 @@ from torch import nn
 from lmbp_convert import convert
 from lmbp_convert.match.kinds import suspended
 from lmbp_convert.match.consumers import ConsumerFold
+from lmbp_convert.match.doors import fold_past_doors
 
 from . import common as C
 
@@ -104,9 +107,10 @@ def row(name: str) -> dict:
     base = randomized(build()).eval()
     x = torch.randn(*shape)
     out = {"model": name, "original": {k: saved(base, x, k) for k in MODES}}
-    with without_consumer_folds():
-        before = convert(copy.deepcopy(base), probe=x, fold_norms=True)
-    after = convert(copy.deepcopy(base), probe=x, fold_norms=True)
+    with fold_past_doors():
+        with without_consumer_folds():
+            before = convert(copy.deepcopy(base), probe=x, fold_norms=True)
+        after = convert(copy.deepcopy(base), probe=x, fold_norms=True)
     exact = convert(copy.deepcopy(base), probe=x)  # the default: exact norms, every original parameter kept
     for label, m in (("before", before), ("after", after), ("exact", exact)):
         rep = m.lmbp_report

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from lmbp_convert import convert
+from lmbp_convert.match.doors import fold_past_doors
 from lmbp_convert.match.moe import RecomputeRegion
 
 from . import common as C
@@ -85,7 +86,11 @@ def measure(arch: str, mode: str, seq: int, experts: int | None = None, small: d
     t0 = time.perf_counter()
     before = saved(block, x, autocast)
     probe = x[:, : min(seq, 32)].detach().clone()
-    convert(block, probe=probe, fold_norms=True)  # the folds into the experts are what this shows; outside autocast, as one converts before training (fp32 weights, then autocast)
+    # the folds into the experts are what this shows (planned past the doors, as the checkpoint CLI plans: the
+    # block is converted as the whole model, so its own frame would keep them exact); outside autocast, as one
+    # converts before training (fp32 weights, then autocast)
+    with fold_past_doors():
+        convert(block, probe=probe, fold_norms=True)
     report = block.lmbp_report
     after = saved(block, x, autocast)
     row = {"model": arch, "mode": mode, "impl": impl, "seq": seq, "experts": experts or SHAPES[arch][EXPERTS_KEY[arch]],
