@@ -229,12 +229,13 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
         "(AOTAutograd saves with `ctx.save_for_backward`, which saved-tensor hooks see; bf16 weight casts it "
         "saves under autocast are not counted). The GPU run below cross-checks the ledger against "
         "`torch.cuda.memory_allocated`.",
-        "- *converted + compile* keeps more than *converted* (eager) in two places, both in the exact norms' "
-        "consumers: no saved-tensor hook runs inside a compiled graph, so y is rebuilt from x̂ only where the "
-        "partitioner may recompute it. Under autocast the Linear's own bf16 cast of y is a node its backward "
-        "reads, which inductor saves beside x̂ (one bf16 copy of each norm's output); and a post-LN norm's y "
-        "leaves its block's graph, so the next block's graph saves it as an input (BERT). A fold "
-        "(`fold_norms=True`, on the pre-LN blocks' norms) compiles to the eager bytes (its Linears read x̂ itself).",
+        "- *converted + compile*: no saved-tensor hook runs inside a compiled graph, so the exact norms' y is "
+        "rebuilt from x̂ only where the partitioner may recompute it. Where only Linears read y as it is (a pre-LN "
+        "block's norms) the norm emits y in the autocast dtype under compile (`MSExactNorm.autocast_readers`: the "
+        "values the Linears' own casts make), and the compiled block keeps the eager bytes. BERT's post-LN norms "
+        "are also read by a residual add: under autocast each Linear's bf16 cast of y is a node its backward "
+        "reads, which inductor saves beside x̂, and the block's final norm output leaves its graph, so the next "
+        "block's graph saves it as an input.",
         "- *checkpointing*: per-block, non-reentrant activation checkpointing of the original: only the block "
         "input is kept, at the price of a second forward in backward (see the step times).",
         "- *Liger-Kernel* is Triton/CUDA-only and cannot run on this CPU; its column shows the GPU run's "

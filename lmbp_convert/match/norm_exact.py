@@ -40,6 +40,10 @@ class NormExact(AffineNormItem):
     #: with ``fold_norms=True``: why this norm is exact instead of folded (a door could see its output without the
     #: affine, `match.doors`); None: the exact default
     door: Reason | None = None
+    #: every reader of y is a Linear that reads it as it is (no op between, no LoRA adapter, no other reader): under
+    #: autocast each casts y to the autocast dtype before anything else, so emitting y in that dtype changes no value
+    #: they see, and under torch.compile it lets inductor rebuild their copy from x̂ (`MSExactNorm.autocast_readers`)
+    linear_readers_only: bool = False
 
     def describe(self) -> list[str]:
         where = f", channels at dim {self.channel_dim}" if self.channel_dim != -1 else ""
@@ -65,11 +69,19 @@ def _exact(item: PlanItem) -> PlanItem:
     if type(item) in (NormFold, ConsumerFold) and not item.prefolded:
         readers = [t.label for t in item.targets] + [f"{p.op} in {p.scope}" for p in item.param_targets()]
         return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
-                         readers, item.predicted_saved_bytes, item.out_dtype, item.channel_axis())
+                         readers, item.predicted_saved_bytes, item.out_dtype, item.channel_axis(),
+                         linear_readers_only=_linear_readers_only(item))
     if type(item) is NormKeep:
         return NormExact(item.name, item.cls, item.norm_type, item.param, item.eps, list(item.shape), item.has_bias,
                          list(item.keepers), item.predicted_saved_bytes, item.out_dtype)
     return item
+
+
+def _linear_readers_only(item: NormFold) -> bool:
+    """The fold's analysis saw every reader of the norm's output: its Linear targets and its re-apply sites."""
+    return (type(item) is NormFold and item.out_dtype is None and item.channel_axis() == -1 and not item.reapply
+            and bool(item.targets) and not item.param_targets()
+            and all(not t.via and not t.lora_adapters and not t.through_op for t in item.targets))
 
 
 def exact_for_door(item: PlanItem, why: Reason) -> PlanItem:

@@ -36,7 +36,7 @@ class MSExactNorm(ConvertedModule, nn.Module):
 
     def __init__(self, kind: NormType | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
-                 out_dtype: torch.dtype | None = None, channel_dim: int = -1) -> None:
+                 out_dtype: torch.dtype | None = None, channel_dim: int = -1, autocast_readers: bool = False) -> None:
         super().__init__()
         shape = tuple(int(s) for s in normalized_shape)
         if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
@@ -50,6 +50,10 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if channel_dim != -1 and len(shape) != 1:
             raise ValueError("MSExactNorm: a channel-first norm normalises one dim")
         self.channel_dim = int(channel_dim)  # 1: channel-first (NCHW), normalised over that dim
+        #: every reader is a Linear reading y as it is (the planner's `NormExact.linear_readers_only`): under
+        #: torch.compile with autocast, y is emitted in the autocast dtype, the values those Linears' own casts
+        #: would make, so the partitioner rebuilds their copy from x̂ instead of saving a cast it cannot recompute
+        self.autocast_readers = bool(autocast_readers)
         self._n = 1
         for s in shape:
             self._n *= s
@@ -89,6 +93,8 @@ class MSExactNorm(ConvertedModule, nn.Module):
         if torch.compiler.is_compiling():
             # Dynamo does not trace the shared-saves hooks; a checkpoint region tags y "recompute" instead, so
             # AOTAutograd's partitioner keeps x̂ (which the norm's backward needs anyway) and rebuilds y from it
+            if self.autocast_readers and self.out_dtype is None:
+                out = autocast_dtype_for(x)  # a Linear's autocast cast of y is a node the partitioner would save
             y = checkpoint(norm_affine, xhat, w, b, one_plus, out, use_reentrant=False)
         else:
             y = norm_affine(xhat, w, b, one_plus, out)
@@ -104,5 +110,6 @@ class MSExactNorm(ConvertedModule, nn.Module):
     def extra_repr(self) -> str:
         return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
+                + (", autocast_readers=True" if self.autocast_readers else "")
                 + (f", channel_dim={self.channel_dim}" if self.channel_dim != -1 else ""))
 

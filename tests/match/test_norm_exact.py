@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from lmbp_convert import plan_conversion
+from lmbp_convert import convert, plan_conversion
 from lmbp_convert.match.consumers import ConsumerFold
 from lmbp_convert.match.norm_exact import NormExact, exact_plan
 from lmbp_convert.match.plan import Plan
@@ -43,3 +43,20 @@ def test_a_fold_kind_without_an_exact_form_is_a_skip_that_names_the_fold():
     assert items == [] and skip.name == "norm"
     assert skip.reason == ("no exact memory-sharing form for OtherFold yet: left as it is (fold_norms=True would fold "
                            "it into qkv.weight via linear in <model> (+β into q_bias, k_bias, v_bias))")
+
+
+@pytest.mark.parametrize("family, expected", [
+    ("llama", {"model.layers.0.input_layernorm": True, "model.layers.0.post_attention_layernorm": True,
+               "model.norm": False}),  # the head reads a slice of the final norm's output (logits_to_keep)
+    ("bert", {"bert.encoder.layer.0.attention.output.LayerNorm": False}),  # a residual add reads it too
+])
+def test_linear_readers_only_when_every_reader_is_a_linear_reading_y_as_it_is(family, expected):
+    """The flag that lets a compiled norm emit the autocast dtype (`MSExactNorm.autocast_readers`): only where the
+    fold's analysis saw Linears alone read the output, with no op between."""
+    from testsupport.families import FAMILIES
+
+    torch.manual_seed(0)
+    model = convert(FAMILIES[family]().eval())
+    got = {it.name: it.linear_readers_only for it in model.lmbp_report.plan.items if it.tag == "norm_exact"}
+    assert {k: got[k] for k in expected} == expected
+    assert all(m.autocast_readers == got[n] for n, m in model.named_modules() if n in got)

@@ -220,3 +220,45 @@ def test_trailing_dims_norm_rebuilds_y_for_a_reshaping_consumer(autocast):
     else:
         for a, b in zip((o_new, *g_new), (o_ref, *g_ref)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow  # torch.compile of a small block
+def test_compiled_under_autocast_linear_readers_share_x_hat():
+    """Under torch.compile no shared-saves hook runs: a Linear's autocast cast of y is a node its backward reads,
+    which the partitioner saves beside x̂. With ``autocast_readers`` (every reader a Linear reading y as it is) the
+    norm emits y in the autocast dtype, the values those casts make: the compiled block keeps x̂ (bf16) and rstd
+    only, and its outputs and input gradient are bitwise those of the block without the flag."""
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.normal_(0, 0.2)
+    lins = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+    x0 = torch.randn(4, 16, 64)
+
+    def run(flag: bool):
+        new = MSExactNorm(NormType.LAYER, (64,), norm.eps, nn.Parameter(norm.weight.detach().clone()),
+                          nn.Parameter(norm.bias.detach().clone()), WeightParam.W, autocast_readers=flag)
+        mods = nn.ModuleList([new, copy.deepcopy(lins)])
+
+        def block(x):
+            y = mods[0](x)
+            return sum(lin(y).float().square().sum() for lin in mods[1])
+
+        torch._dynamo.reset()
+        fn = torch.compile(block)
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            fn(x)  # compile outside the ledger
+        with SavedTensorLedger(list(mods.parameters())) as led:
+            with torch.autocast("cpu", torch.bfloat16):
+                out = fn(x)
+        out.backward()
+        return led.bytes, out.detach(), x.grad.clone()
+
+    (on_bytes, on_out, on_dx), (off_bytes, off_out, off_dx) = run(True), run(False)
+    rows = 4 * 16
+    # x̂ in bf16 and the fp32 rstd per row; the square keeps each Linear's bf16 output
+    assert on_bytes == rows * 64 * 2 + rows * 4 + 2 * rows * 64 * 2
+    assert off_bytes == on_bytes + rows * 64 * 2  # without the flag: one more bf16 copy of y
+    assert torch.equal(on_out, off_out) and torch.equal(on_dx, off_dx)
