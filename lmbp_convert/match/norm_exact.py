@@ -79,7 +79,7 @@ def _exact(item: PlanItem) -> PlanItem:
 
 def _linear_readers_only(item: NormFold) -> bool:
     """The fold's analysis saw every reader of the norm's output: its Linear targets and its re-apply sites."""
-    return (type(item) is NormFold and item.out_dtype is None and item.channel_axis() == -1 and not item.reapply
+    return (type(item) is NormFold and item.out_dtype is None and not item.reapply
             and bool(item.targets) and not item.param_targets()
             and all(not t.via and not t.lora_adapters and not t.through_op for t in item.targets))
 
