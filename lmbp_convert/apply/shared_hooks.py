@@ -143,7 +143,7 @@ def exact_norm(builder: UnitBuilder, item: NormExact) -> Unit:
     out = getattr(torch, item.out_dtype.rsplit(".", 1)[-1]) if item.out_dtype else None
     new = MSExactNorm(NormType(item.norm_type), tuple(item.shape), item.eps, old.weight,
                       old.bias if item.has_bias else None, WeightParam(item.param), out_dtype=out,
-                      channel_dim=item.channel_dim, autocast_readers=item.linear_readers_only)
+                      channel_dim=item.channel_dim, autocast_readers=item.linear_readers_only, replaced=old)
     builder.swap_module(unit, item.name, new)
     add_region(builder, unit)
     return unit

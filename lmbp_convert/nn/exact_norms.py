@@ -9,6 +9,11 @@ original one with the original gradient, and the state dict is the original's. O
 autograd node, each direction one native pass (`lmbp_convert.ops.exact_norm`). Where no region is open (a
 submodule called on its own, torch.compile), y is saved as eager autograd saves it: correct, more bytes.
 
+In full precision (fp32 / fp64 input and γ, no autocast) over the trailing dims, with the region open, where the replaced module's
+own forward can be replayed (`lmbp_convert.ops.replay_norm`), the norm keeps its input x instead of x̂ (the same
+bytes) and its backward runs the replaced module's own ops again with autograd: every gradient is bitwise the
+unconverted model's, so fp32 training follows the original's trajectory exactly, not up to amplified rounding.
+
 Where no note can take (inside activation checkpointing, its recompute included; a submodule called on its own),
 a LayerNorm with γ = w runs as ``F.layer_norm``, which is what the replaced norm computed: it saves the input,
 which there is kept anyway (the checkpoint's input, the residual the block adds back), where x̂ would be a second
@@ -25,10 +30,14 @@ from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops._common import autocast_dtype_for
 from ..ops.exact_norm import affine_rows, exact_norm_cpu
 from ..ops.ms_norm import ms_norm_unchecked
+from ..ops import func_transforms
 from ..ops.norm_affine import affine_forward, norm_affine
+from ..ops.replay_norm import OriginalForward, replay_norm
 from ..ops.shared_saves import can_note, note
 
 __all__ = ["MSExactNorm"]
+
+_FULL = (torch.float32, torch.float64)
 
 
 class MSExactNorm(ConvertedModule, nn.Module):
@@ -36,7 +45,8 @@ class MSExactNorm(ConvertedModule, nn.Module):
 
     def __init__(self, kind: NormType | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,
-                 out_dtype: torch.dtype | None = None, channel_dim: int = -1, autocast_readers: bool = False) -> None:
+                 out_dtype: torch.dtype | None = None, channel_dim: int = -1, autocast_readers: bool = False,
+                 replaced: nn.Module | None = None) -> None:
         super().__init__()
         shape = tuple(int(s) for s in normalized_shape)
         if tuple(weight.shape) != shape or (bias is not None and tuple(bias.shape) != shape):
@@ -59,8 +69,15 @@ class MSExactNorm(ConvertedModule, nn.Module):
             self._n *= s
         self.register_parameter("weight", weight)
         self.register_parameter("bias", bias)
+        #: ``replaced``'s own forward (the module this one replaces), replayed for bitwise gradients in full
+        #: precision; not a submodule: no state-dict entry, no Parameters of its own
+        self.__dict__["_original"] = None if replaced is None else OriginalForward.of(replaced, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._replays(x):
+            y = replay_norm(self._original, x, self.weight, self.bias)
+            if y is not None:
+                return y
         if self.channel_dim == -1:
             return self._forward(x)
         if x.dim() <= self.channel_dim:
@@ -101,6 +118,18 @@ class MSExactNorm(ConvertedModule, nn.Module):
             note(y, affine_forward, xhat, w, b, one_plus, out)
         return y if len(shape) == 1 else y.view(x.shape[:-len(shape)] + shape)
 
+    def _replays(self, x: torch.Tensor) -> bool:
+        """Full precision, eager autograd that needs a gradient, the shared-saves region open (see the module doc).
+        Under autocast x (fp32) would be twice x̂ (the autocast dtype): the x̂ path keeps the smaller tensor. A
+        channel-first norm's own output is channel-first, so a channels-last consumer's copy of it (a reshape of
+        the permuted y) is no recipe of the noted y: the channels-last x̂ path keeps the fold's bytes there."""
+        w = self.weight
+        return (self._original is not None and self.channel_dim == -1 and x.dtype in _FULL and w.dtype == x.dtype
+                and (self.bias is None or self.bias.dtype == x.dtype) and torch.is_grad_enabled()
+                and (x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad))
+                and not torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type)
+                and not torch.compiler.is_compiling() and not func_transforms.active() and can_note())
+
     def _input_is_cheaper(self, x: torch.Tensor) -> bool:
         """Autograd will save here and no note can share y (see the module doc): the plain LayerNorm's saves."""
         return (self.norm_type is NormType.LAYER and self.param is WeightParam.W and torch.is_grad_enabled()
@@ -111,5 +140,6 @@ class MSExactNorm(ConvertedModule, nn.Module):
         return (f"norm_type={self.norm_type}, normalized_shape={self.normalized_shape}, eps={self.eps}, param={self.param}, "
                 "exact" + (f", out_dtype={self.out_dtype}" if self.out_dtype is not None else "")
                 + (", autocast_readers=True" if self.autocast_readers else "")
+                + (", replays original" if self._original is not None else "")
                 + (f", channel_dim={self.channel_dim}" if self.channel_dim != -1 else ""))
 

@@ -176,17 +176,18 @@ def test_convert_by_behaviour_verifies_and_saves_exact_bytes():
         torch.testing.assert_close(net(x), ref(x), rtol=1e-5, atol=1e-5)
     before, after = _saved(ref, x), _saved(net, x)
     rows = 2 * 8
-    assert before - after == _expected_saving(rows) == 5376, (before, after)
+    assert before - after == _expected_saving(rows) == 5568, (before, after)
 
 
 def _expected_saving(rows):
     """What the ledger must see: each memory-sharing norm keeps its output (which the Linear keeps anyway) and a
-    per-row rstd, nothing else."""
+    per-row rstd, nothing else; an exact norm that replays the original in fp32 keeps its input instead, no rstd."""
     x, per_row = rows * D * 4, rows * 4
     layer = x + per_row  # F.layer_norm kept x, mean and rstd: x and the mean go
+    replayed = per_row  # ... and rstd, where an fp32 exact norm replays the original (ops/replay_norm.py)
     one_plus_w = D * 4  # ... and the 1P subclass's (1 + w) tensor
-    rms = 2 * x  # the hand-written RMSNorm kept x (pow, mul), rsqrt (→ rstd) and x·rsqrt (the weight's mul)
-    return 3 * layer + one_plus_w + rms  # Renamed, Shifted1P, BareLN; Scaler
+    rms = 2 * x + per_row  # the hand-written RMSNorm kept x (pow, mul), rsqrt and x·rsqrt (the weight's mul)
+    return 3 * layer + 2 * replayed + one_plus_w + rms  # Renamed, Shifted1P (replayed), BareLN; Scaler
 
 
 def test_an_eps_that_is_not_a_round_number_is_fitted_as_it_is():
