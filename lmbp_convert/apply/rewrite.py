@@ -296,12 +296,17 @@ class UnitBuilder:
 
 
 def affine_free_norm(builder: UnitBuilder, swap: NormSwap) -> Unit:
-    """The memory-sharing norm with no affine at all: same maths, same (empty) state dict."""
+    """The memory-sharing norm with no affine at all: same maths, same (empty) state dict. It replays the replaced
+    module in full precision (`_MSNorm.replaying`), which needs the model's shared-saves region open."""
     from ..nn.norms import MSLayerNorm, MSRMSNorm
+    from .shared_hooks import add_region
 
     unit = Unit(f"affine-free norm {swap.name}")
     cls = MSLayerNorm if swap.norm_type is NormType.LAYER else MSRMSNorm
-    builder.swap_module(unit, swap.name, cls(tuple(swap.shape), swap.eps))
+    new = cls(tuple(swap.shape), swap.eps).replaying(builder.modules[swap.name])
+    builder.swap_module(unit, swap.name, new)
+    if new._original is not None:
+        add_region(builder, unit)
     return unit
 
 

@@ -30,14 +30,11 @@ from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops._common import autocast_dtype_for
 from ..ops.exact_norm import affine_rows, exact_norm_cpu
 from ..ops.ms_norm import ms_norm_unchecked
-from ..ops import func_transforms
 from ..ops.norm_affine import affine_forward, norm_affine
-from ..ops.replay_norm import OriginalForward, replay_norm
+from ..ops.replay_norm import OriginalForward, replay_norm, replays
 from ..ops.shared_saves import can_note, note
 
 __all__ = ["MSExactNorm"]
-
-_FULL = (torch.float32, torch.float64)
 
 
 class MSExactNorm(ConvertedModule, nn.Module):
@@ -119,16 +116,10 @@ class MSExactNorm(ConvertedModule, nn.Module):
         return y if len(shape) == 1 else y.view(x.shape[:-len(shape)] + shape)
 
     def _replays(self, x: torch.Tensor) -> bool:
-        """Full precision, eager autograd that needs a gradient, the shared-saves region open (see the module doc).
-        Under autocast x (fp32) would be twice x̂ (the autocast dtype): the x̂ path keeps the smaller tensor. A
-        channel-first norm's own output is channel-first, so a channels-last consumer's copy of it (a reshape of
-        the permuted y) is no recipe of the noted y: the channels-last x̂ path keeps the fold's bytes there."""
-        w = self.weight
-        return (self._original is not None and self.channel_dim == -1 and x.dtype in _FULL and w.dtype == x.dtype
-                and (self.bias is None or self.bias.dtype == x.dtype) and torch.is_grad_enabled()
-                and (x.requires_grad or w.requires_grad or (self.bias is not None and self.bias.requires_grad))
-                and not torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type)
-                and not torch.compiler.is_compiling() and not func_transforms.active() and can_note())
+        """`replay_norm.replays`, over the trailing dims only: a channel-first norm's own output is channel-first,
+        so a channels-last consumer's copy of it (a reshape of the permuted y) is no recipe of the noted y; the
+        channels-last x̂ path keeps the fold's bytes there."""
+        return self._original is not None and self.channel_dim == -1 and replays(x, self.weight, self.bias)
 
     def _input_is_cheaper(self, x: torch.Tensor) -> bool:
         """Autograd will save here and no note can share y (see the module doc): the plain LayerNorm's saves."""

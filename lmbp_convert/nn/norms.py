@@ -6,6 +6,10 @@ into the next Linears, or kept as the original Parameters and re-applied by hook
 ``identity_affine`` optionally registers persistent identity buffers (``weight``, and ``bias`` for LayerNorm)
 only so that a converted model's state_dict keeps the original keys: "one" stores weight = 1 (plain ``x̂·w``),
 "zero" stores weight = 0 (Gemma-style ``x̂·(1 + w)``). Forward never reads the affine.
+
+An affine-free norm (no γ, β anywhere: nothing folded) made with `_MSNorm.replaying` runs the replaced module's own
+forward in full precision (`lmbp_convert.ops.replay_norm`): it keeps the input instead of the output, and its
+gradient is bitwise the original's.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from torch import nn
 
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
+from ..ops.replay_norm import OriginalForward, replay_norm, replays
 
 __all__ = ["MSLayerNorm", "MSRMSNorm"]
 
@@ -41,6 +46,8 @@ class _MSNorm(ConvertedModule, nn.Module):
     _has_bias: bool = False
     #: write `FOLD_MARKER` into the state dict (set on a re-applied norm once its Linears hold the fold)
     marks_fold: bool = False
+    #: the replaced affine-free norm's own forward (`replaying`), run in full precision for bitwise gradients
+    _original: OriginalForward | None = None
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float, identity_affine: str | None = None,
                  *, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -76,6 +83,20 @@ class _MSNorm(ConvertedModule, nn.Module):
         norm.param = WeightParam(param)
         return norm
 
+    def replaying(self, replaced: nn.Module) -> "_MSNorm":
+        """Run ``replaced``'s own forward where `replay_norm.replays` (fp32 / fp64, no autocast, the shared-saves
+        region open): the input is kept instead of the output (the same bytes, no rstd), the consumers' copies of
+        the output are rebuilt from it and the gradient is bitwise the original's. Only for an affine-free norm
+        (no Parameters: nothing folded); a module a shell cannot stand in for (`OriginalForward.of`) is left out."""
+        if self.affine is AffineState.FOLDED and self.identity_affine is None and not len(self._parameters):
+            self.__dict__["_original"] = OriginalForward.of(replaced, None, None)
+        return self
+
+    def _replayed(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self._original is None or not replays(x):
+            return None
+        return replay_norm(self._original, x, None, None)
+
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.marks_fold:  # after γ, β: a shard boundary between them and the marker is resolved on load
@@ -93,7 +114,7 @@ class _MSNorm(ConvertedModule, nn.Module):
             s += f", out_dtype={self.out_dtype}"
         if self.affine is not AffineState.FOLDED:
             s += f", affine={self.affine}, param={self.param}"
-        return s
+        return s + (", replays original" if self._original is not None else "")
 
 
 class MSLayerNorm(_MSNorm):
@@ -108,6 +129,9 @@ class MSLayerNorm(_MSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_trailing(x, self.normalized_shape, "MSLayerNorm")
+        y = self._replayed(x)
+        if y is not None:
+            return y
         y = ms_norm_unchecked(x, self._n, self.eps, False)
         return y if self.out_dtype is None else y.to(self.out_dtype)
 
@@ -123,5 +147,8 @@ class MSRMSNorm(_MSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_trailing(x, self.normalized_shape, "MSRMSNorm")
+        y = self._replayed(x)
+        if y is not None:
+            return y
         y = ms_norm_unchecked(x, self._n, self.eps, True)
         return y if self.out_dtype is None else y.to(self.out_dtype)

@@ -25,10 +25,28 @@ from typing import Optional
 import torch
 from torch import nn
 
+from . import func_transforms
 from .gated_recompute import ChainedHooks, _top_hooks
-from .shared_saves import note
+from .shared_saves import can_note, note
 
-__all__ = ["OriginalForward", "replay_norm"]
+__all__ = ["OriginalForward", "replay_norm", "replays"]
+
+_FULL = (torch.float32, torch.float64)
+
+
+def replays(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
+    """Whether a norm call on ``x`` with γ, β ``params`` takes the replay: full precision (x and the parameters
+    fp32 / fp64 alike, no autocast: under autocast x would be twice the autocast-dtype x̂ the memory-sharing path
+    keeps), eager autograd that needs a gradient here, no torch.func transform, and the shared-saves region open
+    with its hooks innermost (`shared_saves.can_note`), which rebuilds the consumers' copies of y. And x must be
+    all of its storage: keeping a view (a pooled token ``h[:, 0]``) would keep the whole tensor it views, where
+    x̂ is x's size."""
+    ps = [p for p in params if p is not None]
+    return (x.dtype in _FULL and all(p.dtype == x.dtype for p in ps) and torch.is_grad_enabled()
+            and x.untyped_storage().nbytes() <= x.numel() * x.element_size()
+            and (x.requires_grad or any(p.requires_grad for p in ps))
+            and not torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type)
+            and not torch.compiler.is_compiling() and not func_transforms.active() and can_note())
 
 
 class OriginalForward:
@@ -122,14 +140,15 @@ class _Run(ChainedHooks):
                                f"saved at version {self.x_version})")
         w, b = self.params
         values: list = []
+        leaves = (x.detach().requires_grad_(self.x_grad), _leaf(w), _leaf(b))
+        # the inputs' storages now: a sharding wrapper (FSDP2) may have freed and re-gathered γ, β since forward
+        kept = {t.untyped_storage().data_ptr() for t in leaves if t is not None}
 
         def record(t: torch.Tensor):
-            if not self._kept(t) and t.untyped_storage().data_ptr() != x_ptr:
+            if t.untyped_storage().data_ptr() not in kept:
                 values.append(t)
             return None
 
-        leaves = (x.detach().requires_grad_(self.x_grad), _leaf(w), _leaf(b))
-        x_ptr = leaves[0].untyped_storage().data_ptr()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda _: None):
             y = self.fn(*leaves)
         if len(values) != self.slots:

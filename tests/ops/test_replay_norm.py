@@ -200,3 +200,20 @@ def test_autocast_keeps_the_smaller_normalised_output():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(x).float().sum().backward()
     assert names[0] == "NativeLayerNormBackward0" and names[1] != names[0], names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_affine_free_norm_swap_replays_too(dtype):
+    """A norm with no affine at all becomes a memory-sharing norm (nothing to fold); in full precision it replays
+    the replaced module as the exact norm does: bitwise gradients, the same state dict (none)."""
+    from lmbp_convert.nn.norms import MSLayerNorm
+
+    torch.manual_seed(0)
+    ref = _Net(nn.LayerNorm(D, elementwise_affine=False)).to(dtype)
+    x = torch.randn(2, 5, D, dtype=dtype)
+    model = copy.deepcopy(ref)
+    convert(model, probe=x, activations=False)
+    assert isinstance(model.norm, MSLayerNorm) and "replays original" in repr(model.norm)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    want, got = _grads(ref, x), _grads(model, x)
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
