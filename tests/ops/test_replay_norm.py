@@ -217,3 +217,20 @@ def test_affine_free_norm_swap_replays_too(dtype):
     assert list(model.state_dict()) == list(ref.state_dict())
     want, got = _grads(ref, x), _grads(model, x)
     assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_no_replay_where_the_input_views_a_larger_tensor_or_precision_is_low():
+    """Keeping a pooled token ``h[:, 0]`` would keep all of h (x̂ is the token's size); bf16 and autocast keep the
+    memory-sharing path; no region, no replay (nothing would rebuild the consumers' copies)."""
+    from lmbp_convert.ops.replay_norm import replays
+
+    w = nn.Parameter(torch.ones(D))
+    h = torch.randn(4, 6, D, requires_grad=True) * 1
+    assert not replays(h, w)
+    with _Open():
+        assert replays(h, w) and replays(h[:, 0].contiguous(), w)
+        assert not replays(h[:, 0], w) and not replays(h.bfloat16(), w.bfloat16()) and not replays(h, w.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not replays(h, w)
+        with torch.no_grad():
+            assert not replays(h, w)
