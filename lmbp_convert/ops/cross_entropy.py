@@ -171,10 +171,27 @@ def _bwd_torch(g: torch.Tensor, x: torch.Tensor, t: torch.Tensor, lse: torch.Ten
     index, hit = target_columns(t, ignore_index, 0, v)
     step = _rows_per_chunk(n, v, chunk)
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    bitwise = x.dtype in (torch.float32, torch.float64)  # see _aten_grad_block
     for i in range(0, n, step):  # one fp32 chunk of scratch, rounded into dx before the next one is made
         r = slice(i, i + step)
-        dx[r] = grad_block(x[r], lse[r], w[r], index[r], hit[r])
+        dx[r] = (_aten_grad_block(x[r], w[r], index[r], hit[r], lse.dtype) if bitwise
+                 else grad_block(x[r], lse[r], w[r], index[r], hit[r]))
     return dx
+
+
+def _aten_grad_block(x: torch.Tensor, w: torch.Tensor, index: torch.Tensor, value: torch.Tensor,
+                     cdt: torch.dtype) -> torch.Tensor:
+    """A row block's gradient exactly as HF's ``F.cross_entropy(logits.float(), ...)`` backward makes it:
+    ATen's ``log_softmax`` recomputed on the rows (its row kernel treats rows independently, so a chunk gives the
+    whole tensor's values), ``nll_loss_backward``'s ``−g`` at the target, ATen's ``_log_softmax_backward_data``,
+    then one cast to x's dtype. Bitwise the original's gradient, not just within rounding. Used for fp32 / fp64
+    logits, where training follows the original bitwise (the exact norms replay the original too); it recomputes
+    the log-softmax, so it costs more than `grad_block` from the forward's lse (2048 × 32000, one thread: 1.13×
+    in fp32, 1.26× in bf16), and bf16 logits, whose gradient is rounded to bf16 anyway, keep `grad_block`."""
+    out = torch.log_softmax(x.to(cdt), 1)
+    g_out = torch.zeros_like(out)
+    g_out.scatter_(1, index, (value.to(cdt) * w).expand(index.shape))
+    return torch.ops.aten._log_softmax_backward_data(g_out, out, 1, cdt).to(x.dtype)
 
 
 def row_weights(g: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -21,7 +21,11 @@ The hand-off, one backward pass at a time:
   gradient in a second pass by chunks of vocabulary columns, ``dW[cols] = d[:, cols]ᵀ x`` over all rows: one
   matmul per element as unfused, at the cost of making the gradient's values twice.
 
-Values equal the unfused path's up to the matmuls' blocking. Nothing here runs under
+Where one chunk holds the whole gradient (N·V ≤ ``ROW_CHUNK_ELEMENTS``) it is made once and multiplied by
+autograd's own linear backward (``d.mm(W)``, ``(xᵀ.mm(d))ᵀ``, ``d.sum(0)``): with the PyTorch-path loss's gradient
+(bitwise ``F.cross_entropy``'s), the head's gradients are bitwise a plain Linear + loss. Beyond one chunk, values
+equal the unfused path's up to the matmuls' blocking (a row chunk of ``d @ W`` may round differently from
+the whole matmul; measured on MKL at 4096×32000×256). Nothing here runs under
 torch.compile or torch.func: the head module calls plain ``F.linear`` there (`fusable`). The one case it cannot
 see: ``torch.autograd.grad(loss, [logits, <anything before the head>])`` in one call captures the stride-0 zero
 as the logits' gradient (the engine does not tell a captured node that also runs from one that only runs).
@@ -129,6 +133,10 @@ def _fused_backward(g, x, weight, pending: list[_Pending], need_x, need_w, need_
     g2, x2 = g.reshape(-1, v), x.reshape(-1, x.shape[-1])
     n = g2.shape[0]
     other = None if _is_handed_zero(g2, pending) else g2  # what the logits' other consumers sent
+    if n * v <= ROW_CHUNK_ELEMENTS:  # one chunk holds the whole gradient: autograd's own matmuls, bitwise
+        d = _grad_rows(pending, other, slice(0, n))
+        gx = d.mm(weight).reshape(x.shape) if need_x else None
+        return gx, x2.t().mm(d).t() if need_w else None, d.sum(0) if need_b else None
     gx = torch.empty_like(x2) if need_x else None
     if need_x:
         step = max(1, ROW_CHUNK_ELEMENTS // max(v, 1))

@@ -268,3 +268,29 @@ def test_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", SM90_SCRIPT], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "divisor"])
+@pytest.mark.parametrize("chunk", [None, 1, 3, 7])
+def test_torch_backward_is_bitwise_hf_loss(dtype, reduction, chunk, monkeypatch):
+    """In full precision the PyTorch path's logits gradient is HF's ``F.cross_entropy(logits.float(), ...)``
+    gradient bit for bit (ignored rows, chunks of 1, 3, 7 rows and one chunk)."""
+    if chunk is not None:
+        monkeypatch.setattr(C, "CHUNK_ELEMENTS", chunk * 101)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(13, 101, generator=gen).to(dtype).requires_grad_()
+    t = torch.randint(0, 101, (13,), generator=gen)
+    t[[2, 5]] = -100
+    ref_x = x.detach().clone().requires_grad_()
+    up = ref_x.float() if dtype is torch.float32 else ref_x  # fp64 logits: the loss works in fp64 (not HF's cast)
+    if reduction == "divisor":
+        ref = F.cross_entropy(up, t, reduction="sum") / 7
+        out = cross_entropy(x, t, reduction="sum", divisor=7)
+    else:
+        ref = F.cross_entropy(up, t, reduction=reduction)
+        out = cross_entropy(x, t, reduction=reduction)
+    ref.backward()
+    out.backward()
+    assert torch.equal(out.detach(), ref.detach())
+    assert torch.equal(x.grad, ref_x.grad)

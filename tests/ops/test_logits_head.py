@@ -93,6 +93,28 @@ def test_gradients_equal_the_unfused_path(dtype, bias, train_w, reduction, monke
         assert bool((err <= tol).all()), f"{float((err - tol).max())} over the rounding bound"
 
 
+@pytest.mark.parametrize("bias,train_w", [(True, True), (False, True), (False, False)])
+@pytest.mark.parametrize("reduction", ("mean", "divisor"))
+def test_one_chunk_is_bitwise_a_plain_linear_and_torchs_loss(bias, train_w, reduction, monkeypatch):
+    """fp32, the whole gradient in one chunk: the hand-off taken, and dx, dW, db bitwise ``F.linear`` followed by
+    ``F.cross_entropy`` (what an unconverted HF model runs), not just within rounding."""
+    assert N * V <= LH.ROW_CHUNK_ELEMENTS
+    calls = _Calls(monkeypatch)
+    h, w, b, t = _data(torch.float32)
+    b = b if bias else None
+    if reduction == "mean":
+        fn, ref_fn = None, (lambda lg: F.cross_entropy(lg.reshape(-1, V), t))
+    else:
+        fn = (lambda lg: cross_entropy(lg.reshape(-1, V), t, reduction="sum", divisor=torch.tensor(9)))
+        ref_fn = (lambda lg: F.cross_entropy(lg.reshape(-1, V), t, reduction="sum") / torch.tensor(9))
+    ref = _run(False, h, w, b, t, ref_fn, train_w)
+    got = _run(True, h, w, b, t, fn, train_w)
+    assert calls.n == 1
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    for g, g_r in zip(got[2], ref[2]):
+        assert (g is None) == (g_r is None) and (g is None or torch.equal(g, g_r))
+
+
 def test_backward_never_allocates_the_logits_gradient(monkeypatch):
     """The largest storage backward makes is one chunk of rows (or the weight's fp32 gradient), never (N, V)."""
     monkeypatch.setattr(LH, "ROW_CHUNK_ELEMENTS", 4 * V)
