@@ -42,11 +42,12 @@ def replays(x: torch.Tensor, *params: Optional[torch.Tensor]) -> bool:
     all of its storage: keeping a view (a pooled token ``h[:, 0]``) would keep the whole tensor it views, where
     x̂ is x's size."""
     ps = [p for p in params if p is not None]
+    # the storage test last: dynamo cannot trace it and torch.func's wrappers have no storage
     return (x.dtype in _FULL and all(p.dtype == x.dtype for p in ps) and torch.is_grad_enabled()
-            and x.untyped_storage().nbytes() <= x.numel() * x.element_size()
             and (x.requires_grad or any(p.requires_grad for p in ps))
             and not torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type)
-            and not torch.compiler.is_compiling() and not func_transforms.active() and can_note())
+            and not torch.compiler.is_compiling() and not func_transforms.active() and can_note()
+            and x.untyped_storage().nbytes() <= x.numel() * x.element_size())
 
 
 class OriginalForward:
