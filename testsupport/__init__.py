@@ -5,4 +5,5 @@
     blocks         exact saved-for-backward bytes per block (the model cut to fewer blocks)
     triton_stub    the ops' Triton path on a CPU-only machine, every launch a no-op (host-time measurements)
     triton_compile Triton's compile step stubbed on a fake sm_90 driver (`stub_triton_driver`)
+    regions        a shared-saves region opened around test code (`open_region`)
 """

@@ -9,7 +9,7 @@ from torch import nn
 from lmbp_convert import SavedTensorLedger
 from lmbp_convert.enums import NormType, WeightParam
 from lmbp_convert.nn.exact_norms import MSExactNorm
-from lmbp_convert.ops.shared_saves import SharedSaves
+from testsupport.regions import open_region
 
 
 def _pair(kind, dtype, bias):
@@ -54,14 +54,9 @@ def test_keeps_the_bytes_of_a_fold_inside_a_region(dtype):
 
     def saved(norm, region):
         with SavedTensorLedger([p for m in [norm, *lins] for p in m.parameters()]) as led:
-            r = SharedSaves()
-            if region:
-                assert r.enter()
-            try:
+            with open_region(region):
                 y = norm(x * 1)
                 out = sum(lin(y).sum() for lin in lins)
-            finally:
-                r.exit()
         out.backward()
         return led.bytes
 
@@ -99,14 +94,10 @@ def test_inside_checkpointing_a_layer_norm_saves_its_input(bias):
 
     def packed(norm):
         seen = []
-        region = SharedSaves()
-        assert region.enter()
-        try:  # other hooks innermost, as checkpointing's are
+        with open_region():  # other hooks innermost, as checkpointing's are
             with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
                 x = x0.clone().requires_grad_()
                 lin(norm(x)).sum()
-        finally:
-            region.exit()
         return x, seen
 
     x, seen = packed(new)
@@ -116,12 +107,8 @@ def test_inside_checkpointing_a_layer_norm_saves_its_input(bias):
     grads = []
     for norm in (ref, new):
         x = x0.clone().requires_grad_()
-        region = SharedSaves()
-        assert region.enter()
-        try:
+        with open_region():
             out = checkpoint(lambda t: lin(norm(t)), x, use_reentrant=False).pow(2).sum()
-        finally:
-            region.exit()
         out.backward()
         grads.append((x.grad, norm.weight.grad))
     for a, b in zip(*grads):
@@ -151,14 +138,9 @@ def test_channel_first_norm_is_the_original_and_shares_with_a_conv(dtype):
         for p in [*norm.parameters(), *conv.parameters()]:
             p.grad = None
         with SavedTensorLedger([*norm.parameters(), *conv.parameters()]) as led:
-            r = SharedSaves()
-            if region:
-                assert r.enter()
-            try:
+            with open_region(region):
                 y = norm(x * 1)
                 out = conv(y).float().sum()
-            finally:
-                r.exit()
         out.backward()
         return led.bytes, y.detach(), x.grad, norm.weight.grad, norm.bias.grad, conv.weight.grad
 
@@ -203,12 +185,8 @@ def test_trailing_dims_norm_rebuilds_y_for_a_reshaping_consumer(autocast):
         x = x0.clone().requires_grad_()
         with SavedTensorLedger([*norm.parameters(), *lin.parameters()]) as led, \
                 torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            region = SharedSaves()
-            assert region.enter()
-            try:
+            with open_region():
                 out = lin(norm(x * 1).reshape(3, 7, 48))
-            finally:
-                region.exit()
         grads = torch.autograd.grad(out.float().square().sum(), [x, norm.weight, norm.bias, lin.weight])
         results.append((out.detach().float(), grads, led.bytes))
     (o_ref, g_ref, _), (o_new, g_new, b_new) = results

@@ -13,19 +13,9 @@ from torch import nn
 from lmbp_convert import SavedTensorLedger, convert
 from lmbp_convert.nn.exact_norms import MSExactNorm
 from lmbp_convert.ops.replay_norm import OriginalForward, replay_norm
-from lmbp_convert.ops.shared_saves import SharedSaves
+from testsupport.regions import open_region
 
 D, ROWS = 24, 10
-
-
-class _Open:
-    def __enter__(self):
-        self.region = SharedSaves()
-        assert self.region.enter()
-        return self.region
-
-    def __exit__(self, *exc):
-        self.region.exit()
 
 
 def _hf_norm(module: str, cls: str):
@@ -66,7 +56,7 @@ def _run(norm: nn.Module, dtype: torch.dtype, replay: bool):
     if replay:
         fn = OriginalForward.of(norm, w, b)
         assert fn is not None
-        with SavedTensorLedger([*lin.parameters(), *norm.parameters()]) as led, _Open():
+        with SavedTensorLedger([*lin.parameters(), *norm.parameters()]) as led, open_region():
             loss = _block(norm, lambda h: replay_norm(fn, h, w, b), x, lin)
     else:
         with SavedTensorLedger([*lin.parameters(), *norm.parameters()]) as led:
@@ -111,7 +101,7 @@ def test_a_forward_that_saves_differently_on_replay_raises():
     norm = _counting_norm()
     fn = OriginalForward.of(norm, norm.weight, None)
     x = torch.randn(ROWS, D, requires_grad=True)
-    with _Open():
+    with open_region():
         y = replay_norm(fn, x * 1, norm.weight, None)
     with pytest.raises(RuntimeError, match="is not deterministic"):
         y.sum().backward()
@@ -121,7 +111,7 @@ def test_modifying_the_input_in_place_before_backward_raises():
     norm = _norms()["llama"]
     fn = OriginalForward.of(norm, norm.weight, None)
     x = torch.randn(ROWS, D, requires_grad=True)
-    with _Open():
+    with open_region():
         h = x * 1
         y = replay_norm(fn, h, norm.weight, None)
     with torch.no_grad():
@@ -227,7 +217,7 @@ def test_no_replay_where_the_input_views_a_larger_tensor_or_precision_is_low():
     w = nn.Parameter(torch.ones(D))
     h = torch.randn(4, 6, D, requires_grad=True) * 1
     assert not replays(h, w)
-    with _Open():
+    with open_region():
         assert replays(h, w) and replays(h[:, 0].contiguous(), w)
         assert not replays(h[:, 0], w) and not replays(h.bfloat16(), w.bfloat16()) and not replays(h, w.double())
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -5,16 +5,7 @@ import torch
 from lmbp_convert import SavedTensorLedger
 from lmbp_convert.ops.dropout_bits import dropout_bits
 from lmbp_convert.ops.shared_saves import SharedSaves, active, note, note_identity
-
-
-class _Open:
-    def __enter__(self):
-        self.region = SharedSaves()
-        assert self.region.enter()
-        return self.region
-
-    def __exit__(self, *exc):
-        self.region.exit()
+from testsupport.regions import open_region
 
 
 def _lora_like(x, a, drop=None):
@@ -33,7 +24,7 @@ def test_cast_copy_of_a_noted_input_is_not_kept():
     ref = a.grad.clone()
     a.grad = None
     with SavedTensorLedger([a]) as led:
-        with _Open() as region:
+        with open_region() as region:
             h = x * 1  # a tensor with a graph, as a layer's input is
             note_identity(h)
             _lora_like(h, a).sum().backward()
@@ -45,7 +36,7 @@ def test_cast_copy_of_a_noted_input_is_not_kept():
 def test_narrowing_casts_and_plain_views_are_left_alone():
     h = torch.randn(8, 8, requires_grad=True) * 1
     w = torch.randn(8, 8, requires_grad=True)
-    with _Open() as region:
+    with open_region() as region:
         note_identity(h)
         (h.to(torch.bfloat16) @ w.to(torch.bfloat16)).sum()  # narrower copy: kept as is
         (h @ w).sum()  # h itself: nothing to rebuild
@@ -61,7 +52,7 @@ def test_one_rebuild_serves_every_recipe_of_the_same_tensor():
         calls.append(1)
         return t * 2.0
 
-    with _Open() as region:
+    with open_region() as region:
         y = x * 2.0
         note(y, rebuild, x)
         loss = sum((y @ w).sum() for w in ws)
@@ -85,7 +76,7 @@ def test_casts_of_reshapes_of_a_noted_tensor_are_rebuilt_with_the_same_reshapes(
         with SavedTensorLedger([w, gamma]) as led:
             src = x * 1  # x̂: the product's backward keeps it anyway
             if region_open:
-                with _Open() as region:
+                with open_region() as region:
                     y = src * gamma
                     note(y, lambda t, g: t * g, src, gamma)
                     out = y.view(-1, 16)[...].to(torch.bfloat16) @ w.to(torch.bfloat16)
@@ -117,7 +108,7 @@ def test_casts_of_token_selections_of_a_noted_tensor_are_rebuilt(pick):
         with SavedTensorLedger([w, gamma]) as led:
             src = x * 1
             if region_open:
-                with _Open() as region:
+                with open_region() as region:
                     y = src * gamma
                     note(y, lambda t, g: t * g, src, gamma)
                     out = head(y)
@@ -136,7 +127,7 @@ def test_in_place_change_of_a_source_is_caught():
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 4, requires_grad=True)
     src = x * 1
-    with _Open():
+    with open_region():
         y = src * 3.0
         note(y, lambda t: t * 3.0, src)
         loss = (y @ w).sum()
@@ -155,7 +146,7 @@ def test_nested_dropout_of_a_cast_keeps_the_input_and_bits():
     a.grad = None
     torch.manual_seed(0)
     with SavedTensorLedger([a]) as led:
-        with _Open():
+        with open_region():
             h = x * 1
             note_identity(h)
             out = _lora_like(h, a, lambda t: dropout_bits(t, 0.1))
@@ -166,7 +157,7 @@ def test_nested_dropout_of_a_cast_keeps_the_input_and_bits():
 
 def test_regions_are_per_thread_and_closed_after_exit():
     assert active() is None
-    with _Open() as region:
+    with open_region() as region:
         assert active() is region
     assert active() is None
 
@@ -182,7 +173,7 @@ def test_notes_keep_no_tensor_alive():
     import weakref
 
     x = torch.randn(8, 16, requires_grad=True)
-    with _Open():
+    with open_region():
         t = x * 2.0
         note_identity(t)
         d = dropout_bits(t.float() * 1.0, 0.5)
@@ -193,7 +184,7 @@ def test_notes_keep_no_tensor_alive():
 
 def test_no_note_inside_other_hooks():
     x = torch.randn(8, 16, requires_grad=True)
-    with _Open() as region:
+    with open_region() as region:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # e.g. activation checkpointing
             t = x * 2.0
             note_identity(t)
@@ -206,7 +197,7 @@ def test_a_source_that_is_none_is_a_value_not_a_freed_tensor():
     recipe was made (LLaMA kept y beside x̂ in every layer)."""
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 4, requires_grad=True)
-    with _Open() as region:
+    with open_region() as region:
         y = x * 3.0
         note(y, lambda t, b: t * 3.0, x, None)
         (y @ w).sum()
@@ -238,7 +229,7 @@ def test_permuted_and_copied_views_of_a_noted_tensor_are_rebuilt_bitwise(view):
         with SavedTensorLedger([w, gamma]) as led:
             src = x * 1
             if region_open:
-                with _Open() as region:
+                with open_region() as region:
                     y = src * gamma
                     note(y, lambda t, g: t * g, src, gamma)
                     out = consumer(y)

@@ -253,7 +253,7 @@ def test_exact_norm_native_and_torch_path_agree_and_save_the_same_bytes(dtype):
     (y is bitwise), the same gradients within rounding, the same saved bytes (the rebuilt y is not kept)."""
     from lmbp_convert.enums import NormType
     from lmbp_convert.nn.exact_norms import MSExactNorm
-    from lmbp_convert.ops.shared_saves import SharedSaves
+    from testsupport.regions import open_region
 
     torch.manual_seed(5)
     norm = MSExactNorm(NormType.LAYER, (48,), 1e-6, torch.nn.Parameter(torch.rand(48).to(dtype) + 0.5),
@@ -266,13 +266,9 @@ def test_exact_norm_native_and_torch_path_agree_and_save_the_same_bytes(dtype):
         x = x0.clone().requires_grad_()
         with (contextlib.nullcontext() if native else N.disabled()), SavedTensorLedger(params) as led:
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                region = SharedSaves()
-                assert region.enter()
-                try:
+                with open_region() as region:
                     y = norm(x * 1)
                     outs = [lin(y) for lin in lins]
-                finally:
-                    region.exit()
             loss = sum(o.float().square().sum() for o in outs)
             grads = torch.autograd.grad(loss, [x, *params])
         runs.append(([o.detach() for o in outs], grads, led.bytes, region.recipes))
