@@ -63,6 +63,26 @@ def test_one_rebuild_serves_every_recipe_of_the_same_tensor():
         assert torch.equal(w.grad, (x * 2.0).t() @ torch.ones(8, 16))
 
 
+def _plain_and_shared(x, w, gamma, consumer):
+    """Run ``consumer(x̂ * γ)`` with no region and with y noted in one: (saved bytes, x, w, γ grads) of each."""
+    def run(region_open):
+        x.grad = w.grad = gamma.grad = None
+        with SavedTensorLedger([w, gamma]) as led:
+            src = x * 1  # x̂: the product's backward keeps it anyway
+            if region_open:
+                with open_region() as region:
+                    y = src * gamma
+                    note(y, lambda t, g: t * g, src, gamma)
+                    out = consumer(y)
+                    assert region.recipes == 1
+            else:
+                out = consumer(src * gamma)
+            out.float().pow(2).sum().backward()
+        return led.bytes, x.grad.clone(), w.grad.clone(), gamma.grad.clone()
+
+    return run(False), run(True)
+
+
 def test_casts_of_reshapes_of_a_noted_tensor_are_rebuilt_with_the_same_reshapes():
     """An MoE router / experts under autocast: ``y.view(-1, d)`` (and an alias of it) cast to bf16 and saved by
     the matmul; the recipe rebuilds y, reshapes and casts it as the forward did: the bytes of x̂ alone, the same
@@ -71,23 +91,7 @@ def test_casts_of_reshapes_of_a_noted_tensor_are_rebuilt_with_the_same_reshapes(
     w = torch.randn(16, 4, requires_grad=True)
     gamma = torch.randn(16, requires_grad=True)
 
-    def run(region_open):
-        x.grad = w.grad = None
-        with SavedTensorLedger([w, gamma]) as led:
-            src = x * 1  # x̂: the product's backward keeps it anyway
-            if region_open:
-                with open_region() as region:
-                    y = src * gamma
-                    note(y, lambda t, g: t * g, src, gamma)
-                    out = y.view(-1, 16)[...].to(torch.bfloat16) @ w.to(torch.bfloat16)
-                    assert region.recipes == 1
-            else:
-                y = src * gamma
-                out = y.view(-1, 16)[...].to(torch.bfloat16) @ w.to(torch.bfloat16)
-            out.float().pow(2).sum().backward()
-        return led.bytes, x.grad.clone(), w.grad.clone()
-
-    plain, shared = run(False), run(True)
+    plain, shared = _plain_and_shared(x, w, gamma, lambda y: y.view(-1, 16)[...].to(torch.bfloat16) @ w.to(torch.bfloat16))
     assert torch.equal(plain[1], shared[1]) and torch.equal(plain[2], shared[2])
     assert plain[0] - shared[0] == 2 * 8 * 16 * 2  # the bf16 copy of y is not kept
 
@@ -103,22 +107,7 @@ def test_casts_of_token_selections_of_a_noted_tensor_are_rebuilt(pick):
         t = y[:, 0] if pick == "select" else y[:, 1:7:2]
         return t.to(torch.bfloat16) @ w.to(torch.bfloat16)
 
-    def run(region_open):
-        x.grad = w.grad = gamma.grad = None
-        with SavedTensorLedger([w, gamma]) as led:
-            src = x * 1
-            if region_open:
-                with open_region() as region:
-                    y = src * gamma
-                    note(y, lambda t, g: t * g, src, gamma)
-                    out = head(y)
-                    assert region.recipes == 1
-            else:
-                out = head(src * gamma)
-            out.float().pow(2).sum().backward()
-        return led.bytes, x.grad.clone(), w.grad.clone(), gamma.grad.clone()
-
-    plain, shared = run(False), run(True)
+    plain, shared = _plain_and_shared(x, w, gamma, head)
     assert all(torch.equal(a, b) for a, b in zip(plain[1:], shared[1:]))
     assert plain[0] - shared[0] == (2 if pick == "select" else 2 * 3) * 16 * 2
 
@@ -224,22 +213,7 @@ def test_permuted_and_copied_views_of_a_noted_tensor_are_rebuilt_bitwise(view):
         t = t.contiguous() if view == "contiguous" else t.transpose(2, 3).clone(memory_format=torch.channels_last)
         return F.conv2d(t, w)
 
-    def run(region_open):
-        x.grad = w.grad = gamma.grad = None
-        with SavedTensorLedger([w, gamma]) as led:
-            src = x * 1
-            if region_open:
-                with open_region() as region:
-                    y = src * gamma
-                    note(y, lambda t, g: t * g, src, gamma)
-                    out = consumer(y)
-                    assert region.recipes == 1
-            else:
-                out = consumer(src * gamma)
-            out.pow(2).sum().backward()
-        return led.bytes, x.grad.clone(), w.grad.clone(), gamma.grad.clone()
-
-    plain, shared = run(False), run(True)
+    plain, shared = _plain_and_shared(x, w, gamma, consumer)
     assert all(torch.equal(a, b) for a, b in zip(plain[1:], shared[1:]))
     assert plain[0] - shared[0] == 2 * 4 * 4 * 16 * (2 if view == "permute_cast" else 4)
 
