@@ -146,8 +146,11 @@ class _Run(ChainedHooks):
         kept = {t.untyped_storage().data_ptr() for t in leaves if t is not None}
 
         def record(t: torch.Tensor):
+            # detached: the backward formulas read only the values, and a recorded tensor with its history (an
+            # output its own node saves, rsqrt's) keeps the recomputed graph alive from C++, where the garbage
+            # collector cannot reach it: a leak of every step's recomputation
             if t.untyped_storage().data_ptr() not in kept:
-                values.append(t)
+                values.append(t.detach())
             return None
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(record, lambda _: None):
