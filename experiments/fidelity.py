@@ -1,9 +1,9 @@
 """Training fidelity: does fine-tuning a converted model learn what fine-tuning the original learns?
 
-    python -m experiments.fidelity             # full run, 4 seeds (33 min on a 2-core CPU at load average 9);
+    python -m experiments.fidelity             # full run, 4 seeds (33 min on an idle 2-core CPU);
                                                # writes docs/fidelity.md and docs/fidelity_loss.png
     python -m experiments.fidelity --quick     # a smoke run (tiny step counts), writes to /tmp unless --out
-    python -m experiments.fidelity --tasks vit --vit-steps 600 --out /tmp/long   # a longer ViT run
+    python -m experiments.fidelity --tasks vit --vit-steps 200 --out /tmp/short  # the ViT run stopped early
     python -m experiments.fidelity --tasks lm --rounding-twin --out /tmp/twin    # + the original, one rounding
                                                # step off, as the reference for rounding-level drift
 
@@ -580,7 +580,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run with a few steps")
     ap.add_argument("--tasks", default="lm,vit", help="comma-separated subset of lm,vit")
     ap.add_argument("--lm-steps", type=int, default=None, help="LM fine-tuning steps (default 300)")
-    ap.add_argument("--vit-steps", type=int, default=None, help="ViT fine-tuning steps (default 200)")
+    ap.add_argument("--vit-steps", type=int, default=None, help="ViT fine-tuning steps (default 600)")
     ap.add_argument("--no-ablations", action="store_true", help="original and the three main variants only")
     ap.add_argument("--rounding-twin", action="store_true",
                     help=f"also train `{ROUNDING_TWIN}`: the original, weights moved by one rounding step")
@@ -598,7 +598,7 @@ def main() -> None:
                             fine=Phase(args.lm_steps or (10 if q else 300), 16, 2e-3)))
     if "vit" in chosen:
         tasks.append(ViTTask(pre=Phase(10 if q else 250, 64, 1e-3),
-                             fine=Phase(args.vit_steps or (10 if q else 200), 48, 5e-4),
+                             fine=Phase(args.vit_steps or (10 if q else 600), 48, 5e-4),
                              n_train=256 if q else 4000, n_test=200 if q else 2000))
     if not tasks:
         ap.error("--tasks: choose from lm, vit")
@@ -715,10 +715,10 @@ only). Bottom: variant − original per seed (EMA), against the seed-to-seed spr
   function but changes the parameterisation: the original trains γ, β and W separately, the folded model trains
   W' only (γ, β become fixed buffers). Gradient steps (and Adam's per-parameter scaling) are therefore not the
   same steps.
-- Exact norms (`fold_norms=False`) keep γ, β, W, b and compute the same function and gradients by a different
-  sequence of float operations (x̂ and rstd from the memory-sharing op, the affine applied by a separate op, the
-  consumers' inputs rebuilt from x̂ in backward): the differences are rounding, which training can amplify over
-  many steps.
+- Exact norms (`fold_norms=False`) keep γ, β, W, b. In full precision they keep the norm's input and replay the
+  replaced module's own ops in backward (`lmbp_convert/ops/replay_norm.py`): bitwise the original's gradients.
+  Under bf16 weights or autocast they compute the same function and gradients from x̂ and rstd by a different
+  sequence of float operations, so they differ by rounding, which training can amplify over many steps.
 - The gated-MLP rewrite (LM) recomputes act(g)·u in backward with the exact SiLU derivative: again rounding only.
 """
     with open(path, "w") as f:
