@@ -166,12 +166,14 @@ def step_time_text(speed: dict) -> str:
     kernels = speed.get("cpu_kernels", "")
     where = ("the ops' native CPU kernels (`lmbp_convert/ops/backends/csrc/cpu_ops.cpp`)" if kernels.startswith("native")
              else "the ops' PyTorch path")
-    return (f"Forward + loss + backward (no optimizer), median of {speed.get('repeats')} runs (ViT and BERT: "
-            f"{3 * (speed.get('repeats') or 0)}) after {speed.get('warmup')} warm-up, variants interleaved (every run "
-            f"is in the results JSON), {how}. On CPU the converted model runs {where}. Load average (1, 5, 15 min) "
-            f"at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: this 2-core machine is shared "
-            "with other jobs; with one thread and its CPU-time clock the interleaved ratios are steady, the absolute "
-            "times less so, and the GPU section has the speed that matters for training.")
+    return (f"Forward + loss + backward (no optimizer), {speed.get('repeats')} rounds (ViT and BERT: "
+            f"{3 * (speed.get('repeats') or 0)}) after {speed.get('warmup')} warm-up, the variants interleaved in each "
+            f"round (every run is in the results JSON), {how}; s/step is the median over rounds, a ratio the median "
+            "over rounds of that round's ratio (drift cancels within a round), in brackets the quartiles of those "
+            f"per-round ratios: the run-to-run spread on this machine. On CPU the converted model runs {where}. "
+            f"Load average (1, 5, 15 min) at start {speed.get('loadavg_start')}, at end {speed.get('loadavg_end')}: "
+            "this 2-core machine is shared with other jobs, which moves single rounds by several per cent (the "
+            "quartiles) and the absolute times more; the GPU section has the speed that matters for training.")
 
 
 def ops_section(ops: dict | None) -> list[str]:

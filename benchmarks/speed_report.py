@@ -20,9 +20,14 @@ def cpu_table(data: dict) -> str:
     for (label, mode, shape), vs in by.items():
         o, c, k = vs.get(V_ORIG), vs.get(V_CONV), vs.get(V_CKPT)
         rows.append((label, shape, C.MODE_LABEL[mode], f"{o['median_s']:.3f}", f"{c['median_s']:.3f}",
-                     f"**{c['ratio']:.2f}×**", f"{k['median_s']:.3f}", f"{k['ratio']:.2f}×"))
+                     f"**{c['ratio']:.2f}×**" + _quartiles(c), f"{k['median_s']:.3f}", f"{k['ratio']:.2f}×"))
     return C.markdown_table(("model (2 blocks)", "shape", "dtype", "original s/step", "converted s/step",
                              "converted / original", "checkpointing s/step", "checkpointing / original"), rows)
+
+
+def _quartiles(row: dict) -> str:
+    """The spread of the per-round ratios (JSON written before they were kept has none)."""
+    return f" ({row['ratio_q1']:.2f}–{row['ratio_q3']:.2f})" if "ratio_q1" in row else ""
 
 
 def convert_table(data: dict) -> str:
