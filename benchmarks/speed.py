@@ -85,12 +85,12 @@ def cpu_step_times(fam: C.Family, mode: str, repeats: int, warmup: int, log=prin
     for v, ts in times.items():
         m = C.median(ts)
         paired = sorted(a / b for a, b in zip(ts, times[V_ORIG]))  # per round: drift cancels within a round
+        ratio, q1, q3 = C.median(paired), paired[len(paired) // 4], paired[(3 * len(paired)) // 4]
         rows.append({"family": fam.name, "label": fam.label, "mode": mode, "variant": v, "median_s": m,
-                     "min_s": min(ts), "runs_s": [round(t, 4) for t in ts], "ratio": C.median(paired),
-                     "ratio_q1": paired[len(paired) // 4], "ratio_q3": paired[(3 * len(paired)) // 4],
-                     "ratio_of_medians": m / t0, "ratio_min": min(ts) / b0, "shape": fam.describe()})
-        log(f"  {fam.label:<10} {mode:<8} {v:<14} {m:8.3f} s/step (best {min(ts):.3f})  ×{C.median(paired):.3f} "
-            f"(rounds' quartiles ×{paired[len(paired) // 4]:.3f}–{paired[(3 * len(paired)) // 4]:.3f})")
+                     "min_s": min(ts), "runs_s": [round(t, 4) for t in ts], "ratio": ratio, "ratio_q1": q1,
+                     "ratio_q3": q3, "ratio_of_medians": m / t0, "ratio_min": min(ts) / b0, "shape": fam.describe()})
+        log(f"  {fam.label:<10} {mode:<8} {v:<14} {m:8.3f} s/step (best {min(ts):.3f})  ×{ratio:.3f} "
+            f"(rounds' quartiles ×{q1:.3f}–{q3:.3f})")
     del orig, conv, ckpt
     C.free()
     return rows
