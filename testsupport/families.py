@@ -277,3 +277,13 @@ def registry() -> dict[str, Callable[[], nn.Module]]:
 
 def group_of(name: str) -> str:
     return next((g for g, names in GROUPS.items() if name in names), "other")
+
+
+def lora_on_every_linear(model: nn.Module, seed: int = 2) -> nn.Module:
+    """PEFT LoRA (r 4, alpha 8) on every plain ``nn.Linear``, PEFT's default initialisation (B = 0) drawn under
+    ``seed``: the adapters the conversion tests put on a family."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))

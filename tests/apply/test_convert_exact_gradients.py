@@ -22,7 +22,7 @@ from lmbp_convert.apply.verify import float_tensors
 from lmbp_convert.match.plan import NormFold
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from testsupport.families import FAMILIES as DENSE, registry
+from testsupport.families import FAMILIES as DENSE, lora_on_every_linear, registry
 
 RTOL = 1e-4
 FLOOR = 1e-5
@@ -38,15 +38,6 @@ def _nonzero_init(model: nn.Module) -> nn.Module:
             if p.is_floating_point() and p.numel() > 1 and not p.any():
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
     return model
-
-
-def _lora(model: nn.Module) -> nn.Module:
-    """PEFT LoRA on every Linear, PEFT's default initialisation (B = 0): converted before training, as documented."""
-    from peft import LoraConfig, get_peft_model
-
-    targets = [n for n, m in model.named_modules() if type(m) is nn.Linear]
-    torch.manual_seed(2)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
 
 
 def _train_adapters(*models: nn.Module) -> None:
@@ -86,7 +77,7 @@ def _folded_tensors(report) -> list[str]:
 def check_exact(family: str, lora: bool) -> None:
     model = _nonzero_init(FAMILIES[family]())
     if lora:
-        model = _lora(model)
+        model = lora_on_every_linear(model)  # converted before training, as documented
     model.eval()  # dropout off: both runs compute one function
     ref = copy.deepcopy(model)
     probe = make_probe(ref)[0]

@@ -19,7 +19,7 @@ from lmbp_convert import convert
 from lmbp_convert.apply.verify import float_tensors
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from testsupport.families import registry
+from testsupport.families import lora_on_every_linear, registry
 
 FAMILIES = registry()
 
@@ -42,19 +42,12 @@ def _steps(model, probe, n: int, autocast: bool) -> None:
         del out, loss
 
 
-def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    targets = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-
-
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast"])
 @pytest.mark.parametrize("family", ["llama", "bert", "vit", "gpt2", "mixtral", "lora_llama"])
 def test_a_training_step_leaves_nothing_behind(family, autocast):
     if family.startswith("lora_"):
         pytest.importorskip("peft")
-        model = _lora(FAMILIES[family[5:]]())
+        model = lora_on_every_linear(FAMILIES[family[5:]]())
     else:
         model = FAMILIES[family]()
     probe = make_probe(copy.deepcopy(model))[0]
