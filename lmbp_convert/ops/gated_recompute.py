@@ -28,28 +28,13 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .gated_act import GatedActFunction, _check_gu, _fwd_torch, _fwd_triton, gated_act
+from .saved_hooks import ChainedHooks, top_hooks
 
 __all__ = ["gated_act_recomputed"]
 
 T = TypeVar("T")
 
-# The outer (pack, unpack) pair; private in torch, used so that tensors other than h still reach enclosing
-# hooks (saved_tensors_hooks do not nest: only the innermost pair runs). Without it (another torch) the
-# consumer is called plainly: correct, h kept.
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-class ChainedHooks:
-    """Saved-tensor hooks that hand what they do not replace to the enclosing pair (``outer``, from
-    `_top_hooks` when they open; None: no enclosing hooks)."""
-
-    outer = None
-
-    def _opack(self, t: torch.Tensor):
-        return self.outer[0](t) if self.outer is not None else t
-
-    def _ounpack(self, packed) -> torch.Tensor:
-        return self.outer[1](packed) if self.outer is not None else packed
+_top_hooks = top_hooks  # module-level, so a test can switch the hooks path off here
 
 
 class _Recipe:
@@ -92,10 +77,12 @@ def _cast_chain(src: torch.Tensor, node, device: torch.device) -> Optional[tuple
     return walked[1]
 
 
-class _Hooks:
+class _Hooks(ChainedHooks):
     """The pack/unpack pair for one call. Holds g and u only while the consumer runs (`release`); the recipes
     hold them as the enclosing hooks packed them (the tensors themselves without such hooks: the storages the
     gated node saves anyway), never h."""
+
+    saved_by = "the gated MLP's recompute hooks (gated_mlp=False saves as plain autograd)"
 
     def __init__(self, g: torch.Tensor, u: torch.Tensor, h: torch.Tensor) -> None:
         node = h.grad_fn
@@ -109,12 +96,6 @@ class _Hooks:
     def release(self) -> None:
         self.g = self.u = self.node = None
 
-    def _outer_pack(self, t: torch.Tensor):
-        return self.outer[0](t) if self.outer is not None else t
-
-    def _outer_unpack(self, packed) -> torch.Tensor:
-        return self.outer[1](packed) if self.outer is not None else packed
-
     def _casts_from_h(self, t: torch.Tensor) -> Optional[tuple[torch.dtype, ...]]:
         """() when t is h or a view of h; the cast dtypes when t is (a view of) a chain of casts of h; else None."""
         if t.untyped_storage().data_ptr() == self.h_ptr:
@@ -127,13 +108,13 @@ class _Hooks:
     def pack(self, t: torch.Tensor):
         casts = self._casts_from_h(t)
         if casts is None:
-            return (self._outer_pack(t),)
-        return _Recipe(self._outer_pack(self.g), self._outer_pack(self.u), casts, t)
+            return (self._opack(t),)
+        return _Recipe(self._opack(self.g), self._opack(self.u), casts, t)
 
     def unpack(self, packed) -> torch.Tensor:
         if not isinstance(packed, _Recipe):
-            return self._outer_unpack(packed[0])
-        g, u = self._outer_unpack(packed.g), self._outer_unpack(packed.u)
+            return self._ounpack(packed[0])
+        g, u = self._ounpack(packed.g), self._ounpack(packed.u)
         # exactly `GatedActFunction.forward`: same inputs, same kernel, same dtype, hence bitwise the same h
         h = (_fwd_triton if self.triton_path else _fwd_torch)(g, u, self.act, torch.promote_types(g.dtype, u.dtype))
         for dtype in packed.casts:

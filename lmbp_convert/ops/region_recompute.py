@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .gated_recompute import ChainedHooks, _top_hooks, cast_chain
+from .gated_recompute import cast_chain
+from .saved_hooks import ChainedHooks, top_hooks
 
 __all__ = ["Region"]
 
@@ -46,6 +47,8 @@ class Region(ChainedHooks):
     """The saved-tensor hooks of one module call (see the module doc). ``enter(y)`` at the call's start (y: its
     input, or None), ``note_act(fn, g, a)`` for each activation call inside, ``exit()`` at its end (always)."""
 
+    saved_by = "an MoE layer's recompute region (gated_mlp=False saves as plain autograd)"
+
     def __init__(self) -> None:
         self.acts: dict[Any, tuple[Callable, torch.Tensor]] = {}  # act output's node → (forward, its input g)
         self.input: Optional[torch.Tensor] = None
@@ -55,9 +58,9 @@ class Region(ChainedHooks):
 
     # -- lifetime ------------------------------------------------------------------------------------------
     def enter(self, y: Optional[torch.Tensor]) -> bool:
-        if torch.compiler.is_compiling() or _top_hooks is None or not torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or top_hooks is None or not torch.is_grad_enabled():
             return False
-        self.outer = _top_hooks(False)
+        self.outer = top_hooks(False)
         self.input = y if isinstance(y, torch.Tensor) and y.grad_fn is not None else None
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import func_transforms
-from .gated_recompute import ChainedHooks, _top_hooks
+from .saved_hooks import ChainedHooks, check_version, top_hooks
 from .shared_saves import can_note, note
 
 __all__ = ["OriginalForward", "replay_norm", "replays"]
@@ -103,12 +103,16 @@ class _Run(ChainedHooks):
     the same order in which gradients are summed where x has several readers); every tensor those nodes save,
     except x and the Parameters (handed to the enclosing hooks as they are), becomes a `_Slot`. The first slot
     unpacked (or the consumers' rebuild of y, which comes first) runs the forward once more on the same inputs and
-    records its saves in the same order: the same values, bitwise."""
+    records its saves in the same order: the same values, bitwise. γ, β are re-read at recompute (a sharding
+    wrapper re-gathers them), with the versions they had in forward checked as autograd checks what it saves."""
+
+    saved_by = "an exact norm's replay (norms=False saves as plain autograd)"
 
     def __init__(self, fn: OriginalForward, x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> None:
-        self.fn, self.outer = fn, _top_hooks(False)
+        self.fn, self.outer = fn, top_hooks(False)
         self.x_packed, self.x_version, self.x_grad = self._opack(x), x._version, x.requires_grad
         self.params = (w, b)
+        self.param_versions = tuple(None if p is None else p._version for p in (w, b))
         self.kept = {t.untyped_storage().data_ptr() for t in (x, w, b) if t is not None}
         self.slots = 0
         self.values: Optional[list] = None
@@ -132,14 +136,18 @@ class _Run(ChainedHooks):
             self.recompute()
         return self.values[index]
 
+    def inputs(self) -> tuple:
+        """x, γ, β as the forward read them; autograd's error where one was modified in place since."""
+        x = self._ounpack(self.x_packed)
+        check_version(x, self.x_version, self.saved_by + ": the norm's input")
+        for p, version in zip(self.params, self.param_versions):
+            if p is not None:
+                check_version(p, version, self.saved_by + ": the norm's weight or bias")
+        return (x, *self.params)
+
     def recompute(self) -> torch.Tensor:
         """y, by the forward's ops on the same inputs; records the saves the slots stand for."""
-        x = self._ounpack(self.x_packed)
-        if x._version != self.x_version:
-            raise RuntimeError("one of the variables needed for gradient computation has been modified by an "
-                               f"inplace operation (the input of an exact norm is at version {x._version}, it was "
-                               f"saved at version {self.x_version})")
-        w, b = self.params
+        x, w, b = self.inputs()
         values: list = []
         leaves = (x.detach().requires_grad_(self.x_grad), _leaf(w), _leaf(b))
         # the inputs' storages now: a sharding wrapper (FSDP2) may have freed and re-gathered γ, β since forward
@@ -167,7 +175,7 @@ def _leaf(p: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def _rebuild(run: _Run) -> torch.Tensor:
-    return run.recompute() if run.values is None else run.fn(run._ounpack(run.x_packed), *run.params)
+    return run.recompute() if run.values is None else run.fn(*run.inputs())
 
 
 def replay_norm(fn: OriginalForward, x: torch.Tensor, weight: torch.Tensor,

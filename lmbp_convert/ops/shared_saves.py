@@ -5,8 +5,9 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
 
 * PEFT's LoRA casts an adapter's input to the adapter dtype (fp32 by default) and ``lora_A`` saves that copy; the
   bf16 input is kept anyway (a memory-sharing norm's output) or is half the size. A saved tensor that is a chain
-  of dtype casts, reshapes and token selections (and views) of a *noted* tensor becomes a recipe: the noted tensor
-  plus the same ops (an MoE router's ``y.view(-1, d)``, a classifier's ``y[:, 0]``, cast under autocast).
+  of dtype casts, views, splits and copies (`_READ`) of a *noted* tensor becomes a recipe: the noted tensor plus
+  the same ops (an MoE router's ``y.view(-1, d)``, a classifier's ``y[:, 0]``, TRL's shifted ``h[:, :-1]``, cast
+  under autocast).
 * A producer that can rebuild its output from kept tensors notes how (`note`): the exact norm's ``y = γ·x̂ + β``
   from x̂, which its own backward keeps (`lmbp_convert.nn.exact_norms`); a dropout's output from its input and a
   packed-bit mask (`lmbp_convert.ops.dropout_bits`). Sources of a recipe are themselves packed through the region,
@@ -15,8 +16,10 @@ Memory sharing (MS-BP) in the paper's sense, for the copies nobody asked for:
 Rebuilding runs the producer's own ops on the same tensors, so the value is bitwise the forward's (a producer whose
 rebuild declares ``fuses_cast`` writes a recipe's leading dtype cast in the same pass, bitwise the same). One rebuild
 serves every recipe made of the same noted tensor and casts (q, k, v and their adapters all read one ``y``): the
-first unpack computes it, the others reuse it while any of them is alive. Each recipe records its sources'
-version counters and raises, as autograd does, if one was modified in place before backward.
+first unpack computes it, the others reuse it while any of them is alive. Notes are keyed by the tensor's autograd
+node and output index (the halves of ``h.chunk(2, -1)`` are two notes). Each recipe records its sources' version
+counters, and every tensor the region keeps as it is its own (`saved_hooks.ChainedHooks`), and raises autograd's
+error if one was modified in place before backward: autograd itself does not check what passes through hooks.
 
 The region is opened by hooks on the converted model (`lmbp_convert.apply.shared_hooks`) for the outermost call
 and closed when it returns. It chains to the enclosing hooks (a `SavedTensorLedger`, ``save_on_cpu``): a tensor
@@ -34,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .gated_recompute import _Hooks as _GatedHooks
-from .gated_recompute import ChainedHooks, _top_hooks
+from .saved_hooks import ChainedHooks, check_version, top_hooks
 
 __all__ = ["SharedSaves", "active", "can_note", "note", "note_identity"]
 
@@ -70,7 +73,7 @@ def note(out: torch.Tensor, rebuild: Callable[..., torch.Tensor], *sources: Any,
         if inner is not False:
             held = tuple(region.hold_transient(s, inner) if i in weak and isinstance(s, torch.Tensor) else s
                          for i, s in enumerate(sources))
-            region.notes.setdefault(out.grad_fn, _Note(rebuild, held, identity=False, hooks=inner))
+            region.notes.setdefault(_key(out), _Note(rebuild, held, identity=False, hooks=inner))
 
 
 def note_identity(t: torch.Tensor) -> None:
@@ -81,7 +84,13 @@ def note_identity(t: torch.Tensor) -> None:
     region = active()
     if region is not None and isinstance(t, torch.Tensor) and t.grad_fn is not None and t.is_floating_point() \
             and region.inner_hooks() is None:
-        region.notes.setdefault(t.grad_fn, _Note(None, (_Weak(t),), identity=True))
+        region.notes.setdefault(_key(t), _Note(None, (_Weak(t),), identity=True))
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """A note's key: the tensor's autograd node and which of its outputs the tensor is (``h.chunk(2, -1)``'s two
+    halves share one node)."""
+    return t.grad_fn, t.output_nr
 
 
 class _Weak:
@@ -102,28 +111,60 @@ class _Prepacked:
         self.packed, self.unpack = packed, unpack
 
 
-_RESHAPES = ("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0")  # same elements, same order
-#: data movement only (a channel-first view of a channels-last output, a copy into a new layout): deterministic
-_LAYOUTS = ("PermuteBackward0", "TransposeBackward0", "CloneBackward0")
-_OPS = ("ToCopyBackward0", "SelectBackward0", "SliceBackward0") + _RESHAPES + _LAYOUTS
+def _signed(v) -> int:
+    """An int a node saved: autograd reads a negative one back as its unsigned 64-bit pattern (``h[:, :-1]``)."""
+    v = int(v)
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _op(fn, name: str, device: torch.device) -> Optional[tuple]:
-    """The forward op of node ``fn`` as the rebuild replays it, or None where it cannot be read back."""
-    meta = fn._input_metadata[0]  # the metadata of the gradient a node receives is that of the op's output
-    if name == "ToCopyBackward0":
-        return None if meta.device != device else ("to", meta.dtype)
-    if name == "SelectBackward0":
-        return ("select", int(fn._saved_dim), int(fn._saved_index))
-    if name == "SliceBackward0":
-        return ("slice", int(fn._saved_dim), fn._saved_start, fn._saved_end, int(fn._saved_step))
-    if name == "PermuteBackward0":
-        return ("permute", tuple(int(d) for d in fn._saved_dims))
-    if name == "TransposeBackward0":
-        return ("transpose", int(fn._saved_dim0), int(fn._saved_dim1))
-    if name == "CloneBackward0":
-        return ("clone",)
+def _ints(vs) -> tuple[int, ...]:
+    return tuple(_signed(v) for v in vs)
+
+
+def _split_at(sizes, nr: int) -> tuple[int, int]:
+    """(start, length) of output ``nr`` of a split into pieces of ``sizes``."""
+    return sum(sizes[:nr]), sizes[nr]
+
+
+def _even_split(fn, nr: int) -> tuple:
+    dim, size = _signed(fn._saved_dim), _signed(fn._saved_split_size)
+    total = _ints(fn._saved_self_sym_sizes)[dim]
+    return ("narrow", dim, nr * size, min(size, total - nr * size))
+
+
+def _reshape(fn, nr, meta) -> tuple:
     return ("reshape", tuple(meta.shape))
+
+
+#: each data-movement node a saved tensor may sit behind → the forward op of its output ``nr``, as `_replay`
+#: runs it (the node's own saved arguments; the output's metadata for shapes and dtypes). Views, casts, layouts
+#: and copies only: the rebuilt values are the forward's, element for element.
+_READ: dict[str, Callable[[Any, int, Any], tuple]] = {
+    "ToCopyBackward0": lambda fn, nr, meta: ("to", meta.dtype),
+    "SelectBackward0": lambda fn, nr, meta: ("select", _signed(fn._saved_dim), _signed(fn._saved_index)),
+    "SliceBackward0": lambda fn, nr, meta: ("slice", _signed(fn._saved_dim), _signed(fn._saved_start),
+                                            _signed(fn._saved_end), _signed(fn._saved_step)),
+    "PermuteBackward0": lambda fn, nr, meta: ("permute", _ints(fn._saved_dims)),
+    "TransposeBackward0": lambda fn, nr, meta: ("transpose", _signed(fn._saved_dim0), _signed(fn._saved_dim1)),
+    "TBackward0": lambda fn, nr, meta: ("transpose", 0, 1) if len(meta.shape) == 2 else _reshape(fn, nr, meta),
+    "CloneBackward0": lambda fn, nr, meta: ("clone",),
+    "UnfoldBackward0": lambda fn, nr, meta: ("unfold", _signed(fn._saved_dimension), _signed(fn._saved_size),
+                                             _signed(fn._saved_step)),
+    "ExpandBackward0": lambda fn, nr, meta: ("expand", tuple(meta.shape)),
+    "DiagonalBackward0": lambda fn, nr, meta: ("diagonal", _signed(fn._saved_offset), _signed(fn._saved_dim1),
+                                               _signed(fn._saved_dim2)),
+    "AsStridedBackward0": lambda fn, nr, meta: ("as_strided", _ints(fn._saved_size), _ints(fn._saved_stride),
+                                                _signed(fn._saved_storage_offset)),
+    "SplitBackward0": lambda fn, nr, meta: _even_split(fn, nr),
+    "SplitWithSizesBackward0": lambda fn, nr, meta: ("narrow", _signed(fn._saved_dim),
+                                                     *_split_at(_ints(fn._saved_split_sizes), nr)),
+    "UnbindBackward0": lambda fn, nr, meta: ("select", _signed(fn._saved_dim), nr),
+    "ViewAsRealBackward0": lambda fn, nr, meta: ("view_as_real",),
+    "ViewAsComplexBackward0": lambda fn, nr, meta: ("view_as_complex",),
+    # same elements in the same order
+    **dict.fromkeys(("ViewBackward0", "UnsafeViewBackward0", "AliasBackward0", "ReshapeAliasBackward0",
+                     "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "UnsqueezeBackward0"), _reshape),
+}
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -140,42 +181,42 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _replay(out: torch.Tensor, op: tuple) -> torch.Tensor:
-    kind = op[0]
-    if kind == "to":
-        return out.to(op[1])
-    if kind == "select":
-        return out.select(op[1], op[2])
+    kind, args = op[0], op[1:]
     if kind == "slice":
-        return torch.ops.aten.slice.Tensor(out, *op[1:])
-    if kind == "permute":
-        return out.permute(op[1])
-    if kind == "transpose":
-        return out.transpose(op[1], op[2])
-    if kind == "clone":
-        return out.clone()
-    return out.reshape(op[1])
+        return torch.ops.aten.slice.Tensor(out, *args)
+    if kind in ("view_as_real", "view_as_complex"):
+        return getattr(torch, kind)(out)
+    return getattr(out, kind)(*args)  # to, select, narrow, permute, transpose, clone, reshape, unfold, expand, ...
 
 
-def _chain(fn, device: torch.device, noted: Callable[[Any], bool] = lambda fn: False
-           ) -> Optional[tuple[Any, tuple[tuple, ...]]]:
-    """Follow dtype casts (``ToCopyBackward0``), reshapes (view, reshape, alias), selections (``x[:, 0]``,
-    ``x[:, a:b]``), permutes, transposes and clones back from autograd node ``fn``: (the first node that is none of them, the ops in forward order
-    as `_replay` runs them), or None where a cast also moves devices or a node lacks the metadata (another
-    torch). It stops early at a ``noted`` node (a LoRA layer's input is itself a reshape of the attention output)."""
+def _chain(fn, nr: int, device: torch.device, noted: Callable[[tuple], bool] = lambda key: False
+           ) -> Optional[tuple[tuple, tuple[tuple, ...]]]:
+    """Follow the data-movement nodes of `_READ` back from output ``nr`` of autograd node ``fn``: (the first
+    (node, output) that is none of them, the ops in forward order as `_replay` runs them), or None where a cast
+    also moves devices, a node lacks the metadata (another torch), or an ``as_strided`` reads anything but the
+    start (its offset indexes the storage of its input). It stops early at a ``noted`` output (a LoRA layer's
+    input is itself a reshape of the attention output)."""
     ops = []
-    while fn is not None and not noted(fn) and type(fn).__name__ in _OPS:
+    while fn is not None and not noted((fn, nr)):
+        read = _READ.get(type(fn).__name__)
+        if read is None:
+            break
         try:
-            op = _op(fn, type(fn).__name__, device)
-        except (AttributeError, IndexError, TypeError):
+            meta = fn._input_metadata[nr]  # the metadata of the gradient a node receives: its output's
+            op = read(fn, nr, meta)
+        except (AttributeError, IndexError, TypeError, RuntimeError):
             return None
-        if op is None:
+        if op[0] == "to" and meta.device != device:
             return None
         ops.append(op)
-        nxt = [f for f, _ in fn.next_functions if f is not None]
+        nxt = [(f, n) for f, n in fn.next_functions if f is not None]
         if len(nxt) != 1:
             return None
-        fn = nxt[0]
-    return fn, tuple(reversed(ops))
+        fn, nr = nxt[0]
+    ops.reverse()
+    if any(op[0] == "as_strided" for op in ops[1:]):
+        return None
+    return (fn, nr), tuple(ops)
 
 
 class _Note:
@@ -204,10 +245,8 @@ class _Rebuild:
         if self.value is None:
             args = [p[1](p[0]) if isinstance(p, tuple) else self.region._unpack_part(p) for p in self.parts]
             for a, v in zip(args, self.versions):
-                if v is not None and a._version != v:
-                    raise RuntimeError("one of the variables needed for gradient computation has been modified by "
-                                       "an inplace operation (a tensor lmbp-convert rebuilds a saved tensor from "
-                                       f"is at version {a._version}, it was saved at version {v})")
+                if v is not None:
+                    check_version(a, v, self.region.saved_by + ": a tensor a saved tensor is rebuilt from")
             with torch.no_grad():
                 ops = self.ops
                 if self.rebuild is None:
@@ -243,17 +282,20 @@ class _Plain:
 class SharedSaves(ChainedHooks):
     """The region's state for one call: the notes made during it and the recipes built from them."""
 
+    saved_by = "lmbp-convert's shared-saves region (exact norms, LoRA inputs: norms=False, lora_inputs=False save " \
+               "as plain autograd)"
+
     def __init__(self) -> None:
-        self.notes: dict[Any, _Note] = {}  # noted output's autograd node → how to rebuild it
+        self.notes: dict[tuple, _Note] = {}  # noted output's (autograd node, output index) → how to rebuild it
         self._made: dict[tuple, _Rebuild] = {}
         self.outer = None
         self._ctx = None
         self.recipes = 0  # recipes made (tests, benchmarks)
 
     def enter(self) -> bool:
-        if torch.compiler.is_compiling() or _top_hooks is None or not torch.is_grad_enabled():
+        if torch.compiler.is_compiling() or top_hooks is None or not torch.is_grad_enabled():
             return False
-        self.outer = _top_hooks(False)
+        self.outer = top_hooks(False)
         ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         try:
             ctx.__enter__()
@@ -282,7 +324,7 @@ class SharedSaves(ChainedHooks):
         where they are a recompute region of this package's inside it (a gated MLP's down projection); False
         where they are anyone else's (activation checkpointing, ``save_on_cpu`` inside the call): no note then,
         since a recipe made later must not pack through hooks that have closed."""
-        top = _top_hooks(False)
+        top = top_hooks(False)
         if top is None or top[0] == self._pack:
             return None
         owner = getattr(top[0], "__self__", None)
@@ -326,7 +368,7 @@ class SharedSaves(ChainedHooks):
         src = t if t._base is None else t._base
         if src.grad_fn is None or not _dense(src):
             return None
-        walked = _chain(src.grad_fn, src.device, self.notes.__contains__)
+        walked = _chain(src.grad_fn, src.output_nr, src.device, self.notes.__contains__)
         if walked is None:
             return None
         node, ops = walked
