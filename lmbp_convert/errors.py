@@ -8,6 +8,7 @@
     │   └── ExportError                                     (lmbp_convert.export) not expressible as a plain checkpoint
     ├── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
     ├── ReplacedModuleError                (RuntimeError)   a module a fold lives in was replaced by one it cannot follow
+    ├── LogitsModifiedError                (RuntimeError)   the logits the memory-sharing loss keeps were edited in place
     └── BudgetError                                         checkpoint_for_budget cannot meet the budget or find the layers
 
 The builtin second bases are the ones each class had before it joined the hierarchy, so ``except RuntimeError`` /
@@ -57,5 +58,12 @@ class ReplacedModuleError(LmbpError, RuntimeError):
     module the hook cannot act on; raised by the converted model's forward instead of returning wrong values."""
 
 
-__all__ = ["BudgetError", "ConversionError", "LmbpError", "NothingToConvertError", "ProbeError", "ReplacedModuleError",
-           "TraceError"]
+class LogitsModifiedError(LmbpError, RuntimeError):
+    """The logits a memory-sharing loss keeps for its backward (their storage, not a copy: the memory it saves)
+    were modified in place after its forward (``outputs.logits.div_(T)``); raised by backward, as autograd raises
+    for any saved tensor modified in place, instead of a gradient of the edited values. Its message starts with
+    autograd's own sentence, so handlers written for that still match."""
+
+
+__all__ = ["BudgetError", "ConversionError", "LmbpError", "LogitsModifiedError", "NothingToConvertError", "ProbeError",
+           "ReplacedModuleError", "TraceError"]

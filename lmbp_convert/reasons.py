@@ -21,6 +21,7 @@ class ReasonCode(StrChoice):
     NOT_CALLED = "not_called"  # the probe forward never called it
     SHARED_CALL = "shared_call"  # called more than once per forward
     HOOKED = "hooked"  # a user's hook would see what the rewrite changes
+    USERS_OWN = "users_own"  # a callable the rewrite would replace or bypass was set on the instance (the user's)
     SIGNATURE = "signature"  # takes or returns something the rewrite does not (several tensors, another shape)
     IN_PLACE = "in_place"  # a tensor the rewrite shares is modified in place
     NO_CONSUMER = "no_consumer"  # no Linear (or other consumer the rewrite needs) reads its output

@@ -16,7 +16,7 @@ from ..fold import effective_scale, fold_affine, fold_lora_a, shift_through_scal
 from ..enums import BetaMode, NormType, ReapplyKind, WeightParam
 from ..errors import ConversionError
 from ..match.consumers import ConsumerFold
-from ..match.loss import LossSwap
+from ..match.loss import LossSwap, users_loss
 from ..match.moe import RecomputeRegion
 from ..match.norm_kept import NormKeep
 from ..match.kinds import declared
@@ -380,6 +380,9 @@ def loss_swap(builder: UnitBuilder, item: LossSwap) -> Unit:
     from ..nn.loss import MSCrossEntropyLoss
 
     mod = builder.modules[item.name]
+    if users_loss(mod) is not None:  # set since the plan was made: the user's, never replaced
+        raise ConversionError(f"{item.name or '<model>'}'s loss_function was set on the instance (the user's), which "
+                              "the plan's loss swap would replace; convert(..., loss=False) leaves it as it is")
     new = MSCrossEntropyLoss(item.shift)
     why = loss_mismatch(mod.loss_function, new, item, getattr(mod, "config", None))
     if why is not None:
@@ -412,8 +415,9 @@ def _logits_head(unit: Unit, head: nn.Module) -> None:
     its Parameters, ties, hooks and state-dict keys are untouched, whatever other units do to them."""
     from ..nn.loss import MSLogitsHead
 
-    if type(head) is not nn.Linear:
-        raise ConversionError(f"the LM head is a {type(head).__name__}, not the plain nn.Linear the plan found")
+    if type(head) is not nn.Linear or "forward" in vars(head):
+        raise ConversionError(f"the LM head is a {type(head).__name__} (its forward set on the instance: "
+                              f"{'forward' in vars(head)}), not the plain nn.Linear the plan found")
     unit.steps.append((lambda: setattr(head, "__class__", MSLogitsHead),
                        lambda: setattr(head, "__class__", nn.Linear)))
 

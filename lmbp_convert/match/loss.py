@@ -11,8 +11,10 @@ forward called it, on random fp32 logits of the probe's shape with some targets 
 either HF's causal form (labels shifted left by one) or the flat form (masked LM, token classification). The unit
 builder (`lmbp_convert.apply.rewrite`) then checks the memory-sharing loss against the original on the same
 calls before anything changes. Anything else — no hook (transformers 4.45), a loss the forward computes in its
-own code (BART, T5: ``nn.CrossEntropyLoss`` inside ``forward``), a per-sequence head, another loss — is a skip
-with the reason; the model's own loss is then left as it is.
+own code (BART, T5: ``nn.CrossEntropyLoss`` inside ``forward``), a per-sequence head, another loss, a
+``loss_function`` set on the instance (the user's: only the class's own default is replaced, whatever a check
+call would say of the user's) — is a skip with the reason; the model's own loss is then left as it is. A head
+whose ``forward`` is set on the instance keeps the plain path (a skip of the head; the loss is still swapped).
 """
 from __future__ import annotations
 
@@ -74,6 +76,26 @@ class LossSwap(PlanItem):
 def _settable_hook(mod: nn.Module) -> bool:
     prop = inspect.getattr_static(type(mod), "loss_function", None)
     return isinstance(prop, property) and prop.fset is not None
+
+
+def users_loss(mod: nn.Module) -> Any:
+    """The ``loss_function`` a user set on this instance, or None where it is the class's own default.
+
+    transformers' property returns the instance's ``_loss_function`` where there is one (its setter stores it;
+    transformers never sets it itself), else the default for the model's loss type. Only that default is the loss
+    the class installs: anything set on the instance (a function of the user's, a wrapper of the default that
+    masks a pad id, which no check call need draw) is the user's and stays. The default object itself set back on
+    the instance is the default."""
+    if "_loss_function" not in vars(mod):
+        return None
+    own = vars(mod).pop("_loss_function")
+    try:
+        default = mod.loss_function
+    except Exception:  # noqa: BLE001 - no default without it: what is set is the user's
+        default = None
+    finally:
+        vars(mod)["_loss_function"] = own
+    return None if own is default else own
 
 
 def _takes_labels(mod: nn.Module) -> bool | None:
@@ -273,6 +295,18 @@ def match_losses(ctx: MatchContext) -> Iterator[LossSwap | Skip]:
         return
     name, call, logits, config, head = found
     mod = hooks[name]
+    own = users_loss(mod)
+    if own is not None:
+        yield Skip(name, class_key(mod), Reason(ReasonCode.USERS_OWN, f"its loss_function ({_label(own)}) was set "
+                                                "on the instance, not the class's default: the user's loss is kept "
+                                                "as it is"))
+        return
+    if head and "forward" in vars(ctx.modules[head]):
+        yield Skip(head, class_key(ctx.modules[head]), Reason(
+            ReasonCode.USERS_OWN, "its forward is set on the instance (the user's, or a wrapper such as accelerate's "
+                                  "hooks), which the memory-sharing head would not run: the head is left as it is and "
+                                  "the loss writes its whole gradient"))
+        head = ""
     shape, classes = list(logits.shape), int(logits.shape[-1])
     shift = semantics(mod.loss_function, call, shape, classes, config)
     if shift is None:

@@ -13,6 +13,16 @@ scratch is one chunk of at most ``CHUNK_ELEMENTS`` values in backward (a few suc
 forward), never an fp32 (N, V); the Triton kernels hold none (one program per row streams the row in
 ``BLOCK``-element pieces: an online logsumexp forward, one pass backward).
 
+Non-finite logits as HF's ``F.cross_entropy(logits.float(), ...)``: a row whose log-softmax is undefined (a +inf
+or NaN logit, or all -inf) has a NaN loss and a gradient row all NaN, ignored or not (the forward stores such a
+row's lse as NaN: the Triton forward's online sum makes it so by itself, the PyTorch path maps logsumexp's +inf);
+a -inf logit at the target is a +inf loss with a finite gradient. A target that is neither ``ignore_index`` nor a
+class raises torch's ``IndexError`` before any launch (the kernels read each kept row's target column).
+
+Backward reads the logits the model returned, not a copy: edited in place after forward (``logits.div_(T)``) they
+would give a wrong gradient, so backward raises `LogitsModifiedError` instead (`KeptLogits`), as autograd does for
+a saved tensor, also where saved-tensor hooks switch autograd's own check off.
+
 ``cross_entropy_rows`` returns the per-row losses (fp32; 0 on ignored rows); `cross_entropy` reduces them: "sum",
 "mean" (over rows whose target is not ignored: HF's and torch's mean), or a sum divided by ``divisor``
 (``num_items_in_batch`` of gradient accumulation). Statistics are fp32 (fp64 for fp64 logits, PyTorch path only).
@@ -28,6 +38,7 @@ import weakref
 
 import torch
 
+from ..errors import LogitsModifiedError
 from . import logits_head
 from ._common import HAS_TRITON, check_dtype, refusing_double_backward, use_triton
 from ._launch import LeanKernel, next_pow2, spec_key
@@ -38,7 +49,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-__all__ = ["cross_entropy", "cross_entropy_rows", "CrossEntropyFunction", "CHUNK_ELEMENTS", "BLOCK"]
+__all__ = ["cross_entropy", "cross_entropy_rows", "CrossEntropyFunction", "KeptLogits", "CHUNK_ELEMENTS", "BLOCK"]
 
 #: fp32 elements of scratch the PyTorch path works on at a time (rows per chunk = this // V, at least 1)
 CHUNK_ELEMENTS = 1 << 20
@@ -158,6 +169,8 @@ def _fwd_torch(x: torch.Tensor, t: torch.Tensor, ignore_index: int, chunk: int |
     step = _rows_per_chunk(n, v, chunk)
     lse = torch.cat([torch.logsumexp(x[i:i + step].to(cdt), dim=1) for i in range(0, n, step)]) if n else \
         x.new_empty(0, dtype=cdt)
+    # logsumexp is +inf on a row with a +inf logit, whose log-softmax HF finds undefined: NaN, as the kernel's
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))
     x_t = x.gather(1, safe).squeeze(1).to(cdt)
     loss = torch.where(valid, lse - x_t, torch.zeros_like(lse))
     return loss, lse
@@ -261,14 +274,56 @@ _ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
+_MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
+#: the innermost saved-tensor hooks (None: none open); unknown in a torch without it, taken as open
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+class KeptLogits:
+    """Whether the logits a backward reads were modified in place since forward.
+
+    The loss keeps the logits' storage, not a copy (the memory it saves), so an edit of ``outputs.logits`` after
+    forward would change its gradient. Autograd's version check does not see it under saved-tensor hooks (the
+    exact norms' region, ``save_on_cpu``), and without hooks it raises without naming the logits. So forward
+    records a weak reference to the tensor whose version counter they share (their base: the head's output, which
+    ``outputs.logits`` is), its version and the storage; `check` compares, before the unpack where no hooks were
+    open (autograd's own check would raise first), on the unpacked tensor where hooks were (a copy they made,
+    being another storage, is unaffected). Weak: it keeps nothing alive that the hooks would free or move."""
+
+    __slots__ = ("base", "version", "ptr", "shape", "dtype", "hooked")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        base = x if x._base is None else x._base
+        self.base, self.version, self.ptr = weakref.ref(base), base._version, x.data_ptr()
+        self.shape, self.dtype = list(x.shape), x.dtype
+        self.hooked = _top_hooks is None or _top_hooks(False) is not None
+
+    def check(self, x: torch.Tensor | None = None) -> None:
+        """Raise `LogitsModifiedError` if the logits were modified in place since forward; ``x``: the tensor
+        backward reads (None: before it is unpacked)."""
+        base = self.base()
+        if base is None or base._version == self.version or (x is not None and x.data_ptr() != self.ptr):
+            return
+        raise LogitsModifiedError(
+            f"{_MODIFIED}: the logits {self.shape} ({str(self.dtype).replace('torch.', '')}) that the memory-sharing "
+            f"loss keeps for backward (their storage, not a copy) are at version {base._version}; they were saved at "
+            f"version {self.version}. Edit a copy (logits.clone()), or convert(..., loss=False) to keep the model's "
+            "own loss, which keeps a copy of its own")
+
+
 @refusing_double_backward  # create_graph=True: the result refuses a second backward
 def _backward(ctx, g: torch.Tensor):
+    kept = ctx.kept
+    if kept is not None and not kept.hooked:
+        kept.check()
     x, t, lse = ctx.saved_tensors
+    if kept is not None:
+        kept.check(x)
     ignore_index, triton_path = ctx.spec
     head, ctx.head = ctx.head, None  # the node and the logits are not held past the first backward
     base = head[1]() if head is not None else None
     if base is not None:
-        zero = logits_head.defer(head[0], base, x, t, lse, g, ignore_index, triton_path)
+        zero = logits_head.defer(head[0], base, x, t, lse, g, ignore_index, triton_path, kept)
         if zero is not None:  # the head's backward makes the gradient by rows (ops.logits_head)
             return zero, None, None
     dx = (_bwd_triton if triton_path else _bwd_torch)(g, x, t, lse, ignore_index)
@@ -284,6 +339,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         loss, lse = (_fwd_triton if triton_path else _fwd_torch)(x, t, ignore_index)
         ctx.save_for_backward(x, t, lse)
         ctx.spec = (ignore_index, triton_path)
+        # nothing to check where no backward reads the logits (inference tensors have no version counter)
+        watch = not torch.compiler.is_compiling() and x.requires_grad and not x.is_inference()
+        ctx.kept = KeptLogits(x) if watch else None
         head = logits_head.head_of(x)  # its rows are a LogitsHeadFunction's output: backward may hand off
         ctx.head = None if head is None else (head[0], weakref.ref(head[1]))
         return loss
@@ -309,11 +367,24 @@ def _rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, to
     return x, t.to(torch.int64)
 
 
+def _check_targets(t: torch.Tensor, classes: int, ignore_index: int) -> None:
+    """Every target a class or ``ignore_index``, as torch's cross-entropy requires: the kernels read the column of
+    each kept row's target, out of bounds for one outside [0, classes) (silently, on a GPU). One reduction over
+    the (N,) targets before any launch; eager: torch's ``IndexError`` for the first; under torch.compile (the
+    values cannot be read while tracing) an assert in the graph."""
+    bad = (t != ignore_index) & ((t < 0) | (t >= classes))
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), "cross_entropy: a target is out of bounds")
+    elif bad.any():
+        raise IndexError(f"Target {int(t[bad][0])} is out of bounds.")
+
+
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Per-row losses (fp32; fp64 for fp64 logits) of logits (..., V) against class indices of the leading shape,
     flattened to (N,); 0 where the target is ``ignore_index``."""
     x, t = _rows(logits, targets)
     ignore_index = int(ignore_index)
+    _check_targets(t, x.shape[1], ignore_index)
     if route("cross_entropy", x, use_triton(x)) is Backend.COMPILED:
         return torch.ops.lmbp_convert.cross_entropy_fwd(x, t, ignore_index)[0]
     return CrossEntropyFunction.apply(x, t, ignore_index)

@@ -12,8 +12,9 @@ The hand-off, one backward pass at a time:
   (`head_of`). In its backward it appends its gradient's recipe (`_Pending`: the logits, targets, lse,
   upstream per-row gradient) and returns a stride-0 zero instead of writing (N, V) values — but only when the
   engine will run the head's node in this pass (``torch._C._will_engine_execute_node`` of the nodes it feeds),
-  no hook or ``retain_grad`` watches the logits, and no graph of the backward is being built (`defer`). Otherwise it
-  writes its gradient as before, and the head's backward is a plain Linear's.
+  nothing watches the logits' gradient (a hook or ``retain_grad`` on the logits, a hook or pre-hook on the head's
+  node: `_watched`), and no graph of the backward is being built (`defer`). Otherwise it writes its gradient as
+  before, and the head's backward is a plain Linear's.
 - The engine runs the head's node after every consumer of the logits (topological order). Its backward takes
   the list and, per chunk of rows, makes the loss's gradient rows exactly as the loss's own backward would (in
   the logits' dtype, rounded once), adds the rows of whatever other consumers of the logits sent (nothing when it
@@ -63,6 +64,7 @@ class _Pending:
     ignore_index: int
     triton_path: bool
     zero: torch.Tensor  # the stride-0 zero returned in place of the gradient
+    kept: Optional[object] = None  # the loss's `cross_entropy.KeptLogits`: the logits unmodified since forward
 
 
 def fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -117,6 +119,33 @@ class LogitsHeadFunction(torch.autograd.Function):
         return _fused_backward(g, x, weight, pending, need_x, need_w, need_b and ctx.has_bias)
 
 
+def _watching(register):
+    """``register`` (a node's ``register_hook`` / ``register_prehook``) that also keeps the hook's handle on the
+    node: a hook on the head's node must see the real gradient of the logits (and a pre-hook may change it), so
+    `defer` asks `_watched` first. The engine's nodes cannot list their hooks from Python; this node class is the
+    Function's own, so its registrations are the ones to see."""
+    def watched(node, hook):
+        handle = register(node, hook)
+        node.ce_hooks = getattr(node, "ce_hooks", ()) + (handle,)
+        return handle
+    watched.__doc__ = register.__doc__
+    return watched
+
+
+_NODE = LogitsHeadFunction._backward_cls  # the class of the Function's autograd nodes (``logits.grad_fn``)
+_NODE.register_hook = _watching(_NODE.register_hook)
+_NODE.register_prehook = _watching(_NODE.register_prehook)
+
+
+def _watched(node) -> bool:
+    """A hook registered on ``node`` (by `_watching`) and not removed since."""
+    for handle in getattr(node, "ce_hooks", ()):
+        hooks = handle.hooks_dict_ref()
+        if hooks is not None and handle.id in hooks:
+            return True
+    return False
+
+
 def _plain_backward(g, x, weight, need_x, need_w, need_b):
     gx = g.matmul(weight) if need_x else None
     g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -129,6 +158,9 @@ def _fused_backward(g, x, weight, pending: list[_Pending], need_x, need_w, need_
     """dx by chunks of rows (each row's products are the unfused ones); dW and db by chunks of vocabulary columns
     over all rows, in a second pass, so each is one matmul (one sum) in the weight's dtype as unfused, not a sum of
     row chunks (which would need fp32 operands: several times slower on a CPU)."""
+    for p in pending:  # the logits, read again here, must still be the forward's
+        if p.kept is not None:
+            p.kept.check(p.logits)
     v = g.shape[-1]
     g2, x2 = g.reshape(-1, v), x.reshape(-1, x.shape[-1])
     n = g2.shape[0]
@@ -227,13 +259,13 @@ def _head_runs(node) -> bool:
 
 
 def defer(node, base: torch.Tensor, logits, targets, lse, upstream, ignore_index: int,
-          triton_path: bool) -> Optional[torch.Tensor]:
+          triton_path: bool, kept=None) -> Optional[torch.Tensor]:
     """From the cross-entropy's backward: hand its gradient to the head's ``node`` (whose output is ``base``) and
     return the zero to send in its place, or None when the loss must write it itself (see the module doc)."""
     if torch.is_grad_enabled() or func_transforms.active():
         return None
-    if base._backward_hooks or base.retains_grad or not _head_runs(node):
+    if base._backward_hooks or base.retains_grad or _watched(node) or not _head_runs(node):
         return None
     zero = logits.new_zeros(()).expand(logits.shape)
-    getattr(node, _HANDOFF).append(_Pending(logits, targets, lse, upstream, ignore_index, triton_path, zero))
+    getattr(node, _HANDOFF).append(_Pending(logits, targets, lse, upstream, ignore_index, triton_path, zero, kept))
     return zero

@@ -16,6 +16,7 @@ from lmbp_convert.apply.rewrite import UnitBuilder
 from lmbp_convert.match.loss import LossSwap
 from lmbp_convert.match.plan import Plan
 from lmbp_convert.nn.loss import MSCrossEntropyLoss, MSLogitsHead
+from lmbp_convert.reasons import ReasonCode
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not isinstance(getattr(transformers.PreTrainedModel, "loss_function", None),
@@ -163,8 +164,8 @@ def test_undo_restores_the_attribute_absent_or_the_users_own():
             model.loss_function = own
         before = dict(model.__dict__)
         plan = plan_conversion(model, activations=False, norms=False, gated_mlp=False)
-        if own is not None:  # a loss the user set that is not HF's cross-entropy: skipped, with why
-            assert not plan.items and "not HF's causal or flat cross-entropy" in plan.skips[0].reason
+        if own is not None:  # a loss the user set: kept, with why
+            assert not plan.items and plan.skips[0].why.code is ReasonCode.USERS_OWN
             continue
         unit = plan.items[0].build_unit(UnitBuilder(model))
         unit.apply()
@@ -262,3 +263,122 @@ def test_peft_model_gets_the_loss_on_its_inner_model(task_type):
     assert grads.keys() == grads_r.keys() and all("lora_" in k for k in grads)
     for k in grads:
         torch.testing.assert_close(grads[k], grads_r[k], atol=1e-6, rtol=1e-4)
+
+
+def test_a_users_loss_function_is_kept_and_reported():
+    """A user's ``loss_function`` that masks a pad id (HF's causal loss otherwise) is kept: on a half-padded batch
+    the converted model's loss is the original's, and the report says which was kept and why."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    pad = 5
+
+    def pad_masking(logits, labels, vocab_size, **kwargs):
+        return ForCausalLMLoss(logits, labels.masked_fill(labels == pad, -100), vocab_size, **kwargs)
+
+    model = _build("llama")
+    model.loss_function = pad_masking
+    ref = copy.deepcopy(model)
+    convert(model, activations=False)  # the loss alone: nothing to convert
+    assert model.loss_function is pad_masking
+    (skip,) = [s for s in model.lmbp_report.plan.skips if s.name == ""]
+    assert skip.why.code is ReasonCode.USERS_OWN and skip.reason in str(model.lmbp_report)
+    assert "pad_masking" in skip.reason
+    kw = _inputs(model)
+    kw["input_ids"][:, 6:] = pad
+    kw["labels"] = kw["input_ids"].clone()
+    loss, _, grads = _step(model, kw)
+    loss_r, _, grads_r = _step(ref, kw)
+    torch.testing.assert_close(loss, loss_r, atol=1e-6, rtol=1e-6)
+    masked = ForCausalLMLoss(ref(**kw).logits, kw["labels"], ref.config.vocab_size)  # the pad id trained on
+    assert abs(float(masked - loss_r)) > 1e-3
+    for k in grads_r:
+        torch.testing.assert_close(grads[k], grads_r[k], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", (False, True))
+def test_hooks_on_the_heads_node_see_the_real_gradient(tied):
+    """A pre-hook on ``outputs.logits.grad_fn`` that scales the gradient and a hook that reads it: the head takes
+    the plain path, the hooks see what the original's see and every gradient is the original's."""
+    from lmbp_convert.ops import logits_head
+
+    model = _build("llama_tied" if tied else "llama")
+    ref = copy.deepcopy(model)
+    _loss_only(model)
+    assert model.lmbp_report.plan.items[0].head == "lm_head"
+    kw = _inputs(model)
+    seen, grads = [], []
+    for m in (ref, model):
+        m.zero_grad(set_to_none=True)
+        out = m(**kw)
+        node = out.logits.grad_fn
+        node.register_prehook(lambda g: (g[0] * 2,))
+        node.register_hook(lambda grad_in, grad_out: seen.append(grad_out[0].clone()))
+        out.loss.backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert torch.equal(seen[1], seen[0]) and bool(seen[0].abs().sum() > 0)
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        err = float((grads[1][k].double() - grads[0][k].double()).norm() / grads[0][k].double().norm())
+        assert err <= 1e-6, (k, err)
+    # no hook: the fused path again
+    taken = []
+    real = logits_head._fused_backward
+    try:
+        logits_head._fused_backward = lambda *a: (taken.append(1), real(*a))[1]
+        model(**kw).loss.backward()
+    finally:
+        logits_head._fused_backward = real
+    assert taken == [1]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("options", ("loss_only", "exact_default"))
+def test_logits_edited_after_the_forward_raise(options, dtype):
+    """``outputs.logits`` edited in place before ``loss.backward()``: the original is unaffected (HF's loss keeps
+    its own log-softmax), the memory-sharing loss keeps the logits' storage, so it raises as autograd does for a
+    modified saved tensor, naming the logits and the option that keeps a copy, with or without the exact norms'
+    saved-tensor hooks (which switch autograd's own check off). Without an edit the gradients are the original's."""
+    from lmbp_convert.errors import LogitsModifiedError
+
+    model = _build("llama", dtype)
+    ref = copy.deepcopy(model)
+    if options == "loss_only":
+        _loss_only(model)
+    else:
+        convert(model, activations=False)
+    assert any(isinstance(i, LossSwap) and i.head for i in model.lmbp_report.plan.items)
+    kw = _inputs(model)
+    for edit in (lambda lg: lg.div_(2.0), lambda lg: lg.zero_()):
+        out = model(**kw)
+        with torch.no_grad():
+            edit(out.logits)
+        with pytest.raises(LogitsModifiedError) as err:
+            out.loss.backward()
+        msg = str(err.value)
+        assert msg.startswith("one of the variables needed for gradient computation has been modified by an "
+                              "inplace operation")
+        assert f"[24, {model.config.vocab_size}]" in msg and "memory-sharing loss" in msg and "loss=False" in msg
+    loss, _, grads = _step(model, kw)
+    loss_r, _, grads_r = _step(ref, kw)
+    torch.testing.assert_close(loss, loss_r, atol=1e-5, rtol=1e-5)
+    for k in grads_r:
+        g, g_r = grads[k].double(), grads_r[k].double()
+        assert float((g - g_r).norm() / g_r.norm().clamp_min(1e-30)) <= (1e-4 if dtype == torch.float32 else 2e-2), k
+
+
+def test_a_plan_made_before_the_user_set_a_loss_or_a_head_forward_is_refused():
+    """The builder checks again: a loss_function or a head forward set on the instance after planning is the
+    user's, and the plan's swap is refused before anything changes."""
+    from lmbp_convert.errors import ConversionError
+
+    model = _build("llama")
+    (item,) = plan_conversion(model, activations=False, norms=False, gated_mlp=False).items
+    default = model.loss_function
+    model.loss_function = lambda *args, **kwargs: default(*args, **kwargs)
+    with pytest.raises(ConversionError, match="set on the instance"):
+        item.build_unit(UnitBuilder(model))
+    del model._loss_function
+    model.lm_head.forward = model.lm_head.forward  # an instance attribute now (a wrapper's place)
+    with pytest.raises(ConversionError, match="set on the instance"):
+        item.build_unit(UnitBuilder(model))
+    assert type(model.lm_head) is torch.nn.Linear and "_loss_function" not in vars(model)

@@ -10,6 +10,7 @@ from torch import nn
 from testsupport.families import HF_SMALL, hf, hf_auto
 from lmbp_convert import plan_conversion
 from lmbp_convert.match.loss import LossSwap, reference, semantics
+from lmbp_convert.reasons import ReasonCode
 
 transformers = pytest.importorskip("transformers")
 HAS_HOOK = isinstance(getattr(transformers.PreTrainedModel, "loss_function", None), property)
@@ -115,3 +116,45 @@ def test_a_base_model_is_left_alone_without_a_skip():
     """A base model's forward takes **kwargs but nothing in it names labels: no probe with labels, no skip."""
     plan = plan_conversion(hf("llama", head="base"), norms=False)
     assert not [i for i in plan.items if isinstance(i, LossSwap)] and "" not in _skips(plan)
+
+
+PAD = 5  # a token id the user's loss masks
+
+
+@needs_hook
+def test_a_loss_function_the_user_set_is_kept_with_the_reason():
+    """Only the class's own default is replaced: a user's function set on the instance (one that masks a pad id,
+    which no check call can tell from HF's loss when the pad id is not drawn) and a wrapper of the default are
+    the user's, kept, and the skip says so by its code; the default object set back on the instance is the
+    default."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    model = hf("llama")
+    default = model.loss_function
+
+    def pad_masking(logits, labels, vocab_size, **kwargs):
+        return ForCausalLMLoss(logits, labels.masked_fill(labels == PAD, -100), vocab_size, **kwargs)
+
+    for own in (pad_masking, lambda *args, **kwargs: default(*args, **kwargs)):
+        model.loss_function = own
+        plan = plan_conversion(model, **LOSS_ONLY)
+        assert not [i for i in plan.items if isinstance(i, LossSwap)]
+        (skip,) = [s for s in plan.skips if s.name == ""]
+        assert skip.why.code is ReasonCode.USERS_OWN
+        assert model.loss_function is own
+    model.loss_function = default
+    assert [type(i) for i in plan_conversion(model, **LOSS_ONLY).items] == [LossSwap]
+
+
+@needs_hook
+def test_a_head_whose_forward_the_user_set_keeps_the_plain_path():
+    """An instance ``forward`` on the head (a user's, or a wrapper such as accelerate's device hooks) would bypass
+    the fused head: the loss is still swapped, the head is left as it is, with the reason."""
+    model = hf("llama")
+    head = model.lm_head
+    head.forward = lambda x: torch.nn.functional.linear(x, head.weight, head.bias)
+    plan = plan_conversion(model, **LOSS_ONLY)
+    (item,) = [i for i in plan.items if isinstance(i, LossSwap)]
+    assert item.head == ""
+    (skip,) = [s for s in plan.skips if s.name == "lm_head"]
+    assert skip.why.code is ReasonCode.USERS_OWN

@@ -94,3 +94,17 @@ def test_pickles_and_copies():
         assert other == loss and other.shift and hash(other) == hash(loss)
     assert MSCrossEntropyLoss(False) != loss
     assert repr(loss) == "MSCrossEntropyLoss(shift=True)"
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("value", (float("inf"), float("-inf"), float("nan")))
+def test_non_finite_logits_as_hfs_causal_loss(value, dtype):
+    """A logit overflowed to +inf (fp16), a -inf mask, a NaN: the loss is HF's (NaN, +inf or finite alike) and the
+    logits' gradient has HF's NaNs, position for position."""
+    logits, labels = _example(dtype)
+    labels[0, 4] = 11
+    logits[0, 3, 11] = value  # the target of row 3 (labels shifted by one)
+    logits[1, 5, 2] = value  # another class
+    (l1, g1), (l0, g0) = (_run(fn, logits, labels, V) for fn in (MSCrossEntropyLoss(True), loss_utils.ForCausalLMLoss))
+    assert torch.equal(l1.isnan(), l0.isnan()) and (l0.isnan() or torch.isclose(l1, l0, rtol=1e-6))
+    assert torch.equal(g1.isnan(), g0.isnan()), (int(g1.isnan().sum()), int(g0.isnan().sum()))

@@ -294,3 +294,115 @@ def test_torch_backward_is_bitwise_hf_loss(dtype, reduction, chunk, monkeypatch)
     out.backward()
     assert torch.equal(out.detach(), ref.detach())
     assert torch.equal(x.grad, ref_x.grad)
+
+
+# ------------------------------------------------------------------------------------ non-finite logits
+_NONFINITE = {  # (row, column, value): +inf at a target / elsewhere / in an ignored row, -inf, NaN, an all -inf row
+    "+inf target": [(0, "t", float("inf"))], "+inf other": [(0, 4, float("inf"))],
+    "+inf ignored row": [(2, 4, float("inf"))], "-inf target": [(0, "t", float("-inf"))],
+    "-inf other": [(0, 4, float("-inf"))], "nan": [(1, 9, float("nan"))], "all -inf": [(3, slice(None), float("-inf"))],
+}
+
+
+@pytest.mark.parametrize("path", ("torch", pytest.param("triton", marks=needs_triton)))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", sorted(_NONFINITE))
+def test_non_finite_logits_have_hfs_semantics(case, dtype, path, monkeypatch):
+    """HF's ``F.cross_entropy(logits.float(), ...)``: a row whose log-softmax is undefined (a +inf or a NaN logit,
+    all -inf) makes the loss NaN and its whole gradient row NaN, ignored or not; a -inf logit is +inf loss at the
+    target and a finite gradient. The loss's value and the gradient's NaN pattern are HF's, its finite values to
+    one rounding."""
+    monkeypatch.setattr(C, "use_triton", lambda x: path == "triton")
+    x, t = _inputs(6, 37, dtype, frac=0.0)
+    t[2] = -100
+    for row, col, val in _NONFINITE[case]:
+        x[row, int(t[row]) if col == "t" else col] = val
+    loss, g = _grads(cross_entropy, x, t)
+    loss_r, g_r = _grads(_ref, x, t)
+    assert torch.equal(loss.isnan(), loss_r.isnan()) and (loss.isnan() or loss == loss_r or
+                                                          torch.isclose(loss, loss_r, atol=1e-5, rtol=1e-6))
+    assert torch.equal(g.isnan(), g_r.isnan()), (int(g.isnan().sum()), int(g_r.isnan().sum()))
+    finite = ~g_r.isnan()
+    torch.testing.assert_close(g.float()[finite], g_r.float()[finite], **_grad_tol(dtype, g_r.float()[finite]))
+    rows = cross_entropy_rows(x, t)
+    assert torch.equal(rows.isnan(), F.cross_entropy(x.float(), t, reduction="none").isnan())
+
+
+# ------------------------------------------------------------------------------------ out-of-range targets
+@pytest.mark.parametrize("path", ("torch", pytest.param("triton", marks=needs_triton)))
+@pytest.mark.parametrize("bad", (-1, -101, 10, 12))
+def test_out_of_range_targets_raise_as_torch_before_any_launch(bad, path, monkeypatch):
+    """A target that is neither ignore_index nor a class raises torch's IndexError, on every path, before a
+    kernel reads the logits at it."""
+    monkeypatch.setattr(C, "use_triton", lambda x: path == "triton")
+    launched = []
+    for name in ("_fwd_triton", "_fwd_torch"):
+        real = getattr(C, name)
+        monkeypatch.setattr(C, name, lambda *a, real=real, **k: (launched.append(1), real(*a, **k))[1])
+    x, t = _inputs(5, 10, torch.float32, frac=0.0)
+    t[3] = -100
+    t[[1, 4]] = bad
+    with pytest.raises(IndexError) as want:
+        F.cross_entropy(x, t)
+    with pytest.raises(IndexError) as got:
+        cross_entropy(x.requires_grad_(), t)
+    assert str(got.value) == str(want.value) == f"Target {bad} is out of bounds."
+    assert not launched
+    t[[1, 4]] = 9  # the last class and ignore_index themselves are fine
+    cross_entropy(x, t)
+    assert launched
+
+
+# ------------------------------------------------------------------------------ logits edited after forward
+_MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+@pytest.mark.parametrize("path", ("torch", pytest.param("triton", marks=needs_triton)))
+@pytest.mark.parametrize("hooks", ("none", "save_on_cpu", "copy"))
+def test_logits_edited_in_place_after_forward_raise(hooks, path, monkeypatch):
+    """The loss keeps the logits' storage, not a copy: an in-place edit after forward raises as autograd does for
+    a saved tensor, with or without saved-tensor hooks (which switch autograd's own check off; ``save_on_cpu``
+    keeps a CPU tensor itself), naming the logits and ``loss=False``; hooks that saved a copy are unaffected and
+    give the gradient of the unedited logits."""
+    from lmbp_convert.errors import LmbpError, LogitsModifiedError
+
+    monkeypatch.setattr(C, "use_triton", lambda x: path == "triton")
+    x0, t = _inputs(8, 33, torch.bfloat16)
+    _, g_r = _grads(cross_entropy, x0, t)
+    pack = {"none": None, "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(),
+            "copy": lambda: torch.autograd.graph.saved_tensors_hooks(lambda a: a.clone(), lambda a: a)}[hooks]
+    for edit in (lambda a: a.div_(2.0), lambda a: a.zero_()):
+        x = x0.clone().requires_grad_()
+        logits = x * 1  # a non-leaf, as a head's output
+        if pack is None:
+            loss = cross_entropy(logits.reshape(2, 4, 33), t.reshape(2, 4))
+        else:
+            with pack():
+                loss = cross_entropy(logits.reshape(2, 4, 33), t.reshape(2, 4))
+        with torch.no_grad():
+            edit(logits)
+        if hooks == "copy":
+            loss.backward()
+            assert torch.equal(x.grad, g_r)
+            continue
+        with pytest.raises(LogitsModifiedError) as err:
+            loss.backward()
+        assert isinstance(err.value, LmbpError) and isinstance(err.value, RuntimeError)
+        msg = str(err.value)
+        assert msg.startswith(_MODIFIED) and "[8, 33]" in msg and "loss=False" in msg and "memory-sharing" in msg
+    x = x0.clone().requires_grad_()
+    with pack() if pack is not None else torch.enable_grad():
+        loss = cross_entropy(x * 1, t)
+    loss.backward()  # no edit: the gradient as ever
+    assert torch.equal(x.grad, g_r)
+
+
+def test_inference_mode_and_no_grad_compute_the_loss():
+    """No backward, nothing to watch: inference tensors (which have no version counter) and no_grad alike."""
+    x, t = _inputs(6, 20, torch.float32)
+    with torch.inference_mode():
+        inf_loss = cross_entropy(x.clone(), t)
+    with torch.no_grad():
+        ng_loss = cross_entropy(x.clone().requires_grad_(), t)
+    torch.testing.assert_close(inf_loss, _ref(x, t), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ng_loss, _ref(x, t), atol=1e-6, rtol=1e-6)

@@ -226,3 +226,59 @@ def test_triton_kernels_through_the_hand_off(monkeypatch):
     assert calls.n == 1
     for g, g_r in zip(got[2], ref[2]):
         torch.testing.assert_close(g.float(), g_r.float(), atol=0.02 * float(g_r.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("path", ("torch", pytest.param("triton", marks=needs_triton)))
+def test_logits_edited_before_the_heads_backward_raise(path, monkeypatch):
+    """The head's fused backward reads the kept logits too: an edit made after the loss's backward handed off
+    (here by a hook on another consumer of the logits, which the engine runs in between) raises, as the loss's
+    own backward does; under saved-tensor hooks too (autograd's own check is off there)."""
+    from lmbp_convert.errors import LogitsModifiedError
+
+    monkeypatch.setattr(C, "use_triton", lambda x: path == "triton")
+    calls = _Calls(monkeypatch)
+    h, w, _, t = _data(torch.float32)
+    h.requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda a: a, lambda a: a):
+        logits = logits_head(h, w, None)
+        other = logits * 1
+        aux = other.sum()
+        loss = cross_entropy(logits.reshape(-1, V), t) + 0 * aux
+
+    def edit(g):
+        with torch.no_grad():
+            logits.mul_(2)
+
+    other.register_hook(edit)
+    with pytest.raises(LogitsModifiedError, match="the memory-sharing loss keeps"):
+        loss.backward()
+    assert calls.n == 1
+
+
+@pytest.mark.parametrize("tied", (False, True))
+@pytest.mark.parametrize("watch", ("prehook", "hook"))
+def test_hooks_on_the_heads_node_see_the_real_gradient(watch, tied, monkeypatch):
+    """A pre-hook on the head's autograd node that scales the gradient, or a hook that reads it: the loss writes
+    its gradient (the plain path), the hook sees the real one, and every gradient below the head is what a plain
+    Linear with the same hook gives (the weight tied to an input lookup, or not)."""
+    calls = _Calls(monkeypatch)
+    h0, w0, _, t = _data(torch.float32)
+    out = []
+    for fused in (False, True):
+        w = w0.clone().requires_grad_()
+        emb = torch.randint(0, V, (2, N // 2), generator=torch.Generator().manual_seed(1))
+        h = h0 + F.embedding(emb, w) if tied else h0.clone().requires_grad_()
+        logits = (logits_head if fused else F.linear)(h, w, None)
+        seen = []
+        if watch == "prehook":
+            logits.grad_fn.register_prehook(lambda g: (seen.append(g[0].clone()), (g[0] * 2,))[1])
+        else:
+            logits.grad_fn.register_hook(lambda gi, go: seen.append(go[0].clone()))
+        cross_entropy(logits.reshape(-1, V), t).backward()
+        out.append((seen[0], w.grad, None if tied else h.grad))
+    assert calls.n == 0
+    (s0, gw0, gh0), (s1, gw1, gh1) = out
+    assert torch.equal(s1, s0) and bool(s0.abs().sum() > 0)
+    torch.testing.assert_close(gw1, gw0, atol=0, rtol=1e-6)
+    if not tied:
+        torch.testing.assert_close(gh1, gh0, atol=0, rtol=1e-6)
