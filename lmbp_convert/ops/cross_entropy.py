@@ -42,6 +42,7 @@ from ..errors import LogitsModifiedError
 from . import logits_head
 from ._common import HAS_TRITON, check_dtype, refusing_double_backward, use_triton
 from ._launch import LeanKernel, next_pow2, spec_key
+from .saved_hooks import top_hooks
 from .backends.dispatch import Backend, route
 from .backends.compiled import kernel_op
 
@@ -275,8 +276,6 @@ _ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
 _MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
-#: the innermost saved-tensor hooks (None: none open); unknown in a torch without it, taken as open
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
 
 class KeptLogits:
@@ -288,7 +287,9 @@ class KeptLogits:
     records a weak reference to the tensor whose version counter they share (their base: the head's output, which
     ``outputs.logits`` is), its version and the storage; `check` compares, before the unpack where no hooks were
     open (autograd's own check would raise first), on the unpacked tensor where hooks were (a copy they made,
-    being another storage, is unaffected). Weak: it keeps nothing alive that the hooks would free or move."""
+    being another storage, is unaffected), and where hooks that keep the logits themselves raise autograd's error
+    at the unpack (this package's, `saved_hooks`), as this error, naming the logits. Weak: it keeps nothing alive
+    that the hooks would free or move."""
 
     __slots__ = ("base", "version", "ptr", "shape", "dtype", "hooked")
 
@@ -296,7 +297,7 @@ class KeptLogits:
         base = x if x._base is None else x._base
         self.base, self.version, self.ptr = weakref.ref(base), base._version, x.data_ptr()
         self.shape, self.dtype = list(x.shape), x.dtype
-        self.hooked = _top_hooks is None or _top_hooks(False) is not None
+        self.hooked = top_hooks is None or top_hooks(False) is not None
 
     def check(self, x: torch.Tensor | None = None) -> None:
         """Raise `LogitsModifiedError` if the logits were modified in place since forward; ``x``: the tensor
@@ -316,7 +317,12 @@ def _backward(ctx, g: torch.Tensor):
     kept = ctx.kept
     if kept is not None and not kept.hooked:
         kept.check()
-    x, t, lse = ctx.saved_tensors
+    try:
+        x, t, lse = ctx.saved_tensors
+    except RuntimeError:  # hooks that keep the logits themselves check their version: say which tensor it was
+        if kept is not None:
+            kept.check()
+        raise
     if kept is not None:
         kept.check(x)
     ignore_index, triton_path = ctx.spec
