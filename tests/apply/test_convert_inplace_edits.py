@@ -65,8 +65,8 @@ def _edit(model, probe, out, what: tuple) -> None:
         elif kind == "input":
             t = next(v for v in (probe.values() if isinstance(probe, dict) else probe) if isinstance(v, torch.Tensor))
             t.copy_(t.flip(-1)) if not t.is_floating_point() else t.mul_(2)
-        else:
-            float_tensors(out)[0].mul_(0.5)
+        else:  # the logits: the largest floating-point output (not the loss)
+            max(float_tensors(out), key=torch.Tensor.numel).mul_(0.5)
 
 
 def _step(model, probe, what, autocast: bool = False):
