@@ -318,3 +318,18 @@ def test_adapters_activated_after_convert_run_as_peft_s():
     for model in (m, ref):
         model.base_model.set_adapter(list(ADAPTERS))
     _assert_same_step(ref, m, 6, _lora_grads(list(ADAPTERS)))
+
+
+def test_an_adapter_in_the_input_dtype_is_left_out_beside_the_others():
+    """plain's weights cast to the layers' bf16 (no up-cast copy, no dropout: nothing of its own to share) between
+    drop and dora: the plan lists those two only, each with its own dropout; bitwise PEFT's."""
+    m = _multi(list(ADAPTERS))
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.ModuleDict) and "plain" in mod and name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            mod["plain"].to(torch.bfloat16)
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    items = [i for i in m.lmbp_report.plan.items if isinstance(i, LoraInputShare)]
+    assert len(items) == len(MULTI_TARGETS)
+    assert all((i.adapters, i.dropouts) == (["drop", "dora"], ["drop", "dora"]) for i in items), items
+    _assert_same_step(ref, m, 8, _lora_grads(list(ADAPTERS)))
