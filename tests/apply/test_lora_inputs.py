@@ -214,3 +214,122 @@ def test_dora_adapters_share_their_input_bitwise(dropout):
     assert torch.equal(l0, l1) and g0.keys() == g1.keys()
     for n in g0:
         assert torch.equal(g0[n], g1[n]), n
+
+
+# -- several adapters on one layer (issue 38) -----------------------------------------------------------------------
+# adapter → (rank, lora_dropout, DoRA): ranks and dropouts differ, the first one drops, one does not, one is DoRA
+ADAPTERS = {"drop": (4, 0.1, False), "plain": (2, 0.0, False), "dora": (3, 0.05, True)}
+MULTI_TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def _multi(active, names=tuple(ADAPTERS), layers=1):
+    """bf16 LLaMA with the adapters ``names`` added in that order (get_peft_model, then add_adapter), ``active``
+    set active together (PEFT makes the others frozen)."""
+    def cfg(name):
+        r, p, dora = ADAPTERS[name]
+        return peft.LoraConfig(r=r, lora_alpha=8, lora_dropout=p, use_dora=dora, init_lora_weights=False,
+                               target_modules=MULTI_TARGETS)
+
+    torch.manual_seed(1)
+    m = peft.get_peft_model(_llama(torch.bfloat16, layers=layers), cfg(names[0]), adapter_name=names[0])
+    for name in names[1:]:
+        m.add_adapter(name, cfg(name))
+    m.base_model.set_adapter(active)
+    m.train()
+    m.enable_input_require_grads()
+    return m
+
+
+def _assert_same_step(ref, m, seed, n_grads):
+    ids = _ids(seed)
+    (l0, g0), (l1, g1) = _step(ref, ids, seed), _step(m, ids, seed)
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and len(g0) == n_grads
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+
+
+def _lora_grads(names, layers=1):
+    """Trainable tensors of the adapters ``names``: A and B per target, DoRA's magnitude too."""
+    names = [names] if isinstance(names, str) else names
+    return layers * len(MULTI_TARGETS) * sum(3 if ADAPTERS[n][2] else 2 for n in names)
+
+
+def test_several_active_adapters_share_the_input_each_with_its_own_dropout():
+    """Adapters drop (r 4, dropout 0.1), plain (r 2, none) and dora (r 3, 0.05, DoRA) active together on every
+    target: the plan lists all three, the dropping ones as bit-mask dropouts with their own p, plain's Identity
+    stays; the loss and every gradient are bitwise PEFT's (each adapter's own draws, in PEFT's order)."""
+    m = _multi(list(ADAPTERS))
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    items = [i for i in m.lmbp_report.plan.items if isinstance(i, LoraInputShare)]
+    assert sorted(i.name.rsplit(".", 1)[-1] for i in items) == sorted(MULTI_TARGETS)
+    for item in items:
+        assert (item.adapters, item.dropouts) == (["drop", "plain", "dora"], ["drop", "dora"]), item
+        drops = m.get_submodule(item.name).lora_dropout
+        assert [type(d) for d in drops.values()] == [BitDropout, torch.nn.Identity, BitDropout]
+        assert (drops["drop"].p, drops["dora"].p) == (0.1, 0.05)
+    _assert_same_step(ref, m, 7, _lora_grads(list(ADAPTERS)))
+
+
+def test_several_adapters_keep_one_input_and_a_bit_mask_each():
+    """drop (dropout 0.1) and plain (none) active on q, v (which read one norm output) and down: per layer and
+    target, PEFT keeps drop's fp32 noise and dropped copy and plain's fp32 copy; converted, drop's 1-bit mask and
+    the layer's bf16 input (one storage for q and v)."""
+    m = _multi(["drop", "plain"], names=("drop", "plain"), layers=2)
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    ids = _ids()
+    rows = B * T
+    qv, down = rows * D, rows * FFN  # the inputs' elements
+
+    def layer(n):
+        return 3 * n * 4 - (n // 8)  # two fp32 copies and the noise → a bit mask
+
+    per_layer = 2 * layer(qv) - qv * 2 + layer(down) - down * 2
+    assert _saved(ref, ids) - _saved(m, ids) == 2 * per_layer
+    _assert_same_step(ref, m, 3, _lora_grads(["drop", "plain"], layers=2))
+
+
+def test_switching_the_active_adapters_after_convert_stays_bitwise():
+    """convert() with all three active, then each switch of the active set (one, two, a single name, all in another
+    order) in the converted model and in PEFT's: the same loss and gradients, the idle adapters' bit-mask dropouts
+    unused."""
+    m = _multi(list(ADAPTERS))
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    for active in (["plain"], ["drop", "dora"], "dora", ["dora", "drop", "plain"]):
+        for model in (m, ref):
+            model.base_model.set_adapter(active)
+        _assert_same_step(ref, m, 11, _lora_grads(active))
+
+
+def test_adapters_activated_after_convert_run_as_peft_s():
+    """convert() with only drop active: plain and dora are frozen, so the plan leaves them alone (dora keeps its
+    nn.Dropout); activated afterwards, they run as PEFT's do, bitwise."""
+    m = _multi("drop")
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    items = [i for i in m.lmbp_report.plan.items if isinstance(i, LoraInputShare)]
+    assert len(items) == len(MULTI_TARGETS) and all((i.adapters, i.dropouts) == (["drop"], ["drop"]) for i in items)
+    drops = m.get_submodule(items[0].name).lora_dropout
+    assert [type(d) for d in drops.values()] == [BitDropout, torch.nn.Identity, torch.nn.Dropout]
+    _assert_same_step(ref, m, 5, _lora_grads("drop"))
+    for model in (m, ref):
+        model.base_model.set_adapter(list(ADAPTERS))
+    _assert_same_step(ref, m, 6, _lora_grads(list(ADAPTERS)))
+
+
+def test_an_adapter_in_the_input_dtype_is_left_out_beside_the_others():
+    """plain's weights cast to the layers' bf16 (no up-cast copy, no dropout: nothing of its own to share) between
+    drop and dora: the plan lists those two only, each with its own dropout; bitwise PEFT's."""
+    m = _multi(list(ADAPTERS))
+    for name, mod in m.named_modules():
+        if isinstance(mod, torch.nn.ModuleDict) and "plain" in mod and name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"):
+            mod["plain"].to(torch.bfloat16)
+    ref = copy.deepcopy(m)
+    convert(m, **ONLY_LORA)
+    items = [i for i in m.lmbp_report.plan.items if isinstance(i, LoraInputShare)]
+    assert len(items) == len(MULTI_TARGETS)
+    assert all((i.adapters, i.dropouts) == (["drop", "dora"], ["drop", "dora"]) for i in items), items
+    _assert_same_step(ref, m, 8, _lora_grads(list(ADAPTERS)))

@@ -217,3 +217,125 @@ def test_permuted_and_copied_views_of_a_noted_tensor_are_rebuilt_bitwise(view):
     assert all(torch.equal(a, b) for a, b in zip(plain[1:], shared[1:]))
     assert plain[0] - shared[0] == 2 * 4 * 4 * 16 * (2 if view == "permute_cast" else 4)
 
+
+
+# -- one noted tensor, several readers through different op chains (issue 38) -------------------------------------
+# Each case: the noted y's dtype and shape, the readers (y → what a weight op saves), and the recipes and rebuilds
+# the region makes: one recipe per saved copy, one rebuild per distinct chain of ops (a plain view of y is y's).
+def _bf16_mm(t, w):
+    return t.to(torch.bfloat16) @ w.to(torch.bfloat16)
+
+
+def _conv(t, w):
+    return torch.nn.functional.conv2d(t, w.view(w.shape[0], -1, 1, 1))
+
+
+CHAINS = {
+    # y read as y by an fp32 matmul and as y.to(bf16) by a bf16 one: same stride, two dtypes
+    "as_is_and_cast": (torch.float32, (8, 16), [lambda y, w: y @ w, _bf16_mm], 2, 2),
+    # a bf16 y up-cast two ways (a LoRA adapter's fp32 copy beside an fp64 one)
+    "float_and_double": (torch.bfloat16, (8, 16), [lambda y, w: y.float() @ w.float(),
+                                                   lambda y, w: y.double() @ w.double()], 2, 2),
+    # same dtype, same stride, different rows: two selections cast alike
+    "two_selections": (torch.float32, (2, 8, 16), [lambda y, w: _bf16_mm(y[0], w), lambda y, w: _bf16_mm(y[1], w)],
+                       2, 2),
+    # a view of y (y's own chain) and a cast of that view (another)
+    "view_and_cast_of_the_view": (torch.float32, (2, 8, 16), [lambda y, w: y.view(16, 16) @ w,
+                                                              lambda y, w: _bf16_mm(y.view(16, 16), w)], 2, 2),
+    # plain views, one at an offset: y's chain each, one rebuild serves both
+    "views_share_one_rebuild": (torch.float32, (2, 8, 16), [lambda y, w: y.view(16, 16) @ w, lambda y, w: y[1] @ w],
+                                2, 1),
+    # the same chain of ops (a permute and a copy) into two layouts: NCHW-contiguous and channels-last
+    "one_chain_two_layouts": (torch.float32, (2, 4, 4, 16), [
+        lambda y, w: _conv(y.permute(0, 3, 1, 2).contiguous(), w),
+        lambda y, w: _conv(y.permute(0, 3, 1, 2).clone(memory_format=torch.channels_last), w)], 2, 2),
+}
+
+
+def _readers_run(dtype, shape, readers, region_open, outside=None):
+    """y = x̂·γ noted (with a rebuild that counts its calls), each reader's output summed into one loss:
+    (ledger bytes, every gradient, recipes, rebuild calls). ``outside``: one more reader after the region closed."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=dtype, requires_grad=True)
+    gamma = torch.rand(shape[-1], dtype=dtype).add(0.5).requires_grad_()
+    ws = [torch.randn(16, 16, requires_grad=True) for _ in readers + ([outside] if outside else [])]
+    calls = []
+
+    def rebuild(t, g):
+        calls.append(1)
+        return t * g
+
+    with SavedTensorLedger([gamma, *ws]) as led:
+        src = x * 1  # x̂: the product's backward keeps it anyway
+        with open_region(region_open) as region:
+            y = src * gamma
+            if region_open:
+                note(y, rebuild, src, gamma)
+            outs = [r(y, w) for r, w in zip(readers, ws)]
+        if outside is not None:
+            outs.append(outside(y, ws[-1]))
+        loss = sum(o.float().pow(2).sum() for o in outs)
+    recipes = region.recipes
+    loss.backward()
+    return led.bytes, [x.grad, gamma.grad, *(w.grad for w in ws)], recipes, len(calls)
+
+
+def _assert_bitwise(got, want):
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a is not None and a.dtype == b.dtype and torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("case", list(CHAINS))
+def test_one_noted_tensor_read_through_different_chains(case):
+    """One rebuild per distinct chain of ops (and layout) from the noted tensor, shared by the recipes of that chain
+    only: a rebuild keyed without its casts hands an fp32 y to a bf16 matmul ('expected m1 and m2 to have the
+    same dtype'); one keyed without the selection, or the layout, hands one reader another's values."""
+    dtype, shape, readers, n_recipes, n_rebuilds = CHAINS[case]
+    plain_bytes, want, _, _ = _readers_run(dtype, shape, readers, False)
+    shared_bytes, got, recipes, rebuilds = _readers_run(dtype, shape, readers, True)
+    assert (recipes, rebuilds) == (n_recipes, n_rebuilds)
+    _assert_bitwise(got, want)
+    assert shared_bytes < plain_bytes
+
+
+def test_a_reader_outside_the_region_keeps_its_own_copy():
+    """The region's notes end with it: a cast of y saved after the region closed is kept as eager autograd keeps
+    it (no recipe, no rebuild for it), beside the two readers inside that share y."""
+    readers = [lambda y, w: y @ w, _bf16_mm]
+    plain_bytes, want, _, _ = _readers_run(torch.float32, (8, 16), readers, False, outside=_bf16_mm)
+    shared_bytes, got, recipes, rebuilds = _readers_run(torch.float32, (8, 16), readers, True, outside=_bf16_mm)
+    assert (recipes, rebuilds) == (2, 2)
+    _assert_bitwise(got, want)
+    # the inside readers' y and bf16 copy are not kept, the outside reader's bf16 copy is
+    assert plain_bytes - shared_bytes == 8 * 16 * 4 + 8 * 16 * 2
+
+
+def test_two_noted_tensors_read_through_the_same_chain_are_rebuilt_apart():
+    """Two noted tensors of one shape, each read through the same cast: two rebuilds, each its own values."""
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 16, requires_grad=True) for _ in range(2)]
+    ws = [torch.randn(16, 4, requires_grad=True) for _ in range(2)]
+    calls = []
+
+    def rebuild(t, s):
+        calls.append(1)
+        return t * s
+
+    def run(region_open):
+        for t in xs + ws:
+            t.grad = None
+        with open_region(region_open) as region:
+            ys = [x * s for x, s in zip(xs, (2.0, 3.0))]
+            if region_open:
+                for x, y, s in zip(xs, ys, (2.0, 3.0)):
+                    note(y, rebuild, x, s)
+            loss = sum(_bf16_mm(y, w).float().sum() for y, w in zip(ys, ws))
+        recipes = region.recipes
+        loss.backward()
+        return recipes, [t.grad.clone() for t in xs + ws]
+
+    _, want = run(False)
+    recipes, got = run(True)
+    assert recipes == 2 and len(calls) == 2
+    _assert_bitwise(got, want)
