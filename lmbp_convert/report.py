@@ -42,6 +42,9 @@ class ConversionReport:
     measured_bytes: tuple[int, int] | None = None
     measured_mode: str = ""  # what that forward ran in (dtype, autocast, train mode, trainable parameters)
     previous: "ConversionReport | None" = field(default=None, repr=False)  # an earlier convert() of this model
+    #: calls of each applied rewrite in a counted stretch of training, {plan tag: {module name: calls}}
+    #: (`lmbp_convert.apply.runs.count_runs`; the trainer callback counts the first step); None: not counted
+    ran: dict[str, dict[str, int]] | None = None
 
     @property
     def swapped(self) -> list[str]:
@@ -69,6 +72,30 @@ class ConversionReport:
         per = (before - after) / max(1, self.plan.probe_tokens)
         return (f"activation memory saved, measured on the probe: {fmt_bytes(before)} → {fmt_bytes(after)}"
                 f"{share}, {fmt_bytes(per)} per {self.plan.probe_unit}; mode: {self.measured_mode}")
+
+    @property
+    def never_ran(self) -> list:
+        """The applied rewrites that the counted training (`ran`) never called ([] where nothing was counted): in
+        place, saving nothing there (a trainer that computes its own loss never calls the memory-sharing one)."""
+        if self.ran is None:
+            return []
+        return [it for it in self.plan.items if not self.ran.get(it.tag, {}).get(it.name, 0)]
+
+    def _ran_line(self) -> str:
+        idle = self.never_ran
+        idle_ids = {id(it) for it in idle}
+        ran = []
+        for kind in self.plan.kinds():
+            items = self.plan.of(kind)
+            hit = sum(1 for it in items if id(it) not in idle_ids)
+            if hit:
+                ran.append(f"{hit} of {len(items)} {kind.noun}")
+        line = "ran in the counted training step: " + (", ".join(ran) or "nothing")
+        idle_by = {}
+        for it in idle:
+            idle_by.setdefault(type(it).noun, []).append(it.name or "<model>")
+        never = "; ".join(f"{noun} ({', '.join(names)})" for noun, names in idle_by.items())
+        return line + (f"; in place but never called: {never}" if never else "")
 
     def _verification_line(self) -> str:
         if self.verification is Verification.NOT_RUN:
@@ -125,6 +152,8 @@ class ConversionReport:
             cause = self.rolled_back_cause.get(label, f"changed outputs, relative error {err:.2e}")
             lines.append(f"rolled back: {label} ({cause})")
         lines.append(self._verification_line())
+        if self.ran is not None:
+            lines.append(self._ran_line())
         if self.measured_bytes is not None:
             lines.append(self._measured_line())
         lines.append(f"predicted activation memory saved: {fmt_bytes(self.plan.predicted_saved_bytes)} on the "

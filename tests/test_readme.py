@@ -4,7 +4,8 @@ Each section (the text under one heading) runs its fenced blocks in order in a f
 checkpoint at ``./llama``: ``python`` blocks are executed, ``bash`` blocks' ``lmbp-convert`` lines go to the CLI's
 ``main``. A line marked ``# test: EXPR`` runs as written, then ``<its names> = EXPR`` (a local model for a hub
 name). A block that uses ``model`` without building it (the README's one-liner) gets the tiny LLaMA. A section importing
-an optional package that is not installed (trl, datasets) is skipped, saying which.
+an optional package that cannot be imported here (trl, datasets: not installed, or built for another transformers)
+is skipped, saying which.
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from testsupport.text import word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/recipes.md")
@@ -59,13 +62,22 @@ def _with_overrides(code: str) -> str:
 
 
 def _missing_optional(code: str) -> list[str]:
-    names = set()
+    """The imports of optional packages in ``code`` that fail here (not installed, or built for another
+    transformers), each as written."""
+    failed = []
     for node in ast.walk(ast.parse(code)):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names = {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module.split(".")[0])
-    return sorted(n for n in names & OPTIONAL if importlib.util.find_spec(n) is None)
+            names = {node.module.split(".")[0]}
+        else:
+            continue
+        if names & OPTIONAL:
+            try:
+                exec(ast.unparse(node), {})
+            except Exception as exc:  # noqa: BLE001 - any failure to import means the recipe cannot run here
+                failed.append(f"{ast.unparse(node)} ({type(exc).__name__}: {exc})")
+    return failed
 
 
 def _run_bash(code: str) -> None:
@@ -84,23 +96,11 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _tiny_tokenizer():
-    """A word-level tokenizer built here (no download), for the recipes that load one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    words = "the sky is blue grass green".split()
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3, **{w: i + 4 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-
-
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "llama"
     _tiny_llama().save_pretrained(path)
-    _tiny_tokenizer().save_pretrained(path)
+    word_tokenizer().save_pretrained(path)  # for the recipes that load one
     return path
 
 
@@ -144,7 +144,7 @@ def test_recipe_runs(doc, heading, blocks, llama_dir, tmp_path, monkeypatch):
     code = "\n".join(c for lang, c in blocks if lang == "python")
     missing = _missing_optional(code) if code else []
     if missing:
-        pytest.skip(f"{', '.join(missing)} not installed: the recipe is shown, not run")
+        pytest.skip(f"{'; '.join(missing)}: the recipe is shown, not run")
     (tmp_path / "llama").symlink_to(llama_dir, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
     cuda_bnb = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None

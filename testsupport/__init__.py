@@ -6,4 +6,5 @@
     triton_stub    the ops' Triton path on a CPU-only machine, every launch a no-op (host-time measurements)
     triton_compile Triton's compile step stubbed on a fake sm_90 driver (`stub_triton_driver`)
     regions        a shared-saves region opened around test code (`open_region`)
+    text           a word-level tokenizer and sentences for the trainer tests and the recipes (no download)
 """

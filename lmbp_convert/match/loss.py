@@ -51,6 +51,8 @@ class LossSwap(PlanItem):
     noun = "LM-head losses"
     heading = "cross-entropy on the head's logits → memory-sharing loss (no fp32 copy of the logits)"
     counted_when_none = False
+    #: it runs when the forward calls ``loss_function``; a trainer computing its own loss never does (TRL's)
+    called_as = "loss_function"
 
     shift: bool = False  # HF's causal form (labels shifted left by one), else the flat one
     classes: int = 0  # the logits' last dim

@@ -36,6 +36,9 @@ class PlanItem:
     inexact_training: ClassVar[str] = ""
     #: serialised field names this kind's plans were written with before a rename → today's (read by `from_dict`)
     former_fields: ClassVar[dict[str, str]] = {}
+    #: what one run of this rewrite is, for counting which rewrites ran (`lmbp_convert.apply.runs.count_runs`): ""
+    #: a forward of module ``name``; else a call of that module's instance attribute of this name (the loss)
+    called_as: ClassVar[str] = ""
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)

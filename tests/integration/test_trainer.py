@@ -101,3 +101,65 @@ def test_trainer_autocast_keeps_norm_output_shared(tmp_path):
     assert any(e.dtype == torch.bfloat16 and e.grad_fn in ("MSNormFunctionBackward", "NoneType")
                and tuple(e.shape) == (2, 12, 64) for e in conv.entries), conv.summary()
     assert conv.bytes < 0.8 * ref.bytes, (conv.bytes, ref.bytes)
+
+
+def _hook_args(tmp_path, **kw):
+    """fp32 (the exact comparison), gradient checkpointing on, 5 logged steps."""
+    return TrainingArguments(output_dir=str(tmp_path), use_cpu=True, gradient_checkpointing=True, max_steps=5,
+                             per_device_train_batch_size=2, report_to=[], save_strategy="no", logging_steps=1,
+                             learning_rate=1e-3, dataloader_num_workers=0, seed=0, disable_tqdm=True, **kw)
+
+
+def _lora_llama():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(hf("llama"), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                  task_type="CAUSAL_LM"))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_convert_callback_with_lora_and_gradient_checkpointing(tmp_path):
+    """The trainer hook (issue 36): `ConvertCallback` converts the model a Trainer holds before the optimizer is
+    built; with PEFT LoRA and gradient checkpointing on, the converted run (``activations=False``) gives the
+    unconverted run's losses within 1e-5 over 5 steps. The first step is counted: every rewrite ran, the
+    model's own loss too (the Trainer calls it)."""
+    from lmbp_convert.integrations import ConvertCallback
+
+    def run(out, callbacks):
+        trainer = Trainer(model=_lora_llama(), args=_hook_args(out), train_dataset=_Rows(10, 12, 128, True),
+                          callbacks=callbacks)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+    want, _ = run(tmp_path / "ref", [])
+    got, trainer = run(tmp_path / "conv", [ConvertCallback(activations=False)])
+    assert len(got) == len(want) == 5 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
+    model = trainer.model
+    report = model.lmbp_report
+    assert any(isinstance(m, MSExactNorm) for m in model.modules()) and report.plan.gated_mlps
+    assert report.ran is not None and report.never_ran == [], report.ran
+    assert report.ran["loss_swaps"] == {"base_model.model": 1}  # one micro-batch, one loss
+    assert report.ran["norm_exact"]["base_model.model.model.layers.0.input_layernorm"] == 2  # and its recompute
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    assert trained == {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+
+
+def test_convert_callback_says_when_it_comes_too_late(tmp_path):
+    """Clear errors: options are checked when the callback is made; a trainer given an optimizer (built before
+    convert() could run) is refused at its __init__; a callback added after the trainer was built never
+    converted, and train() stops before the first step."""
+    from lmbp_convert.integrations import ConvertCallback
+
+    with pytest.raises(ValueError, match="bits"):
+        ConvertCallback(bits=9)
+    model = _lora_llama()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match="optimizer"):
+        Trainer(model=model, args=_hook_args(tmp_path), train_dataset=_Rows(4, 12, 128, True),
+                optimizers=(opt, None), callbacks=[ConvertCallback()])
+    assert not hasattr(model, "lmbp_report")  # nothing converted
+    trainer = Trainer(model=model, args=_hook_args(tmp_path), train_dataset=_Rows(4, 12, 128, True))
+    trainer.add_callback(ConvertCallback())
+    with pytest.raises(RuntimeError, match="callbacks="):
+        trainer.train()
