@@ -29,7 +29,7 @@ import weakref
 import torch
 
 from . import logits_head
-from ._common import HAS_TRITON, check_dtype, refusing_double_backward, use_triton
+from ._common import HAS_TRITON, check_dtype, regrad, twice_differentiable, use_triton
 from ._launch import LeanKernel, next_pow2, spec_key
 from .backends.dispatch import Backend, route
 from .backends.compiled import kernel_op
@@ -261,7 +261,19 @@ _ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
-@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _backward_graph(ctx, g: torch.Tensor):
+    """create_graph=True: the rows' losses recomputed from the saved logits by ``F.cross_entropy`` in the
+    statistics' dtype, differentiated with a graph (no hand-off to the head)."""
+    x, t, lse = ctx.saved_tensors
+    ignore_index, ctx.head = ctx.spec[0], None
+
+    def rows(x):
+        return torch.nn.functional.cross_entropy(x.to(lse.dtype), t, ignore_index=ignore_index, reduction="none")
+
+    return regrad(rows, (x,), ctx.needs_input_grad[:1], g)[0], None, None
+
+
+@twice_differentiable(_backward_graph)
 def _backward(ctx, g: torch.Tensor):
     x, t, lse = ctx.saved_tensors
     ignore_index, triton_path = ctx.spec
