@@ -23,11 +23,12 @@ _LAZY = {
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",
     "Probes": ".trace.second_probe", "checkpoint_for_budget": ".budget", "ActivationBudget": ".budget",
     "BudgetError": ".errors", "ReplacedModuleError": ".errors", "LogitsModifiedError": ".errors",
+    "NoSecondDerivativeError": ".errors",
 }
 
 __all__ = [
     "ActivationBudget", "BudgetError", "CheckpointError", "ConversionError", "ConversionReport", "ConvertOptions",
-    "ExportError", "LmbpError", "LogitsModifiedError",
+    "ExportError", "LmbpError", "LogitsModifiedError", "NoSecondDerivativeError",
     "NothingToConvertError", "ProbeError", "Probes", "ReplacedModuleError", "SavedTensorLedger", "TraceError",
     "convert",
     "plan_conversion", "checkpoint_for_budget",
@@ -37,8 +38,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .apply.convert import convert, plan_conversion
     from .budget import ActivationBudget, checkpoint_for_budget
     from .checkpoint.errors import CheckpointError
-    from .errors import (BudgetError, ConversionError, LmbpError, LogitsModifiedError, NothingToConvertError,
-                         ProbeError, ReplacedModuleError, TraceError)
+    from .errors import (BudgetError, ConversionError, LmbpError, LogitsModifiedError, NoSecondDerivativeError,
+                         NothingToConvertError, ProbeError, ReplacedModuleError, TraceError)
     from .export import ExportError
     from .memory import SavedTensorLedger
     from .options import ConvertOptions

@@ -9,6 +9,8 @@
     ├── CheckpointError                                     (lmbp_convert.checkpoint) bad SRC/DST or request of the CLI
     ├── ReplacedModuleError                (RuntimeError)   a module a fold lives in was replaced by one it cannot follow
     ├── LogitsModifiedError                (RuntimeError)   the logits the memory-sharing loss keeps were edited in place
+    ├── NoSecondDerivativeError            (RuntimeError)   double backward (create_graph=True) through a rewrite that
+    │                                                       cannot differentiate its backward (names the option)
     └── BudgetError                                         checkpoint_for_budget cannot meet the budget or find the layers
 
 The builtin second bases are the ones each class had before it joined the hierarchy, so ``except RuntimeError`` /
@@ -65,5 +67,17 @@ class LogitsModifiedError(LmbpError, RuntimeError):
     autograd's own sentence, so handlers written for that still match."""
 
 
-__all__ = ["BudgetError", "ConversionError", "LmbpError", "LogitsModifiedError", "NothingToConvertError", "ProbeError",
-           "ReplacedModuleError", "TraceError"]
+class NoSecondDerivativeError(LmbpError, RuntimeError):
+    """Double backward (``create_graph=True``: a gradient penalty, a Hessian-vector product) through a rewrite
+    whose backward cannot be differentiated from what it keeps; raised by that backward, naming the rewrite and the
+    ``convert()`` option that turns it off (``option=False``)."""
+
+    def __init__(self, rewrite: str, option: str, why: str = "") -> None:
+        self.rewrite, self.option = rewrite, option
+        super().__init__(f"{rewrite}: no second derivative (create_graph=True) from what it keeps for backward"
+                         + (f" ({why})" if why else "")
+                         + f"; convert with {option}=False to leave these modules as they are")
+
+
+__all__ = ["BudgetError", "ConversionError", "LmbpError", "LogitsModifiedError", "NoSecondDerivativeError",
+           "NothingToConvertError", "ProbeError", "ReplacedModuleError", "TraceError"]

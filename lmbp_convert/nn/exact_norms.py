@@ -97,7 +97,9 @@ class MSExactNorm(ConvertedModule, nn.Module):
                                autocast_dtype_for(x))
         if fused is not None:  # CPU: one node, one pass (ops/exact_norm.py)
             y, xhat = fused
-            note(y, affine_rows, xhat, self.weight, self.bias, one_plus, out, self._n)
+            # x̂ is an output of y's node (with a gradient, for double backward) and the region finds notes by node:
+            # the note's source is x̂ detached, or packing it would look like a copy of y
+            note(y, affine_rows, xhat.detach(), self.weight, self.bias, one_plus, out, self._n)
             return y
         xhat = ms_norm_unchecked(x, self._n, self.eps, is_rms)
         w, b = self.weight, self.bias

@@ -40,7 +40,7 @@ import torch
 
 from ..errors import LogitsModifiedError
 from . import logits_head
-from ._common import HAS_TRITON, check_dtype, refusing_double_backward, use_triton
+from ._common import HAS_TRITON, check_dtype, regrad, twice_differentiable, use_triton
 from ._launch import LeanKernel, next_pow2, spec_key
 from .saved_hooks import top_hooks
 from .backends.dispatch import Backend, route
@@ -312,8 +312,8 @@ class KeptLogits:
             "own loss, which keeps a copy of its own")
 
 
-@refusing_double_backward  # create_graph=True: the result refuses a second backward
-def _backward(ctx, g: torch.Tensor):
+def _saved(ctx) -> tuple:
+    """The saved logits, targets and lse; `LogitsModifiedError` where the logits were edited since forward."""
     kept = ctx.kept
     if kept is not None and not kept.hooked:
         kept.check()
@@ -325,6 +325,25 @@ def _backward(ctx, g: torch.Tensor):
         raise
     if kept is not None:
         kept.check(x)
+    return x, t, lse
+
+
+def _backward_graph(ctx, g: torch.Tensor):
+    """create_graph=True: the rows' losses recomputed from the saved logits by ``F.cross_entropy`` in the
+    statistics' dtype, differentiated with a graph (no hand-off to the head)."""
+    x, t, lse = _saved(ctx)
+    ignore_index, ctx.head = ctx.spec[0], None
+
+    def rows(x):
+        return torch.nn.functional.cross_entropy(x.to(lse.dtype), t, ignore_index=ignore_index, reduction="none")
+
+    return regrad(rows, (x,), ctx.needs_input_grad[:1], g)[0], None, None
+
+
+@twice_differentiable(_backward_graph)
+def _backward(ctx, g: torch.Tensor):
+    x, t, lse = _saved(ctx)
+    kept = ctx.kept
     ignore_index, triton_path = ctx.spec
     head, ctx.head = ctx.head, None  # the node and the logits are not held past the first backward
     base = head[1]() if head is not None else None

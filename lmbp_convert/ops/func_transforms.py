@@ -102,13 +102,4 @@ def gated_mlp(g: torch.Tensor, u: torch.Tensor, weight: torch.Tensor, bias: Opti
     dev = "cuda" if g.is_cuda else g.device.type
     ac = G._autocast_dtype(dev)
     with G._no_autocast(dev):
-        h = gated_act(g, u, act)
-        out = (F.linear(h, weight, bias) if ac is None
-               else F.linear(G._cast(h, ac), G._cast(weight, ac), G._cast(bias, ac)))
-        acc = out
-        for i, (scale, cast_input) in enumerate(lora_meta):
-            a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
-            hx = G._to(h, a_w.dtype) if cast_input else h
-            t = F.linear(G._cast(hx, ac), G._cast(a_w, ac))
-            acc = acc + F.linear(G._cast(t, ac), G._cast(b_w, ac), G._cast(b_b, ac)) * scale
-        return G._to(acc, out.dtype)
+        return G._down(gated_act(g, u, act), weight, bias, lora_meta, lora, ac)

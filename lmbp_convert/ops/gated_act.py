@@ -4,7 +4,8 @@ The elementwise half of `gated_mlp` (its forward h; its backward dg, du and the 
 kernel), also an op on its own (`gated_act`) for down projections the fused op cannot take as tensors. Maths,
 dtypes and dispatch: `lmbp_convert.ops.gated_mlp`'s module doc. Under torch.compile the Triton path is the
 triton_ops ``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` and the PyTorch path the opaque custom ops
-``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``.
+``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. Double backward recomputes h from the saved g, u by the
+PyTorch path's ops and differentiates it with a graph (`_gated_act_backward_graph`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ..enums import GATED_ACT_KINDS
 from . import func_transforms
-from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, refusing_double_backward, use_triton
+from ._common import HAS_TRITON, SUPPORTED_DTYPES, check_dtype, regrad, twice_differentiable, use_triton
 from ._launch import LeanKernel, next_pow2, rows_view
 from .backends.dispatch import Backend, route
 from .backends.compiled import kernel_op
@@ -288,7 +289,16 @@ def _elementwise_bwd(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, act: st
     return _bwd_triton(dh, g, u, act, h_dtype, dg_into_dh=dg_into_dh)
 
 
-@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _gated_act_backward_graph(ctx, dh):
+    """create_graph=True: h = act(g)·u recomputed from the saved g, u by the PyTorch path's ops, differentiated with
+    a graph (the activation's exact second derivative, ATen's)."""
+    g, u = ctx.saved_tensors
+    h_dtype = torch.promote_types(g.dtype, u.dtype)
+    dg, du = regrad(lambda g, u: _fwd_torch(g, u, ctx.act, h_dtype), (g, u), ctx.needs_input_grad[:2], dh)
+    return dg, du, None
+
+
+@twice_differentiable(_gated_act_backward_graph)
 def _gated_act_backward(ctx, dh):
     g, u = ctx.saved_tensors
     dg, du, _ = (_bwd_triton if ctx.triton_path else _bwd_torch)(dh, g, u, ctx.act, None)

@@ -31,6 +31,10 @@ other launches go through `LeanKernel`; under torch.compile the Triton path is t
 ``lmbp_convert::gated_act_fwd`` / ``gated_act_bwd`` (inductor emits the launches) and the PyTorch path the opaque
 custom ops ``lmbp_convert::gated_mlp_fwd`` / ``gated_mlp_bwd``. The matmuls are ordinary PyTorch calls.
 
+Double backward (``create_graph=True``): the backward recomputes the forward from the saved g, u and parameters by
+torch's own ops (the PyTorch path's h, `_down`) and differentiates it with a graph (`_common.twice_differentiable`),
+so a gradient penalty through the op is the original's; the first-order path above is unchanged.
+
 Files: the elementwise half (kernels, PyTorch path, compile registration, `gated_act`) is `ops.gated_act`,
 re-exported here; this file holds the down projection, its LoRA terms, dtype policy and the autograd Function.
 """
@@ -43,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from . import func_transforms
-from ._common import HAS_TRITON, refusing_double_backward, use_triton
+from ._common import HAS_TRITON, regrad, twice_differentiable, use_triton
 from .backends import cuda_host
 from .backends.dispatch import Backend, route
 # The elementwise half (kernels, PyTorch path, compile registration, `gated_act`), re-exported.
@@ -131,7 +135,45 @@ def _mm_t(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------------
 # autograd.Functions
 # ------------------------------------------------------------------------------------------------------
-@refusing_double_backward  # create_graph=True: the result refuses a second backward
+def _down(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], lora_meta, lora,
+          ac: Optional[torch.dtype]) -> torch.Tensor:
+    """``W h + b + Σ scale · B(A(h))`` with eager's casts (autocast dtype ``ac``, PEFT's input cast; the callers turn
+    autocast off around it): the forward's down projection, and what the double backward and torch.func run."""
+    out = (F.linear(h, weight, bias) if ac is None
+           else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
+    out_dtype = out.dtype
+    acc = out
+    for i, (scale, cast_input) in enumerate(lora_meta):
+        a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
+        hx = _to(h, a_w.dtype) if cast_input else h
+        t = F.linear(_cast(hx, ac), _cast(a_w, ac))
+        acc = acc + F.linear(_cast(t, ac), _cast(b_w, ac), _cast(b_b, ac)) * scale
+    return _to(acc, out_dtype)
+
+
+def _gated_mlp_backward_graph(ctx, dy):
+    """create_graph=True: the forward recomputed from the saved g, u and parameters by torch's own ops (the
+    PyTorch path's h, `_down` with the forward's autocast dtype), differentiated with a graph. The down weight is
+    saved only where g or u needs a gradient, the bias never: the output is linear in both, so a zero stand-in
+    gives their gradients (dW = dYᵀ·h, db = Σ dY) and nothing else depends on their values."""
+    g, u, weight, *lora = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    ac, h_dtype, act, meta, _, weight_dtype, bias_dtype = ctx.spec
+    if weight is None:
+        weight = torch.zeros(dy.shape[-1], g.shape[-1], dtype=weight_dtype, device=g.device,
+                             requires_grad=needs[2])
+    bias = (torch.zeros(dy.shape[-1], dtype=bias_dtype, device=g.device, requires_grad=True)
+            if bias_dtype is not None and needs[3] else None)
+
+    def forward(g, u, weight, bias, *lora):
+        with _no_autocast("cuda" if g.is_cuda else g.device.type):
+            return _down(_fwd_torch(g, u, act, h_dtype), weight, bias, meta, lora, ac)
+
+    grads = regrad(forward, (g, u, weight, bias, *lora), needs[:4] + needs[6:], dy)
+    return (*grads[:4], None, None, *grads[4:])
+
+
+@twice_differentiable(_gated_mlp_backward_graph)
 def _gated_mlp_backward(ctx, dy):
     """`GatedMLPFunction`'s backward (see the module docstring for the maths)."""
     g, u, weight, *lora = ctx.saved_tensors
@@ -211,17 +253,8 @@ class GatedMLPFunction(torch.autograd.Function):
         triton_path = use_triton(g) and use_triton(u) and g.get_device() == u.get_device()
         with _no_autocast(dev):
             h = _elementwise_fwd(g, u, act, h_dtype, triton_path)
-            out = (F.linear(h, weight, bias) if ac is None
-                   else F.linear(_cast(h, ac), _cast(weight, ac), _cast(bias, ac)))
-            out_dtype = out.dtype
-            acc = out
-            for i, (scale, cast_input) in enumerate(lora_meta):
-                a_w, b_w, b_b = lora[3 * i: 3 * i + 3]
-                hx = _to(h, a_w.dtype) if cast_input else h
-                t = F.linear(_cast(hx, ac), _cast(a_w, ac))
-                acc = acc + F.linear(_cast(t, ac), _cast(b_w, ac), _cast(b_b, ac)) * scale
-            out = _to(acc, out_dtype)
-            del h, acc
+            out = _down(h, weight, bias, lora_meta, lora, ac)
+            del h
         # dh needs the weights only when g or u needs a gradient; h is recomputed from g, u.
         need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
@@ -304,10 +337,10 @@ class _SavedCtx:
 
 
 def _host_backward_graph(dy, saved, needs, ac, h_dtype, code, scales, casts, weight_dtype, bias_dtype):
-    """The C++ node's backward under create_graph: `GatedMLPFunction`'s, whose result refuses a second one."""
+    """The C++ node's backward under create_graph: `GatedMLPFunction`'s differentiable one (recomputed forward)."""
     ctx = _SavedCtx()
     ctx.saved_tensors = saved
     ctx.needs_input_grad = tuple(needs[:4]) + (False, False) + tuple(needs[4:])
     meta = tuple((s, bool(casts >> i & 1)) for i, s in enumerate(scales))
     ctx.spec = (ac, h_dtype, _ACT_BY_CODE[code], meta, True, weight_dtype, bias_dtype)
-    return _gated_mlp_backward.once(ctx, dy)
+    return _gated_mlp_backward.graph(ctx, dy)

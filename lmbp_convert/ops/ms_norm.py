@@ -15,6 +15,12 @@ Statistics are computed in fp32 (fp64 for fp64 inputs, PyTorch path only, for gr
 computed in fp32 from the saved output; note that for a low-precision output ŷ is the rounded value, which is
 the approximation the method accepts.
 
+Double backward (``create_graph=True``): the backward formula written in torch ops (`norm_bwd_ops`) on the saved
+ŷ, an output of the node (its graph leads back to x through the node), and rstd, `_common.linked` to the node: the
+next backward hands rstd's gradient to the node's backward, which adds ∂rstd/∂x = −rstd²·ŷ/n of it (a direction
+the norm's Jacobian cannot send). Differentiating it is the norm's exact second derivative (up to ŷ's own
+rounding). The first-order path (kernels, native CPU, what the node saves) is unchanged.
+
 Dispatch (in the order of `backends.dispatch.TABLE`): Triton kernels for CUDA tensors (`use_triton`), the PyTorch
 path (`_fwd_torch` / `_bwd_torch`) everywhere else; both share one signature so tests compare them directly. Eager calls run in C++ where the host
 path is on (`cuda_host`, LMBP_CUDA_HOST=1), else their launches go through
@@ -30,8 +36,9 @@ from typing import Sequence
 import torch
 
 from . import func_transforms
-from ._common import (HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, refusing_double_backward,
-                      use_triton)
+from ..errors import NoSecondDerivativeError
+from ._common import (HAS_TRITON, SUPPORTED_DTYPES, autocast_dtype_for, check_dtype, handed, linked,
+                      twice_differentiable, use_triton)
 from ._launch import LeanKernel, next_pow2, rows_view
 from .backends import cpu_native, cuda_host
 from .backends.dispatch import Backend, route
@@ -350,15 +357,59 @@ _ms_norm_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function (eager) and public API
 # ------------------------------------------------------------------------------------------------------
-@refusing_double_backward  # create_graph=True: the result refuses a second backward
-def _backward(ctx, g: torch.Tensor):
+def norm_bwd_ops(g: torch.Tensor | None, xhat: torch.Tensor, rstd: torch.Tensor, g_rstd: torch.Tensor | None,
+                 is_rms: bool) -> torch.Tensor:
+    """dx of the affine-free norm over the rows (rows, n) of ``xhat`` (``g``: the gradient of x̂, ``g_rstd``: of
+    rstd, either None), in differentiable torch ops, in the dtype of ``xhat`` (the caller's compute dtype):
+
+        dx = rstd · (g − x̂ · mean(g·x̂) [− mean(g)])  −  rstd² / n · g_rstd · x̂
+
+    (∂rstd/∂x = −rstd²·x̂/n for both norms). With x̂ and rstd the node's outputs, their graphs lead back to x, so
+    differentiating this is the norm's exact second derivative (up to x̂'s own rounding)."""
+    r = rstd.reshape(-1, 1).to(xhat.dtype)
+    dx = torch.zeros_like(xhat)
+    if g is not None:
+        dx = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
+        if not is_rms:
+            dx = dx - g.mean(dim=1, keepdim=True)
+        dx = dx * r
+    if g_rstd is not None and xhat.shape[1]:
+        dx = dx - (r * r) * g_rstd.reshape(-1, 1).to(xhat.dtype) * xhat / xhat.shape[1]
+    return dx
+
+
+def _bwd_ops(g: torch.Tensor | None, y: torch.Tensor, rstd: torch.Tensor, g_rstd: torch.Tensor | None, is_rms: bool,
+             x_dtype: torch.dtype) -> torch.Tensor:
+    """`norm_bwd_ops` on the saved output, fp32 (fp64 for fp64), dx in x's dtype and y's shape."""
+    cdt = _compute_dtype(x_dtype)
+    rows = rstd.numel()
+    n = y.numel() // rows if rows else 0
+    gf = None if g is None else g.reshape(rows, n).to(cdt)
+    return norm_bwd_ops(gf, y.reshape(rows, n).to(cdt), rstd, g_rstd, is_rms).to(x_dtype).reshape(y.shape)
+
+
+def _backward_graph(ctx, g):
+    """create_graph=True: the backward formula in torch ops on the saved y, an output of the node (its graph leads
+    to x through the node), and rstd, `linked` to the node (a later backward hands its gradient here)."""
     y, rstd = ctx.saved_tensors
+    is_rms, x_dtype, _ = ctx.spec
+    got = handed(ctx) or {}
+    dx = _bwd_ops(g, y, linked(ctx, "rstd", rstd, y), got.get("rstd"), is_rms, x_dtype)
+    return dx, None, None, None, None
+
+
+@twice_differentiable(_backward_graph)
+def _backward(ctx, g):
+    y, rstd = ctx.saved_tensors
+    is_rms, x_dtype, triton_path = ctx.spec
+    got = handed(ctx)
+    if got is not None:  # a second backward, through `_backward_graph`: rstd's gradient handed here
+        return _bwd_ops(g, y, rstd, got.get("rstd"), is_rms, x_dtype), None, None, None, None
     if torch.compiler.is_compiling():
         # Dynamo traces this backward with the gradient's layout it speculates; the one it gets may be transposed
         # (nn.MultiheadAttention's batch_first input), which the rows view below could not view: an explicit
         # contiguous copy (the graph's to fuse; eager reshape copies such a gradient anyway)
         g = g.clone(memory_format=torch.contiguous_format)
-    is_rms, x_dtype, triton_path = ctx.spec
     dx = (_bwd_triton if triton_path else _bwd_torch)(g, y, rstd, is_rms, x_dtype)
     return dx, None, None, None, None
 
@@ -445,15 +496,13 @@ def _host_plan(n: int) -> tuple[int, int, int, int]:
     return tuple(cuda_host.slot(k, (rms, block), warps) for k in (fwd, bwd) for rms in (False, True))
 
 
-class _SavedCtx:
-    __slots__ = ("saved_tensors", "spec")
-
-
 def _host_backward_graph(g: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor, is_rms: bool, x_dtype: torch.dtype):
-    """The C++ node's backward under create_graph: the Python Function's, whose result refuses a second one."""
-    ctx = _SavedCtx()
-    ctx.saved_tensors, ctx.spec = (y, rstd), (is_rms, x_dtype, True)
-    return _backward.once(ctx, g)[0]
+    """The C++ node's backward under create_graph. Its rstd cannot be `linked` (the node's own backward in C++
+    takes no hand-off), so there is no real second derivative: refused, naming the switches (the Python path,
+    LMBP_CUDA_HOST=0, has one)."""
+    raise NoSecondDerivativeError(
+        "memory-sharing norm on the C++ host path (LMBP_CUDA_HOST=1)", "norms",
+        "its node treats rstd as a constant; LMBP_CUDA_HOST=0 runs the Python path, which differentiates it")
 
 
 def ms_norm_unchecked(x: torch.Tensor, n: int, eps: float, is_rms: bool) -> torch.Tensor:

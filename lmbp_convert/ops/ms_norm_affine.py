@@ -22,6 +22,11 @@ rows × k in the input's dtype, plus LayerNorm's per-row mean) and rebuilds x̂ 
 module (`lmbp_convert.nn.affine_norms`) chooses k at every forward and falls back to the plain norm when more
 than half the channels would need it. Measured errors: docs/affine_ms_norm.md.
 
+Double backward (``create_graph=True``): the backward written in torch ops (`_bwd_ops`) on y (an output of the
+node), γ, β (inputs) and rstd, the kept columns and the row means, `_common.linked` to the node (the next backward
+hands their gradients to the node's backward, which sends them on to x): the norm's exact second derivative (up
+to y's rounding). The first-order path is unchanged.
+
 Dispatch: Triton kernels for CUDA tensors (rows up to ``MAX_BLOCK`` elements; longer rows and every other device
 take the PyTorch path, same signature and semantics, the reference in tests).
 """
@@ -31,7 +36,8 @@ import torch
 
 from ..fold import BETA_RATIO, GAMMA_FLOOR, unreliable_channels
 from . import func_transforms
-from ._common import HAS_TRITON, autocast_dtype_for, check_dtype, use_triton
+from ._common import HAS_TRITON, autocast_dtype_for, check_dtype, handed, linked, twice_differentiable, use_triton
+from .ms_norm import norm_bwd_ops
 
 if HAS_TRITON:
     import triton
@@ -224,6 +230,65 @@ def _bwd_torch(g, y, w, b, rstd, mean, keep_idx, side, is_rms, one_plus, x_dtype
 # ------------------------------------------------------------------------------------------------------
 # autograd.Function and public API
 # ------------------------------------------------------------------------------------------------------
+def _bwd_ops(ctx, g, rstd, mean, side, got: dict):
+    """The backward in differentiable torch ops: x̂ = (y − β)/γ from the saved y (an output of the node), γ, β (its
+    inputs), and for the kept channels x̂ = (x − mean)·rstd from their input columns; ``rstd``, ``mean``, ``side``:
+    the saved ones, or `linked` to the node (create_graph). ``got``: gradients handed to those (a second backward),
+    which go back to x: rstd's by −rstd²·x̂/n, the means' by 1/n (LayerNorm), the columns' into their columns."""
+    y, _, w, b, _, keep_idx, _ = ctx.saved_tensors
+    is_rms, one_plus, x_dtype, _, w_dtype, b_dtype = ctx.flags
+    cdt = _cdt(x_dtype)
+    n = w.numel()
+    rows = rstd.numel()
+    gamma = w.to(cdt) + 1.0 if one_plus else w.to(cdt)
+    yf = y.reshape(rows, n).to(cdt)
+    if b is not None:
+        yf = yf - b.to(cdt)
+    safe = torch.where(gamma == 0, torch.ones_like(gamma), gamma)  # γ = 0 (a guard one update late): x̂ = 0
+    if side is not None:
+        safe = safe.index_fill(0, keep_idx, 1.0)
+    xh = yf / safe
+    if side is not None:  # the kept channels from their input columns, as the first-order backward
+        xh = xh.index_copy(1, keep_idx, (side.to(cdt) - mean.reshape(rows, 1).to(cdt)) * rstd.reshape(rows, 1).to(cdt))
+    gf = None if g is None else g.reshape(rows, n).to(cdt)
+    dx = norm_bwd_ops(None if gf is None else gf * gamma, xh, rstd, got.get("rstd"), is_rms)
+    if got.get("side") is not None:  # the kept columns are x's own columns
+        dx = dx.index_add(1, keep_idx, got["side"].to(cdt))
+    if got.get("mean") is not None and not is_rms:  # an RMSNorm's "mean" is a constant 0
+        dx = dx + got["mean"].reshape(rows, 1).to(cdt) / n
+    dx = dx.to(x_dtype).reshape(y.shape)
+    dw = db = None
+    if gf is not None and ctx.needs_input_grad[1]:
+        dw = (gf * xh).sum(0).to(w_dtype)
+    if gf is not None and b is not None and ctx.needs_input_grad[2]:
+        db = gf.sum(0).to(b_dtype)
+    return dx, dw, db, None, None, None, None, None, None
+
+
+def _backward_graph(ctx, g):
+    """create_graph=True: `_bwd_ops` with rstd (and the kept columns, the means) `linked` to the node."""
+    y, rstd, _, _, mean, _, side = ctx.saved_tensors
+    got = handed(ctx) or {}
+    rstd = linked(ctx, "rstd", rstd, y)
+    if side is not None:
+        mean, side = linked(ctx, "mean", mean, y), linked(ctx, "side", side, y)
+    return _bwd_ops(ctx, g, rstd, mean, side, got)
+
+
+@twice_differentiable(_backward_graph)
+def _backward(ctx, g):
+    y, rstd, w, b, mean, keep_idx, side = ctx.saved_tensors
+    got = handed(ctx)
+    if got is not None:  # a second backward, through `_backward_graph`: gradients handed to rstd, means, columns
+        return _bwd_ops(ctx, g, rstd, mean, side, got)
+    is_rms, one_plus, x_dtype, triton_path, w_dtype, b_dtype = ctx.flags
+    fn = _bwd_triton if triton_path else _bwd_torch
+    dx, dw, db = fn(g, y, w, b, rstd, mean, keep_idx, side, is_rms, one_plus, x_dtype)
+    dw = dw.to(w_dtype) if ctx.needs_input_grad[1] else None
+    db = db.to(b_dtype) if b is not None and ctx.needs_input_grad[2] else None
+    return dx, dw, db, None, None, None, None, None, None
+
+
 class MSAffineNormFunction(torch.autograd.Function):
     """y = norm(x)·γ + β over rows of ``n``; saves y, rstd (and, for unreliable channels, their input columns)."""
 
@@ -244,16 +309,7 @@ class MSAffineNormFunction(torch.autograd.Function):
         ctx.flags = (is_rms, one_plus, x.dtype, triton_path, weight.dtype, bias.dtype if bias is not None else None)
         return y
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        y, rstd, w, b, mean, keep_idx, side = ctx.saved_tensors
-        is_rms, one_plus, x_dtype, triton_path, w_dtype, b_dtype = ctx.flags
-        fn = _bwd_triton if triton_path else _bwd_torch
-        dx, dw, db = fn(g, y, w, b, rstd, mean, keep_idx, side, is_rms, one_plus, x_dtype)
-        dw = dw.to(w_dtype) if ctx.needs_input_grad[1] else None
-        db = db.to(b_dtype) if b is not None and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None, None, None, None
+    backward = staticmethod(_backward)
 
 
 def plain_norm_affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, eps: float,

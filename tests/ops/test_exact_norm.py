@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lmbp_convert.ops.backends import cpu_native as N
 from lmbp_convert.ops.exact_norm import exact_norm_cpu
@@ -75,10 +76,15 @@ def test_not_for_other_devices_dtypes_or_transforms():
     assert seen == [None]
 
 
-def test_double_backward_is_refused_as_the_norms_own():
+def test_double_backward_is_the_norms_own():
+    """create_graph=True: x̂ and rstd are outputs of the node, so the backward's torch ops differentiate back to x
+    (tests/ops/test_double_backward.py compares every variant with torch's norm)."""
     x = torch.randn(3, 16, requires_grad=True)
-    w = torch.ones(16, requires_grad=True)
+    w = (torch.rand(16) + 0.5).requires_grad_()
     y, _ = exact_norm_cpu(x, 16, 1e-5, False, w, None, False, torch.float32, torch.float32)
-    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
+    gx, gw = torch.autograd.grad(y.square().sum(), (x, w), create_graph=True)
+    got = torch.autograd.grad(gx.pow(3).sum() + gw.pow(2).sum(), (x, w))
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    gxr, gwr = torch.autograd.grad(F.layer_norm(xr, (16,), wr, None, 1e-5).square().sum(), (xr, wr), create_graph=True)
+    for a, b in zip(got, torch.autograd.grad(gxr.pow(3).sum() + gwr.pow(2).sum(), (xr, wr))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -104,11 +104,15 @@ def test_gradcheck_float64(kind, nshape, shape):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_double_backward_is_refused(kind):
+def test_double_backward_is_torchs(kind):
+    """create_graph=True: the backward's torch ops differentiate through ŷ and rstd (tests/ops/test_double_backward.py
+    has gradgradcheck)."""
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     (gx,) = torch.autograd.grad(ms(kind, x, 8).pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError):
-        gx.sum().backward()
+    (ggx,) = torch.autograd.grad(gx.pow(3).sum(), x)
+    xr = x.detach().clone().requires_grad_()
+    (gr,) = torch.autograd.grad(ref(kind, xr, 8, default_eps(kind)).pow(2).sum(), xr, create_graph=True)
+    torch.testing.assert_close(ggx, torch.autograd.grad(gr.pow(3).sum(), xr)[0])
 
 
 # --------------------------------------------------------------------------------------- output dtype policy

@@ -17,7 +17,9 @@ Back ends (`lmbp_convert.enums.Backend`), each with its condition (`APPLIES`):
 `route` gives the first back end of an op's row whose condition holds; the op file holds one hook per back end
 (its ``torch.ops`` call, its C++ entry, its Triton launcher, its reference, in which the native entry point is the
 first line). A backward runs where its forward ran (the autograd node that back end made: the C++ node, the
-library op's registered autograd, the Function's); what double backward takes is each op's own rule.
+library op's registered autograd, the Function's); under ``create_graph=True`` every eager backward takes the op's
+differentiable form in torch ops instead (`ops._common.twice_differentiable`; the C++ nodes call it back), where
+no native kernel applies (`cpu_native` declines a result autograd must record).
 """
 from __future__ import annotations
 

@@ -26,6 +26,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -527,7 +528,7 @@ struct NormPlan {
 };
 std::unordered_map<int64_t, NormPlan> g_norm_plans;  // row length -> slots
 PyObject* g_norm_plan_cb = nullptr;  // Python: n -> (fwd_ln, fwd_rms, bwd_ln, bwd_rms) slots
-PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype) -> dx, once differentiable
+PyObject* g_norm_fallback = nullptr;  // Python: (g, y, rstd, is_rms, x dtype) under create_graph: refuses
 
 const NormPlan& norm_plan(int64_t n) {  // called with the GIL (forward)
   auto it = g_norm_plans.find(n);
@@ -580,14 +581,14 @@ struct MSNormFn : public torch::autograd::Function<MSNormFn> {
     bool is_rms = ctx->saved_data["r"].toBool();
     auto x_dtype = at::ScalarType(ctx->saved_data["d"].toInt());
     at::Tensor dx;
-    if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, whose result refuses a second one
+    if (at::GradMode::is_enabled()) {  // create_graph: the Python callback, which refuses (an LmbpError, kept)
       Gil gil;
       PyObject* args = Py_BuildValue("(NNNOO)", THPVariable_Wrap(g), THPVariable_Wrap(y), THPVariable_Wrap(rstd),
                                      is_rms ? Py_True : Py_False,
                                      reinterpret_cast<PyObject*>(torch::getTHPDtype(x_dtype)));
       PyObject* r = args ? PyObject_CallObject(g_norm_fallback, args) : nullptr;
       Py_XDECREF(args);
-      if (!r) throw std::runtime_error(take_python_error());
+      if (!r) throw python_error();  // the Python exception itself, re-raised by autograd's engine
       dx = THPVariable_Unpack(r);
       Py_DECREF(r);
     } else {
@@ -675,7 +676,7 @@ struct GatedPlan {
 };
 std::unordered_map<int64_t, GatedPlan> g_gated_plans;  // (act code, row length) -> kernels
 PyObject* g_gated_plan_cb = nullptr;   // Python: (code, n) -> (block, fwd slot, bwd slot, bwd slot storing h)
-PyObject* g_gated_fallback = nullptr;  // Python: create_graph backward (the Function's, once differentiable)
+PyObject* g_gated_fallback = nullptr;  // Python: create_graph backward (the Function's differentiable one)
 PyObject* g_parameter_type = nullptr;  // torch.nn.Parameter
 
 const GatedPlan& gated_plan(int64_t code, int64_t n) {  // called with the GIL (forward)
@@ -848,7 +849,7 @@ struct GatedMLPFn : public torch::autograd::Function<GatedMLPFn> {
     variable_list full(4 + 3 * k);  // gradients by full position; returned below in autograd's argument layout
     auto& out = full;
     const at::Tensor& dy = grads[0];
-    if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, whose result refuses a second one
+    if (at::GradMode::is_enabled()) {  // create_graph: the Python backward, differentiable (recomputed forward)
       Gil gil;
       PyObject* ts = PyTuple_New(Py_ssize_t(saved.size()));
       for (size_t j = 0; j < saved.size(); ++j) PyTuple_SET_ITEM(ts, j, THPVariable_Wrap(saved[j]));
