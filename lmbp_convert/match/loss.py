@@ -158,8 +158,8 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 def _run_with_labels(model: nn.Module, probe: Any, labels: torch.Tensor) -> Any:
     with torch.no_grad(), training_mode(model, False):
-        if isinstance(probe, dict):
-            return model(**probe, labels=labels)
+        if isinstance(probe, dict):  # a probe with its own labels: the check's labels stand in for them
+            return model(**{**probe, "labels": labels})
         if isinstance(probe, (list, tuple)):
             return model(*probe, labels=labels)
         return model(probe, labels=labels)

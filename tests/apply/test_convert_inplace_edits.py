@@ -29,6 +29,7 @@ from testsupport.families import hf, lora_on_every_linear, registry
 
 FAMILIES = registry()
 INPLACE = "modified by an inplace operation"
+CAUSAL = {"llama", "lora_llama", "mixtral"}  # causal LMs: trained with labels through the memory-sharing loss
 
 
 def _model(family: str, dtype: torch.dtype):
@@ -104,13 +105,15 @@ def test_an_edit_between_forward_and_backward_behaves_as_on_the_original(family,
     dtype = torch.bfloat16 if autocast else mode
     original = _model(family, torch.float32 if autocast else mode)
     probe = make_probe(copy.deepcopy(original))[0]
-    if family.endswith("llama"):  # labels: the loss the memory-sharing loss replaces
+    causal = family in CAUSAL
+    if causal:  # labels: the loss the memory-sharing loss replaces
         probe = dict(probe, labels=probe["input_ids"].clone())
     # activations=False: exact training, so "the same gradients" is a rounding bound, not the approximation's
     converted = convert(copy.deepcopy(original), probe=probe, activations=False, measure=False)
     plan = converted.lmbp_report.plan
     assert plan.items, str(converted.lmbp_report)
     keeps_logits = bool(plan.of(LossSwap))  # the memory-sharing loss keeps the logits, not a copy
+    assert keeps_logits == causal, str(converted.lmbp_report)  # its edit case is exercised
     _, unedited = _step(copy.deepcopy(original), probe, None, autocast)
     problems = []
     for label, what in _edits(original).items():

@@ -158,3 +158,12 @@ def test_a_head_whose_forward_the_user_set_keeps_the_plain_path():
     assert item.head == ""
     (skip,) = [s for s in plan.skips if s.name == "lm_head"]
     assert skip.why.code is ReasonCode.USERS_OWN
+
+
+@needs_hook
+def test_a_probe_with_its_own_labels_is_planned_as_one_without():
+    """The user's probe may carry labels (a training batch): the check calls' labels stand in for them, where the
+    probe run used to fail with "got multiple values for keyword argument 'labels'" and the loss was skipped."""
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    plan = plan_conversion(hf("llama"), probe={"input_ids": ids, "labels": ids.clone()}, **LOSS_ONLY)
+    assert [i for i in plan.items if isinstance(i, LossSwap)], _skips(plan)
