@@ -42,7 +42,7 @@ from ..errors import LogitsModifiedError
 from . import logits_head
 from ._common import HAS_TRITON, check_dtype, regrad, twice_differentiable, use_triton
 from ._launch import LeanKernel, next_pow2, spec_key
-from .saved_hooks import top_hooks
+from .saved_hooks import Watched, top_hooks
 from .backends.dispatch import Backend, route
 from .backends.compiled import kernel_op
 
@@ -278,36 +278,34 @@ _ce_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
 _MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
 
 
-class KeptLogits:
+class KeptLogits(Watched):
     """Whether the logits a backward reads were modified in place since forward.
 
     The loss keeps the logits' storage, not a copy (the memory it saves), so an edit of ``outputs.logits`` after
     forward would change its gradient. Autograd's version check does not see it under saved-tensor hooks (the
     exact norms' region, ``save_on_cpu``), and without hooks it raises without naming the logits. So forward
-    records a weak reference to the tensor whose version counter they share (their base: the head's output, which
-    ``outputs.logits`` is), its version and the storage; `check` compares, before the unpack where no hooks were
-    open (autograd's own check would raise first), on the unpacked tensor where hooks were (a copy they made,
-    being another storage, is unaffected), and where hooks that keep the logits themselves raise autograd's error
-    at the unpack (this package's, `saved_hooks`), as this error, naming the logits. Weak: it keeps nothing alive
-    that the hooks would free or move."""
+    watches the tensor whose version counter they share (`saved_hooks.Watched`: their base, the head's output,
+    which ``outputs.logits`` is); `check` compares, before the unpack where no hooks were open (autograd's own
+    check would raise first), on the unpacked tensor where hooks were (a copy they made, being another storage,
+    is unaffected), and where hooks that keep the logits themselves raise autograd's error at the unpack (this
+    package's, `saved_hooks`), as this error, naming the logits."""
 
-    __slots__ = ("base", "version", "ptr", "shape", "dtype", "hooked")
+    __slots__ = ("shape", "dtype", "hooked")
 
     def __init__(self, x: torch.Tensor) -> None:
-        base = x if x._base is None else x._base
-        self.base, self.version, self.ptr = weakref.ref(base), base._version, x.data_ptr()
+        super().__init__(x)
         self.shape, self.dtype = list(x.shape), x.dtype
         self.hooked = top_hooks is None or top_hooks(False) is not None
 
     def check(self, x: torch.Tensor | None = None) -> None:
         """Raise `LogitsModifiedError` if the logits were modified in place since forward; ``x``: the tensor
         backward reads (None: before it is unpacked)."""
-        base = self.base()
-        if base is None or base._version == self.version or (x is not None and x.data_ptr() != self.ptr):
+        now = self.modified(x)
+        if now is None:
             return
         raise LogitsModifiedError(
             f"{_MODIFIED}: the logits {self.shape} ({str(self.dtype).replace('torch.', '')}) that the memory-sharing "
-            f"loss keeps for backward (their storage, not a copy) are at version {base._version}; they were saved at "
+            f"loss keeps for backward (their storage, not a copy) are at version {now}; they were saved at "
             f"version {self.version}. Edit a copy (logits.clone()), or convert(..., loss=False) to keep the model's "
             "own loss, which keeps a copy of its own")
 

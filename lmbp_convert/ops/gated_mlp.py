@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from . import func_transforms
 from ._common import HAS_TRITON, regrad, twice_differentiable, use_triton
+from .saved_hooks import Watched
 from .backends import cuda_host
 from .backends.dispatch import Backend, route
 # The elementwise half (kernels, PyTorch path, compile registration, `gated_act`), re-exported.
@@ -151,12 +152,21 @@ def _down(h: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], l
     return _to(acc, out_dtype)
 
 
+def _saved(ctx) -> tuple:
+    """g, u, the down weight and the LoRA tensors, each checked against the version it had in forward."""
+    saved = ctx.saved_tensors
+    for w, t in zip(getattr(ctx, "watched", ()), saved):
+        if w is not None and t is not None:
+            w.check(t, "the fused gated MLP, which recomputes from it (gated_mlp=False saves as plain autograd)")
+    return saved
+
+
 def _gated_mlp_backward_graph(ctx, dy):
     """create_graph=True: the forward recomputed from the saved g, u and parameters by torch's own ops (the
     PyTorch path's h, `_down` with the forward's autocast dtype), differentiated with a graph. The down weight is
     saved only where g or u needs a gradient, the bias never: the output is linear in both, so a zero stand-in
     gives their gradients (dW = dYᵀ·h, db = Σ dY) and nothing else depends on their values."""
-    g, u, weight, *lora = ctx.saved_tensors
+    g, u, weight, *lora = _saved(ctx)
     needs = ctx.needs_input_grad
     ac, h_dtype, act, meta, _, weight_dtype, bias_dtype = ctx.spec
     if weight is None:
@@ -176,7 +186,7 @@ def _gated_mlp_backward_graph(ctx, dy):
 @twice_differentiable(_gated_mlp_backward_graph)
 def _gated_mlp_backward(ctx, dy):
     """`GatedMLPFunction`'s backward (see the module docstring for the maths)."""
-    g, u, weight, *lora = ctx.saved_tensors
+    g, u, weight, *lora = _saved(ctx)
     needs = ctx.needs_input_grad
     ac, h_dtype, act, meta, triton_path, weight_dtype, bias_dtype = ctx.spec
     lora_needs = needs[6:]
@@ -259,6 +269,9 @@ class GatedMLPFunction(torch.autograd.Function):
         need_dh = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         ctx.save_for_backward(g, u, weight if need_dh else None, *lora)
         ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
+        # backward recomputes h, A(h) and (under autocast) the weights' casts from these: an in-place edit since
+        # forward must raise, also where enclosing saved-tensor hooks switch autograd's own check off
+        ctx.watched = tuple(None if t is None else Watched(t) for t in (g, u, weight if need_dh else None, *lora))
         return out
 
     backward = staticmethod(_gated_mlp_backward)

@@ -368,3 +368,21 @@ def test_custom_ops_opcheck():
         for h_dtype in (torch.float32, None):
             torch.library.opcheck(torch.ops.lmbp_convert.gated_mlp_bwd.default, (dh, g, u, "gelu", h_dtype, triton),
                                   test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("edit", ["a_weight", "weight", "g"])
+def test_an_edit_of_what_backward_recomputes_from_raises_under_enclosing_hooks(edit):
+    """The fused op recomputes h and A(h) from g, u and the weights, where unfused autograd kept the products (an
+    edit since forward could not reach its gradient). ``save_on_cpu`` on CPU tensors keeps the tensors themselves
+    and switches autograd's own check off: the op checks the versions itself (a silent wrong gradient before)."""
+    torch.manual_seed(0)
+    g = torch.randn(4, 6, 7, requires_grad=True) * 1
+    u = torch.randn(4, 6, 7, requires_grad=True) * 1
+    weight = torch.randn(5, 7, requires_grad=True)
+    a, b = torch.randn(2, 7, requires_grad=True), torch.randn(5, 2, requires_grad=True)
+    with torch.autograd.graph.save_on_cpu():
+        y = gated_mlp(g, u, weight, None, "silu", [LoraAdapter(a, b, None, 0.5)])
+    with torch.no_grad():
+        {"a_weight": a, "weight": weight, "g": g}[edit].mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
