@@ -98,6 +98,21 @@ def _slim_gpu(g: dict) -> dict:
     return g
 
 
+def gpu_dated(gpu: dict, cpu_machine: str | None) -> list[str]:
+    """When the GPU figures were measured, with what, and what has changed in the code since (``gpu["since"]``: a
+    list a maintainer adds to the embedded results when the code moves on; a new GPU run has none)."""
+    when = gpu.get("date") or "on a date its results do not record"
+    line = f"**Measured {when}** on {gpu.get('machine', '?')}"
+    if cpu_machine and cpu_machine != gpu.get("machine"):
+        line += f"; this file's CPU sections: {cpu_machine}"
+    out = [line + "."]
+    since = gpu.get("since") or []
+    if since:
+        out += ["", "Changed since that run, not in its figures (rerun: `bash scripts/gpu_run.sh` on a CUDA machine, "
+                "then `python -m benchmarks.all --render-only --gpu-json ...`):", *[f"- {s}" for s in since]]
+    return out
+
+
 def _img(out_dir: str, name: str) -> str:
     return f"![{name}]({name})" if os.path.exists(os.path.join(out_dir, name)) else ""
 
@@ -289,7 +304,8 @@ def write_markdown(out_dir: str, mem: dict, speed: dict, gpu: dict | None, secon
     ]
     if gpu:
         blob = json.dumps(_slim_gpu(gpu)).replace("--", "-\\-")  # "--" may not appear inside an HTML comment
-        md += [f"`python -m benchmarks.speed --gpu` (one command, budgeted to finish within 8 minutes; this run "
+        md += [*gpu_dated(gpu, mem.get("machine")), "",
+               f"`python -m benchmarks.speed --gpu` (one command, budgeted to finish within 8 minutes; this run "
                f"took {gpu.get('elapsed_s', '?')} s).", "", S.gpu_tables(gpu), "", _img(out_dir, "bench_gpu.png"), "",
                *GPU_NOTES, "", f"<!-- {GPU_MARK} {blob} -->"]
     else:

@@ -178,7 +178,7 @@ def variant(name: str, path: str, args, do_convert: bool) -> dict:
         t0 = time.perf_counter()
         rep = convert(m).lmbp_report
         row["convert_s"] = round(time.perf_counter() - t0, 1)
-        row["convert_report"] = str(rep).splitlines()[0]
+        row["convert_report"] = rep.counts()
         row["verified"] = rep.verified
     m = add_lora(m, args.rank)
     row["trainable_params"] = sum(p.numel() for p in m.parameters() if p.requires_grad)

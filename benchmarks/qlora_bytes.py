@@ -77,7 +77,7 @@ def measure(dtype_name: str, quant: str, log=print) -> dict:
         rep = convert(m).lmbp_report
         ours = block_bytes(lora(m), ids)
     row = {"dtype": dtype_name, "quant": quant, "qlora": plain, "ours": ours,
-           "report": str(rep).splitlines()[0]}
+           "report": rep.counts()}
     log(f"  {dtype_name:<5} {quant:<8} QLoRA {plain:>9} B  lmbp-convert + QLoRA {ours:>9} B  "
         f"({C.pct(ours, plain)})  [{row['report']}]")
     return row

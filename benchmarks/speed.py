@@ -115,7 +115,7 @@ def time_convert(model: nn.Module):
     from lmbp_convert import convert, plan_conversion
 
     t0 = time.perf_counter()
-    plan_conversion(model)
+    plan_conversion(model, measure=False)
     t_plan = time.perf_counter() - t0
     t0 = time.perf_counter()
     rep = convert(model).lmbp_report

@@ -432,7 +432,7 @@ def gpu_run(args, log=print) -> dict:
     budget = Budget(args.budget_s)
     device = args.device
     data = {"kind": "gpu", "machine": C.machine(device), "device": device, "tiny": args.tiny,
-            "budget_s": args.budget_s}
+            "budget_s": args.budget_s, "date": time.strftime("%Y-%m-%d", time.gmtime())}
     modes = args.mode_list
 
     def save():

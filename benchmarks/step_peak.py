@@ -25,11 +25,21 @@ of the two. ``convert()`` runs with ``--convert-kwargs`` (JSON), after ``get_pef
     python -m benchmarks.step_peak --configs a --layers 8 --seq 2048
     python -m benchmarks.step_peak --configs c --batch 16 --json build/step_peak_vit.json
     python -m benchmarks.step_peak --tiny      # smoke run: every config at tiny widths
+    python -m benchmarks.step_peak --configs a,b,c,d --variants original,converted,ckpt,converted+ckpt \
+        --chart docs/bench_step_peak.png       # the README's chart, from the run
+    python -m benchmarks.step_peak --from-table README.md --chart docs/bench_step_peak.png
+                                               # the same chart from the figures the README's table records
+
+``--chart`` draws the whole-step peak of each configuration and variant as stacked bars (parameters, gradients and
+optimizer state below, activations and temporaries above), the change against the original (and, for converted +
+ckpt, against ckpt alone) on each bar. ``--from-table`` reads the rows back from the README's whole-step table
+(between its markers) instead of running, so the chart can be redrawn from recorded figures.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 import warnings
 from dataclasses import asdict, dataclass, replace
@@ -308,6 +318,84 @@ def table(data: dict) -> str:
             f"{cfgs}\n\n" + C.markdown_table(header, rows))
 
 
+#: the chart's variants, in bar order, with their colours (activations; the static part is the same colour, lighter)
+CHART_VARIANTS = {"original": "#7f7f7f", "converted": "#1f77b4", "ckpt": "#d62728", "converted+ckpt": "#2ca02c"}
+TABLE_START, TABLE_END = "<!-- whole-step table -->", "<!-- /whole-step table -->"
+#: the README table's columns → variants
+_TABLE_COLUMNS = {"original MiB (activations)": "original", "converted": "converted", "ckpt": "ckpt",
+                  "converted + ckpt": "converted+ckpt"}
+_CELL = re.compile(r"\**([0-9.]+) \(([0-9.]+)\)\**")
+
+
+def chart_groups(data: dict) -> list[tuple[str, dict[str, dict]]]:
+    """(configuration label, variant → row) in the order the rows came, for the variants the chart draws (a run's
+    rows are labelled by their config key; the README table's by its first column)."""
+    groups: dict[str, dict[str, dict]] = {}
+    for r in data["rows"]:
+        if "error" in r or r["variant"] not in CHART_VARIANTS:
+            continue
+        groups.setdefault(r.get("label") or f"({r['config']})", {})[r["variant"]] = r
+    return list(groups.items())
+
+
+def chart(data: dict, path: str, title: str | None = None) -> None:
+    """The whole-step peak of every configuration and variant as stacked bars (MiB): parameters, gradients and
+    optimizer state (light), activations and temporaries (full colour); each bar's change against the same
+    configuration's original (converted + ckpt: against ckpt alone)."""
+    plt = C.plt()
+    groups = chart_groups(data)
+    if not groups:
+        raise ValueError("no rows of the chart's variants to draw")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.9 * len(groups) + 1.5), 4.6))
+    width = 0.8 / len(CHART_VARIANTS)
+    for i, (variant, colour) in enumerate(CHART_VARIANTS.items()):
+        for j, (_, rows) in enumerate(groups):
+            r = rows.get(variant)
+            if r is None:
+                continue
+            x = j + (i - (len(CHART_VARIANTS) - 1) / 2) * width
+            act, static = r["activations"] / C.MiB, (r["peak"] - r["activations"]) / C.MiB
+            ax.bar(x, static, width, color=colour, alpha=0.35, edgecolor=colour)
+            ax.bar(x, act, width, bottom=static, color=colour, label=variant if j == 0 else None)
+            base = rows.get("ckpt" if variant == "converted+ckpt" else "original")
+            if base is not None and variant != "original" and base["peak"]:
+                ax.text(x, static + act, f"{100 * (r['peak'] / base['peak'] - 1):+.0f}%", ha="center", va="bottom",
+                        fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([label for label, _ in groups], fontsize=8)
+    ax.set_ylabel("whole-step peak, MiB")
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, title="light: params + grads + optimizer; full: activations + temporaries",
+              title_fontsize=7)
+    ax.set_title(title or "Whole training step peak (forward, loss, backward, AdamW step); bar labels: change against "
+                 f"the original (converted+ckpt: against ckpt alone)\n{data.get('machine', '')}", fontsize=9)
+    C.save_figure(fig, path)
+
+
+def rows_from_table(markdown: str) -> dict:
+    """The rows (peak and activations in bytes, from the MiB the table gives) of the whole-step table between the
+    README's markers: what `chart` draws, without running anything."""
+    start, end = markdown.find(TABLE_START), markdown.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no whole-step table between {TABLE_START} and {TABLE_END}")
+    lines = [ln.strip() for ln in markdown[start:end].splitlines() if ln.strip().startswith("|")]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    rows = []
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        label = cells[0]
+        for name, cell in zip(header[1:], cells[1:]):
+            m = _CELL.match(cell)
+            if name in _TABLE_COLUMNS and m:
+                peak, act = (round(float(v) * C.MiB) for v in m.groups())
+                rows.append({"config": label, "label": label, "variant": _TABLE_COLUMNS[name], "peak": peak,
+                             "activations": act})
+    caption = markdown[:end].rsplit(TABLE_START, 1)[-1]
+    machine = re.search(r"measured on (.+?) with `python -m benchmarks.step_peak`", " ".join(caption.split()))
+    return {"machine": f"recorded in the README's table ({machine.group(1)})" if machine else "recorded figures",
+            "configs": [], "rows": rows}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="a,c", help="comma list of a, b, c, d (default a,c)")
@@ -323,7 +411,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write the markdown table here")
+    p.add_argument("--chart", help="write the chart of the whole-step peaks here (PNG)")
+    p.add_argument("--from-table", metavar="MARKDOWN", help="draw --chart from the whole-step table in this file "
+                                                             "(README.md) instead of running")
     a = p.parse_args(argv)
+    if a.from_table and not a.chart:
+        p.error("--from-table draws a chart: give --chart PATH")
     a.variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     bad = [v for v in a.variants if v not in VARIANTS]
     if bad:
@@ -349,6 +442,11 @@ def configs_of(a: argparse.Namespace) -> list[StepConfig]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.from_table:
+        with open(a.from_table) as f:
+            chart(rows_from_table(f.read()), a.chart)
+        print(f"wrote {a.chart} from the table in {a.from_table}")
+        return 0
     if a.threads:
         torch.set_num_threads(a.threads)
     C.quiet()
@@ -360,6 +458,9 @@ def main(argv=None) -> int:
         with open(a.markdown, "w") as f:
             f.write(md + "\n")
     C.finish(data, t0, a.json)
+    if a.chart:
+        chart(data, a.chart)
+        print(f"wrote {a.chart}")
     print(f"\n{data['elapsed_s']} s")
     return 0
 

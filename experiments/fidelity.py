@@ -406,7 +406,7 @@ class Run:
     final: dict[str, dict[str, float]] = field(default_factory=dict)  # variant -> eval metrics
     first_step_diff: float = 0.0
     max_step_diff: dict[str, float] = field(default_factory=dict)  # variant -> max over steps of |Δ train loss|
-    reports: dict[str, str] = field(default_factory=dict)          # variant -> first line of its conversion report
+    reports: dict[str, str] = field(default_factory=dict)          # variant -> its conversion report's counts line
 
 
 def fine_tune(task, pretrained: torch.nn.Module, seed: int) -> Run:
@@ -419,7 +419,7 @@ def fine_tune(task, pretrained: torch.nn.Module, seed: int) -> Run:
         models[variant] = (rounding_twin(original) if variant == ROUNDING_TWIN
                            else convert(copy.deepcopy(original), **options)).train()
     opts = {k: adamw(m, task.fine.lr) for k, m in models.items()}
-    run = Run(curves={k: [] for k in models}, reports={k: str(m.lmbp_report).splitlines()[0]
+    run = Run(curves={k: [] for k in models}, reports={k: m.lmbp_report.counts()
                                                        for k, m in models.items() if hasattr(m, "lmbp_report")})
     for step, batch in enumerate(task.batches(seed)):
         for k, model in models.items():
@@ -653,7 +653,7 @@ def write_doc(path, header, tasks, task_notes, md_table, verdicts, total, timing
         "  rounding-level twin: how far its loss drifts shows how training amplifies rounding by itself.")
     task_lines = []
     for task, spread, d0, reports in task_notes:
-        summary = "; ".join(f"{k}: `{r.removeprefix('lmbp-convert: ')}`" for k, r in reports.items())
+        summary = "; ".join(f"{k}: `{r.removeprefix('converted: ')}`" for k, r in reports.items())
         task_lines.append(f"- {task.name}: {summary}. Pre-trained norms' mean |γ − 1| = {spread:.3f} (so folding "
                           f"them is a real reparameterisation); largest step-0 loss difference original vs any "
                           f"variant {d0:.1e} (same function before training).")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: public name → the module that defines it
 _LAZY = {
-    "convert": ".apply.convert", "plan_conversion": ".apply.convert",
+    "convert": ".apply.convert", "plan_conversion": ".apply.convert", "last_report": ".apply.convert",
     "LmbpError": ".errors", "ConversionError": ".errors", "NothingToConvertError": ".errors", "ProbeError": ".errors",
     "TraceError": ".errors", "CheckpointError": ".checkpoint.errors", "ExportError": ".export",
     "SavedTensorLedger": ".memory", "ConvertOptions": ".options", "ConversionReport": ".report",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from .deprecation import module_renames
+
 
 class StrChoice(str, Enum):
     """A str-valued enum that formats as its value on every Python (3.10's ``(str, Enum)`` does not)."""
@@ -114,3 +116,7 @@ class Verification(StrChoice):
     FAILED = "failed"
     CANNOT_VERIFY = "cannot verify"  # the original outputs are non-finite everywhere: nothing to compare
     NOT_RUN = "not run"
+
+
+# 0.1.0's name of NormType (DeprecationWarning; lmbp_convert.deprecation)
+__getattr__ = module_renames(__name__, {"NormKind": ("lmbp_convert.enums.NormType", lambda: NormType)})

@@ -50,7 +50,8 @@ class ConvertOptions:
         True.
     measure: measure what the conversion saves (one training forward on the probe before and one after, by the
         exact ledger; `ConversionReport.measured_saved_bytes`), in the dtype, autocast and trainable parameters
-        of the convert() call. Off: only the analytic per-rewrite prediction.
+        of the convert() call (and with activation checkpointing on, the same forward with it off). Off: the report
+        says the bytes were not measured. ``plan_conversion`` measures its plan applied and undone.
     lora_inputs: let PEFT LoRA adapters rebuild their cast (and dropped) inputs from the layer's input instead of
         keeping private fp32 copies (`lmbp_convert.match.lora_inputs`); their dropout keeps a 1-bit mask.
     accept_norms: norm classes (``"module:QualName"`` or the class name) swapped on the behaviour probe's word
@@ -60,6 +61,8 @@ class ConvertOptions:
     loss: where the model computes a cross-entropy loss on its head's logits through ``loss_function`` (HF ≥ 4.46),
         set that instance attribute to one that keeps the logits in their own dtype (no fp32 copy) and makes one
         gradient in it (`lmbp_convert.nn.loss`).
+    progress: a progress line on stderr naming the phase (probe, plan, verify, measure): None (default) once the
+        call has run 2 s (`lmbp_convert.apply.progress.DELAY`), True at once, False never.
     """
 
     activations: bool = True
@@ -77,6 +80,7 @@ class ConvertOptions:
     measure: bool = True
     accept_norms: Sequence[str] | None = None
     loss: bool = True
+    progress: bool | None = None
     _include_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     _exclude_rx: list = field(default_factory=list, init=False, repr=False, compare=False)
     #: names of the fields given to the constructor (not left at their defaults): what an override may not change
@@ -86,6 +90,8 @@ class ConvertOptions:
         for attr in _FLAGS:
             if not isinstance(getattr(self, attr), bool):
                 raise ValueError(f"{attr} must be True or False, got {getattr(self, attr)!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be None, True or False, got {self.progress!r}")
         if isinstance(self.bits, bool) or not isinstance(self.bits, numbers.Integral) or not 1 <= self.bits <= 4:
             raise ValueError(f"bits must be an integer in 1..4, got {self.bits!r}")
         self.bits = int(self.bits)

@@ -1,10 +1,10 @@
 """What a conversion did: the plan, plus what verification found. Printable and machine-readable."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from .enums import Verification
-from .match.plan import Plan
+from .match.plan import Measurement, Plan
 
 
 def fmt_bytes(n: float) -> str:
@@ -14,6 +14,14 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def _share(m: Measurement) -> str:
+    """"30.6 % less" / "2.0 % more" activation memory, or "" when nothing was kept before."""
+    if not m.before:
+        return ""
+    share = (m.before - m.after) / m.before
+    return f"{abs(share):.1%} {'less' if share >= 0 else 'more'} activation memory: "
 
 
 @dataclass
@@ -38,13 +46,27 @@ class ConversionReport:
     mismatch: str = ""  # how the converted outputs differ in structure from the original's ("": they do not)
     unverified_why: str = ""  # why verification could not compare anything ("": it could)
     seconds: float = 0.0
-    #: saved-for-backward bytes of one training forward on the probe, (original, converted), by the exact ledger
-    measured_bytes: tuple[int, int] | None = None
-    measured_mode: str = ""  # what that forward ran in (dtype, autocast, train mode, trainable parameters)
+    #: saved-for-backward bytes of one training forward on the probe before and after, by the exact ledger, with
+    #: the probe and the mode they were measured in (None: not measured, `unmeasured_why` says why)
+    measurement: Measurement | None = None
+    unmeasured_why: str = ""
     previous: "ConversionReport | None" = field(default=None, repr=False)  # an earlier convert() of this model
     #: calls of each applied rewrite in a counted stretch of training, {plan tag: {module name: calls}}
     #: (`lmbp_convert.apply.runs.count_runs`; the trainer callback counts the first step); None: not counted
     ran: dict[str, dict[str, int]] | None = None
+
+    @property
+    def measured_bytes(self) -> tuple[int, int] | None:
+        """(original, converted) saved-for-backward bytes of one training forward on the probe (None: not
+        measured)."""
+        m = self.measurement if self.measurement is not None else self.plan.measurement
+        return None if m is None else (m.before, m.after)
+
+    @property
+    def measured_mode(self) -> str:
+        """What that forward ran in (dtype, autocast, train mode, trainable parameters, checkpointing)."""
+        m = self.measurement if self.measurement is not None else self.plan.measurement
+        return "" if m is None else m.mode
 
     @property
     def swapped(self) -> list[str]:
@@ -52,26 +74,63 @@ class ConversionReport:
 
     @property
     def inexact_training(self) -> dict[str, str]:
-        """Rewritten module → why its training differs from the original's (`PlanItem.inexact_training`); the
+        """Rewritten module → why its training differs from the original's (`PlanItem.training_differs`); the
         rewrites not named here keep the original parameters and their gradients."""
-        return {it.name: kind.inexact_training for kind in self.plan.kinds() if kind.inexact_training
-                for it in self.plan.of(kind)}
+        return {it.name: why for kind in self.plan.kinds() for it in self.plan.of(kind)
+                if (why := it.training_differs())}
 
     @property
     def predicted_saved_bytes_per_unit(self) -> float:
+        """The per-rewrite analytic estimate per token / image (`Plan.predicted_saved_bytes`): not printed, since it
+        cannot know what the rest of the step keeps (measured: `measured_saved_bytes`)."""
         return self.plan.predicted_saved_bytes / max(1, self.plan.probe_tokens)
 
     @property
     def measured_saved_bytes(self) -> int | None:
         """What the conversion saves on the probe's training forward, measured (None: not measured)."""
-        return None if self.measured_bytes is None else self.measured_bytes[0] - self.measured_bytes[1]
+        m = self.measured_bytes
+        return None if m is None else m[0] - m[1]
 
-    def _measured_line(self) -> str:
-        before, after = self.measured_bytes
-        share = f" ({(before - after) / before:.1%})" if before else ""
-        per = (before - after) / max(1, self.plan.probe_tokens)
-        return (f"activation memory saved, measured on the probe: {fmt_bytes(before)} → {fmt_bytes(after)}"
-                f"{share}, {fmt_bytes(per)} per {self.plan.probe_unit}; mode: {self.measured_mode}")
+    def _headline(self) -> str:
+        """The first line: one measured figure, and the probe and mode it was measured in."""
+        m = self.measurement if self.measurement is not None else self.plan.measurement
+        who = "lmbp-convert" if self.measurement is not None or self.seconds else "lmbp-convert plan"
+        if m is None:
+            why = self.unmeasured_why or self.plan.unmeasured_why or "not asked for"
+            return f"{who}: activation memory saved: not measured ({why})"
+        per = (m.before - m.after) / max(1, self.plan.probe_tokens)
+        how = ("measured by applying this plan and undoing it (unverified: convert() keeps what verification "
+               "passes)" if m.by == "plan" else "measured")
+        return (f"{who}: {_share(m)}{fmt_bytes(m.before)} → {fmt_bytes(m.after)} saved for backward "
+                f"({fmt_bytes(per)} per {self.plan.probe_unit}), {how} on one training forward of the probe "
+                f"{m.inputs} ({m.mode})")
+
+    def _checkpointing_line(self) -> str | None:
+        m = self.measurement if self.measurement is not None else self.plan.measurement
+        if m is None or not m.checkpointing:
+            return None
+        line = (f"activation checkpointing is on ({m.checkpointing}): in a training forward a checkpointed layer "
+                "keeps only its inputs, so the figure above is mostly what is saved outside those layers; the "
+                "rewrites inside them act while each is recomputed in backward, one layer at a time")
+        if m.without_checkpointing is not None:
+            b, a = m.without_checkpointing
+            share = f" ({(b - a) / b:.1%} less)" if b else ""
+            line += f": the same forward with checkpointing off keeps {fmt_bytes(b)} → {fmt_bytes(a)}{share}"
+        return line
+
+    def counts(self) -> str:
+        """The report's second line: how many of each kind were converted (kinds with none are not named), and how
+        many modules were skipped: "converted: 2 gated MLPs, 5 norms (exact), 1 loss; 0 skipped"."""
+        p = self.plan
+        idle = {id(it) for it in self.never_ran}  # in place, never called in the counted training: not counted
+
+        def live(kind):
+            return [it for it in p.of(kind) if id(it) not in idle]
+
+        counts = ", ".join(kind.counted(len(live(kind))) for kind in p.kinds()
+                           if live(kind) or (kind.counted_when_none and not p.of(kind)))
+        never = f" ({len(idle)} in place but never called)" if idle else ""
+        return f"converted: {counts or 'nothing'}{never}; {len(p.skips)} skipped"
 
     @property
     def never_ran(self) -> list:
@@ -121,19 +180,22 @@ class ConversionReport:
     def to_dict(self) -> dict:
         d: dict = {"plan": self.plan.to_dict()}
         for f in fields(self):
-            if f.name not in ("plan", "previous"):
+            if f.name not in ("plan", "previous", "measurement"):
                 value = getattr(self, f.name)
                 d[f.name] = list(value) if isinstance(value, list) else value
+        m = self.measurement
+        d["measurement"] = None if m is None else asdict(m)
+        d["measured_bytes"] = self.measured_bytes
+        d["measured_mode"] = self.measured_mode
         d["measured_saved_bytes"] = self.measured_saved_bytes
+        # the per-rewrite analytic estimate (not printed: it cannot know what the rest of the step keeps)
         d["predicted_saved_bytes"] = self.plan.predicted_saved_bytes
         d["predicted_saved_bytes_per_" + self.plan.probe_unit] = self.predicted_saved_bytes_per_unit
         return d
 
     def __str__(self) -> str:
         p = self.plan
-        counts = ", ".join(f"{len(p.of(kind))} {kind.noun}" for kind in p.kinds()
-                           if p.of(kind) or kind.counted_when_none)
-        lines = [f"lmbp-convert: {counts} converted; {len(p.skips)} skipped"]
+        lines = [self._headline(), self.counts()]
         for kind in p.kinds():
             items = p.of(kind)
             if items:
@@ -141,11 +203,15 @@ class ConversionReport:
         if p.skips:
             lines.append("skipped:")
             for s in p.skips:
-                lines.append(f"  {s.name} ({s.cls.split(':')[-1]}): {s.reason}")
+                lines.append(f"  {s.name or '<model>'} ({s.cls.split(':')[-1]}): {s.reason}")
+        inexact: dict[str, list[str]] = {}
         for kind in p.kinds():
-            if kind.inexact_training and p.of(kind):
-                names = ", ".join(it.name for it in p.of(kind))
-                lines.append(f"training not exact ({kind.inexact_training}): {names}")
+            for it in p.of(kind):
+                why = it.training_differs()
+                if why:
+                    inexact.setdefault(why, []).append(it.name)
+        for why, names in inexact.items():
+            lines.append(f"training not exact ({why}): {', '.join(names)}")
         if p.already_converted:
             lines.append(f"already converted: {len(p.already_converted)} modules")
         for label, err in self.rolled_back:
@@ -154,9 +220,8 @@ class ConversionReport:
         lines.append(self._verification_line())
         if self.ran is not None:
             lines.append(self._ran_line())
-        if self.measured_bytes is not None:
-            lines.append(self._measured_line())
-        lines.append(f"predicted activation memory saved: {fmt_bytes(self.plan.predicted_saved_bytes)} on the "
-                     f"probe, {fmt_bytes(self.predicted_saved_bytes_per_unit)} per {p.probe_unit} "
-                     "(analytic, per rewrite; the measured line above is what one training forward keeps)")
+        ckpt = self._checkpointing_line()
+        if ckpt:
+            lines.append(ckpt)
+        lines += [f"note: {n}" for n in p.notes]
         return "\n".join(lines)

@@ -119,8 +119,22 @@ def _same_as_saved(ns: dict, llama_dir: Path) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def _really_4bit(ns: dict, llama_dir: Path) -> None:
+    """The QLoRA recipe runs on real bitsandbytes 4-bit weights wherever they run (its CPU backend included), and
+    convert() swaps the folded norms and fuses the gated MLPs over them."""
+    from testsupport.bnb import cpu_4bit_problem
+
+    model, rep = ns["model"], ns["model"].lmbp_report
+    quantized = any(type(m).__name__ == "Linear4bit" for m in model.modules())
+    assert quantized == ns["BNB"], (quantized, ns["BNB"], cpu_4bit_problem())
+    kinds = {type(it).__name__ for it in rep.plan.items}
+    assert rep.verified and {"NormFold", "GatedMLPSwap"} <= kinds and not rep.plan.skips, str(rep)
+    assert "activation checkpointing is on" in str(rep)  # prepare_model_for_kbit_training turned it on
+
+
 #: what a section must also leave behind, beyond running without an error
-CHECKS = {"Meta device: convert before the weights are read": _same_as_saved}
+CHECKS = {"Meta device: convert before the weights are read": _same_as_saved,
+          "QLoRA: fold on disk, load in 4 bits, then convert": _really_4bit}
 
 
 def test_the_docs_have_the_recipes_the_issue_asks_for():
@@ -147,13 +161,17 @@ def test_recipe_runs(doc, heading, blocks, llama_dir, tmp_path, monkeypatch):
         pytest.skip(f"{'; '.join(missing)}: the recipe is shown, not run")
     (tmp_path / "llama").symlink_to(llama_dir, target_is_directory=True)
     monkeypatch.chdir(tmp_path)
-    cuda_bnb = torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes") is not None
+    from testsupport.bnb import cpu_4bit_problem
+
+    # bitsandbytes 4-bit where it runs: CUDA, or its CPU backend (in the index's wheels since 0.48)
+    bnb = importlib.util.find_spec("bitsandbytes") is not None and (torch.cuda.is_available()
+                                                                     or cpu_4bit_problem() is None)
     ns: dict = {}
     for lang, block in blocks:
         if lang == "bash":
             _run_bash(block)
         else:
-            ns = {"__name__": "__recipe__", "CUDA_BNB": cuda_bnb}
+            ns = {"__name__": "__recipe__", "BNB": bnb}
             if not _builds_model(block):  # the one-liner: `convert(model)` on a model of yours
                 ns["model"] = _tiny_llama()
             exec(compile(_with_overrides(block), f"{doc}::{heading}", "exec"), ns)
@@ -181,3 +199,15 @@ def test_links_resolve(doc):
         assert dest.exists(), f"{doc}: {target}"
         if anchor:
             assert anchor in _anchors(dest), f"{doc}: {target}"
+
+
+def test_readme_says_how_to_install_on_a_cpu_and_shows_the_whole_step_chart():
+    """Issue 36 item 7: PyTorch's CPU wheels first on a machine without a GPU (documentation only: nothing is
+    installed here), and the chart of the whole-step peak that benchmarks.step_peak draws."""
+    text = (ROOT / "README.md").read_text()
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in text
+    end = text.index("<!-- /whole-step table -->")
+    assert "](docs/bench_step_peak.png)" in text[end:end + 200]
+    assert (ROOT / "docs/bench_step_peak.png").read_bytes()[:4] == b"\x89PNG"
+    usage = (ROOT / "docs/usage.md").read_text()
+    assert "~900" not in usage  # the inner loop's size is not stated (it was 2421 tests when it said ~900)

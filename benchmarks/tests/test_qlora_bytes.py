@@ -11,5 +11,5 @@ def test_qlora_bytes_stand_in_fp32():
     from benchmarks.qlora_bytes import measure
 
     row = measure("fp32", "standin", log=lambda *_: None)
-    assert "5 norms, 2 gated MLPs, 1 LM-head losses converted; 0 skipped" in row["report"]
+    assert row["report"] == "converted: 5 norms (folded), 2 gated MLPs, 1 loss; 0 skipped", row["report"]
     assert row["ours"] < 0.7 * row["qlora"], row

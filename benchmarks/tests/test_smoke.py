@@ -175,6 +175,7 @@ def test_gpu_mode_phases(monkeypatch, tmp_path):
     assert [r["variant"] for r in data["llama_slice"]["rows"]] == sorted(S.LLAMA_PHASES[0])
     assert data["llama_slice"]["errors"] == ["RuntimeError: boom"]
     assert json.loads((tmp_path / "g.json").read_text())["llama_slice"]["errors"] == ["RuntimeError: boom"]
+    assert len(data["date"]) == 10 and data["date"][4] == "-"  # the run's date, which the docs then give
 
 
 @pytest.mark.slow
@@ -374,3 +375,17 @@ def test_host_bench_attribution_parts(tmp_path):
     assert "model.layers.*.mlp" in roles and not any(r.startswith("model.layers.*.mlp.") for r in roles), roles
     md = H.host_tables(data)
     assert "MSLayerNorm → Linear" in md and "forward of blocks.*.norm1" in md
+
+
+def test_the_gpu_section_says_when_it_was_measured_and_what_changed_since():
+    """Issue 36 item 7: the GPU figures carry their date and machine, and the code's changes since them, in the
+    results embedded in docs/benchmarks.md; benchmarks.all renders them under the section's heading (here: the
+    committed file holds exactly what it would render), and a new GPU run records its date."""
+    md_path = C.ROOT + "/docs/benchmarks.md"
+    gpu = A.embedded_gpu(md_path)
+    assert gpu["date"] == "2026-11-30" and len(gpu["since"]) >= 3
+    text = open(md_path).read()
+    cpu = next(line for line in text.splitlines() if line.startswith("CPU machine: "))[len("CPU machine: "):-1]
+    assert "## GPU\n\n" + "\n".join(A.gpu_dated(gpu, cpu)) + "\n\n" in text
+    assert "16 activations, 1 norms, 0 gated MLPs converted; 32 skipped" in gpu["since"][0]
+    assert A.gpu_dated({"machine": "m", "date": "2030-01-01"}, "m") == ["**Measured 2030-01-01** on m."]

@@ -163,3 +163,34 @@ def test_step_time_compiled_runs_the_variants_through_torch_compile():
     assert row["compiled"] and row["ratio"]["converted"] > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one per model at least
     torch._dynamo.reset()
+
+
+def test_chart_is_drawn_from_a_run(tiny_rows, tmp_path):
+    """Issue 36 item 7: the benchmark writes the README's chart; here from the tiny run's rows (the variants it lacks,
+    converted + ckpt here, are left out of their group)."""
+    _, data = tiny_rows
+    path = tmp_path / "step_peak.png"
+    SP.chart(data, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    groups = dict(SP.chart_groups(data))
+    assert list(groups) == ["(a)", "(c)"] and set(groups["(a)"]) == {"original", "converted", "ckpt"}
+
+
+def test_chart_from_the_readme_table(tmp_path):
+    """The README's chart is drawn from the figures its table records (`--from-table`): every row and variant, the
+    peaks and activations as the table gives them."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    data = SP.rows_from_table(readme)
+    groups = dict(SP.chart_groups(data))
+    assert len(groups) == 5 and all(set(g) == set(SP.CHART_VARIANTS) for g in groups.values()), groups
+    first = groups["(a) LLaMA LoRA"]
+    assert first["original"]["peak"] == round(3010.1 * 2**20) and first["original"]["activations"] == round(2710.8 * 2**20)
+    assert first["converted+ckpt"]["peak"] == round(453.1 * 2**20)
+    assert "Intel Xeon" in data["machine"]
+    out = tmp_path / "chart.png"
+    assert SP.main(["--from-table", str(Path(__file__).resolve().parents[2] / "README.md"), "--chart", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(SystemExit):
+        SP.parse_args(["--from-table", "README.md"])  # a chart needs --chart

@@ -12,18 +12,21 @@ import torch
 from torch import nn
 
 from ..catalogue import load_catalogue
+from ..deprecation import warn_renamed
 from ..errors import NothingToConvertError, ProbeError, TraceError
 from ..match.norm import CONFIG_KEY, prefolded_norms
-from ..match.plan import Plan, PlanItem
+from ..match.plan import Measurement, Plan, PlanItem
 from ..match.planner import make_plan
 from ..match.roles import assign_roles, is_leaf_factory
 from ..options import ConvertOptions, resolve_options
 from ..report import ConversionReport
 from ..trace.device import keeps_model_device, outside_autocast
+from ..trace.own_forward import own_forward_failure
 from ..trace.probe import make_probe_with_output, search_probe
 from ..trace.second_probe import Probes, derived_inputs
 from ..trace.tracer import OUT_OF_MEMORY, trace
-from .measure import measure_saved
+from .measure import checkpointing, describe_inputs, measure_saved
+from .progress import Progress
 from .rewrite import Unit, UnitBuilder
 from .ties import TieRecord
 from .train_backward import gradient_error, run_train_step
@@ -31,7 +34,7 @@ from .verify import (CANNOT_VERIFY, FAILED, NOISE_FACTOR, PASSED, Comparison, ca
                      default_rtol, eval_mode, float_tensors, fp32_copy_bytes, free_bytes, half_precision,
                      rng_kept, rollback_reason, run_in_mode, run_probe, run_probe_train, TRAIN_DRAWS)
 
-__all__ = ["CONFIG_KEY", "convert", "plan_conversion", "prefolded_norms"]
+__all__ = ["CONFIG_KEY", "convert", "last_report", "plan_conversion", "prefolded_norms"]
 
 REPORT_ATTR = "lmbp_report"
 
@@ -43,16 +46,89 @@ def _is_meta(model: nn.Module) -> bool:
 @keeps_model_device
 def plan_conversion(model: nn.Module, options: ConvertOptions | None = None, *, probe: Any = None,
                     **overrides: Any) -> Plan:
-    """Trace and plan without changing anything. The plan also carries (not serialised) the probe it was made
-    on, ``plan.probe``, and the model's output on it, ``plan.reference_output``."""
+    """Trace and plan; the model is left as it was. The plan also carries (not serialised) the probe it was made
+    on, ``plan.probe``, and the model's output on it, ``plan.reference_output``.
+
+    With ``measure`` (the default) and real weights, the plan is applied, one training forward on the probe is
+    measured before and after (as convert() measures), and it is undone (a transaction, as in convert()):
+    ``plan.measurement``, what ``print(ConversionReport(plan))`` leads with. It is not verified, so convert() may
+    keep less (a rewrite verification rolls back). The per-rewrite analytic estimate
+    (``plan.predicted_saved_bytes``) is not printed: it cannot know what the rest of the step keeps."""
     opt, probe = resolve_options(options, probe, overrides)
-    with outside_autocast():  # planned in the model's own dtypes, as convert() does
-        return _plan(model, opt, probe)
+    steps = ["probe", "plan"] + (["measure"] if opt.measure else [])
+    # planned in the model's own dtypes, as convert() does; measured under the caller's autocast
+    with torch.inference_mode(False), outside_autocast() as amp, rng_kept(model), \
+            Progress(opt.progress, steps, "plan_conversion()") as bar:
+        plan = _plan(model, opt, probe, bar)
+        if opt.measure:
+            bar.phase("measure")
+            _measure_plan(model, plan, amp)
+        else:
+            plan.unmeasured_why = "measure=False"
+    return plan
 
 
-def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
+def _measure_plan(model: nn.Module, plan: Plan, amp: list[tuple[str, torch.dtype]]) -> None:
+    """``plan.measurement``: the plan applied, measured as convert() measures, undone (also on any exception, as
+    convert() restores the model); where it cannot be, ``plan.unmeasured_why``."""
+    if plan.empty:
+        plan.unmeasured_why = "nothing to convert"
+        return
+    if _is_meta(model):
+        plan.unmeasured_why = _META_UNMEASURED
+        return
+    applied: list[Unit] = []
+    try:
+        builder = UnitBuilder(model)
+        units = [item.build_unit(builder) for item in plan.items]
+        start = _measure_start(model, plan.probe, amp)
+        for u in units:
+            applied.append(u)  # (a unit's undo is idempotent: one that failed half-way is undone too)
+            u.apply()
+        plan.measurement = _measured(model, plan.probe, amp, start, by="plan")
+    except OUT_OF_MEMORY as exc:
+        plan.unmeasured_why = f"the measuring forward ran out of memory ({type(exc).__name__})"
+    except Exception as exc:  # noqa: BLE001 - convert() would fail the same way and say so; the plan still stands
+        plan.unmeasured_why = f"applying the plan to measure it failed ({type(exc).__name__}: {exc})"
+    finally:
+        for u in reversed(applied):
+            u.undo()
+
+
+_META_UNMEASURED = ("meta device: no weights to run the forward with; convert() measures it on the model once its "
+                    "weights are loaded")
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What `_measure_start` measured before the rewrites."""
+
+    before: Any
+    plain: Any  # with the model's activation checkpointing off (None: it has none)
+    checkpointing: str
+
+
+def _measure_start(model: nn.Module, probe: Any, amp) -> _Start:
+    ck = checkpointing(model)
+    before = measure_saved(model, probe, amp)
+    plain = measure_saved(model, probe, amp, checkpoints=False) if ck else None
+    return _Start(before, plain, "; ".join(c.describe() for c in ck))
+
+
+def _measured(model: nn.Module, probe: Any, amp, start: _Start, by: str) -> Measurement:
+    after = measure_saved(model, probe, amp)
+    plain = None
+    if start.plain is not None:
+        plain = (start.plain.bytes, measure_saved(model, probe, amp, checkpoints=False).bytes)
+    return Measurement(start.before.bytes, after.bytes, start.before.mode, describe_inputs(probe),
+                       start.checkpointing, plain, by)
+
+
+def _plan(model: nn.Module, opt: ConvertOptions, probe: Any, bar: Progress | None = None) -> Plan:
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() takes an nn.Module, got {type(model).__name__}")
+    if bar is not None:
+        bar.phase("probe")
     cat = load_catalogue()
     roles = assign_roles(model, cat, opt.accept_norms or ())
     if isinstance(probe, Probes):  # several inputs: the first is traced, all are verified
@@ -61,9 +137,17 @@ def _plan(model: nn.Module, opt: ConvertOptions, probe: Any) -> Plan:
     with eval_mode(model):
         if probe is not None:
             count, unit, index = 0, "sample", 0
-            graph, out = trace(model, probe, is_leaf)
+            try:
+                graph, out = trace(model, probe, is_leaf)
+            except TraceError as exc:  # the model's own inference forward, or the probe? (`own_forward`)
+                own = own_forward_failure(model, probe, exc.__cause__ or exc, "the probe given")
+                if own is not None:
+                    raise own from exc.__cause__
+                raise
         else:  # the trace is the probe's acceptance check: one forward, not two
             probe, count, unit, (graph, out), index = search_probe(model, lambda p: trace(model, p, is_leaf))
+    if bar is not None:
+        bar.phase("plan")
     plan = make_plan(model, graph, roles, opt, prefolded_norms(model), probe)
     plan.probe_tokens = count or _batch_of(probe)
     plan.probe_unit = unit
@@ -104,22 +188,57 @@ def convert(model: nn.Module, options: ConvertOptions | None = None, *, probe: A
     not see (so a branch only other data takes, such as an MoE expert the probe routed no token to, shows up;
     see `lmbp_convert.trace.second_probe`), and on the traced probe in train mode on fixed RNG draws, and rolled
     back if it changes them. The report is ``model.lmbp_report``.
-    Errors: see ``lmbp_convert.errors``.
+    Errors: see ``lmbp_convert.errors``. ``return_report=True`` (0.1.0; deprecated, goes in 0.3.0) returns
+    ``(model, model.lmbp_report)`` instead, with a DeprecationWarning.
     """
+    return_report = _return_report(overrides)
     # Tensors made under torch.inference_mode() are inference tensors, which training can never save for
     # backward: a model converted inside such a block (e.g. right after an evaluation) must stay trainable.
     # Under torch.autocast, verification would compare rounding, not the rewrite: see `outside_autocast`.
     # Its probes and checks draw random numbers: the caller's RNG stream is left where it was (`rng_kept`).
     with torch.inference_mode(False), outside_autocast() as amp, rng_kept(model):
-        return _convert(model, options, probe, overrides, amp)
+        out = _convert(model, options, probe, overrides, amp)
+    return (out, getattr(out, REPORT_ATTR)) if return_report else out
 
 
-def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overrides: dict[str, Any], amp: list[tuple[str, torch.dtype]] = ()):
+#: the phases of convert() as its progress line names them (verify and measure alternate: the measurement before
+#: the rewrites comes after the original's references are taken, the one after them after verification)
+_CONVERT_STEPS = ("probe", "plan", "verify", "measure", "verify", "measure")
+
+
+def _return_report(overrides: dict[str, Any]) -> bool:
+    """0.1.0's ``convert(..., return_report=True)``, which returned ``(model, report)``: still taken, with a
+    DeprecationWarning naming ``model.lmbp_report`` (the keyword goes in 0.3.0)."""
+    if "return_report" not in overrides:
+        return False
+    value = overrides.pop("return_report")
+    if not isinstance(value, bool):
+        raise TypeError(f"convert(): return_report must be True or False, got {value!r}")
+    warn_renamed("convert(..., return_report=True)", f"model.{REPORT_ATTR} (convert() returns the model)",
+                 stacklevel=5, what="replaced")  # 5: past _return_report, convert and the device-keeping wrapper
+    return value
+
+
+def last_report(model: nn.Module) -> ConversionReport | None:
+    """Deprecated (0.1.0; goes in 0.3.0): read ``model.lmbp_report`` (``getattr(model, "lmbp_report", None)`` if it
+    may be unconverted)."""
+    warn_renamed("lmbp_convert.last_report(model)", f"model.{REPORT_ATTR}", what="replaced")
+    return getattr(model, REPORT_ATTR, None)
+
+
+def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overrides: dict[str, Any],
+             amp: list[tuple[str, torch.dtype]] = ()):
     t0 = time.perf_counter()
     opt, given = resolve_options(options, probe, overrides)
     if isinstance(model, nn.Module):
         _check_patterns(model, opt)
-    plan = _plan(model, opt, given)
+    with Progress(opt.progress, _CONVERT_STEPS if opt.measure else _CONVERT_STEPS[:3]) as bar:
+        return _convert_steps(model, opt, given, amp, t0, bar)
+
+
+def _convert_steps(model: nn.Module, opt: ConvertOptions, given: Any, amp: list[tuple[str, torch.dtype]],
+                   t0: float, bar: Progress):
+    plan = _plan(model, opt, given, bar)
     probe, reference = plan.probe, plan.reference_output
     plan.probe = plan.reference_output = None  # the report keeps the plan: not the probe data and outputs
     report = ConversionReport(plan)
@@ -132,6 +251,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     if plan.empty:
         if plan.already_converted:
             report.notes.append("nothing left to convert: the model is already converted")
+            report.unmeasured_why = "nothing left to convert"
             report.seconds = time.perf_counter() - t0
             _attach(model, report)
             return model
@@ -140,6 +260,7 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
             f"nothing to convert in {type(model).__name__}: no GELU/SiLU-family activation, no LayerNorm/RMSNorm "
             f"feeding a Linear (catalogue: lmbp_convert/patterns/catalogue.json). Candidates:\n{skipped}"
         )
+    bar.phase("verify")
     checks = [Check(probe, reference, "the traced probe")]
     if opt.verify and not _is_meta(model):  # the original's outputs on the other inputs, before any change
         checks += _other_inputs(model, given, probe, report, plan.probe_index)
@@ -155,21 +276,28 @@ def _convert(model: nn.Module, options: ConvertOptions | None, probe: Any, overr
     ties = TieRecord(model)
     params_before = dict(_params(model))
     had_report, old_report = REPORT_ATTR in model.__dict__, model.__dict__.get(REPORT_ATTR)
-    before = measure_saved(model, probe, amp) if opt.measure and not _is_meta(model) else None
+    start = None
+    if not opt.measure:
+        report.unmeasured_why = "measure=False"
+    elif _is_meta(model):
+        report.unmeasured_why = _META_UNMEASURED
+    else:
+        bar.phase("measure")
+        start = _measure_start(model, probe, amp)
+        bar.phase("verify")
     try:  # everything prepared: from here on only references change, and any exception undoes them all
         for u, _ in units:
             u.apply()
-        _verify(model, checks, units, opt, report, rtol)
+        _verify(model, checks, units, opt, report, rtol, bar)
         untie = ties.untie_unit()  # what a fold untied stays untied: tie_weights() must not re-tie it
         units.append((untie, None))
         untie.apply()
         if untie.steps:
             report.notes.append("untied weights: config.tie_word_embeddings is now False (and transformers' tie map "
                                 "drops them), so tie_weights() and resize_token_embeddings() keep the folded head")
-        if before is not None:
-            after = measure_saved(model, probe, amp)
-            report.measured_bytes = (before.bytes, after.bytes)
-            report.measured_mode = before.mode
+        if start is not None:
+            bar.phase("measure")
+            report.measurement = _measured(model, probe, amp, start, by="convert")
         _warn_orphans(model, params_before)
         report.seconds = time.perf_counter() - t0
         _attach(model, report)
@@ -224,11 +352,11 @@ def _accepted_norms(plan: Plan, opt: ConvertOptions) -> list[str]:
 def _wants_gradients(model: nn.Module, plan: Plan) -> bool:
     """Keep the original's gradients for comparison: some planned rewrite claims exact training, and the model is
     not half precision (its gradients' rounding noise is not what the output budget was calibrated on)."""
-    return not half_precision(model) and any(not item.inexact_training for item in plan.items)
+    return not half_precision(model) and any(not item.training_differs() for item in plan.items)
 
 
 def _exact_training(units: list[tuple[Unit, PlanItem | None]]) -> bool:
-    return all(item is None or not item.inexact_training for _, item in units)
+    return all(item is None or not item.training_differs() for _, item in units)
 
 
 def _train_checks(model: nn.Module, probe: Any, report: ConversionReport, gradients: bool) -> list[Check]:
@@ -319,9 +447,15 @@ def _reference(model: nn.Module, probe: Any, number: int) -> Any:
                          f"({type(exc).__name__}: {exc})") from exc
 
 
-def _compare_each(model: nn.Module, checks: list[Check], exact_training: bool = False) -> list[Comparison]:
+def _compare_each(model: nn.Module, checks: list[Check], exact_training: bool = False,
+                  bar: Progress | None = None) -> list[Comparison]:
     """The converted model against the original on every input, one comparison per check."""
-    return [c.compare(model, exact_training) for c in checks]
+    out = []
+    for c in checks:
+        if bar is not None:
+            bar.tick(c.how)
+        out.append(c.compare(model, exact_training))
+    return out
 
 
 def _worst(cmps: list[Comparison]) -> Comparison:
@@ -336,8 +470,8 @@ def _worst(cmps: list[Comparison]) -> Comparison:
                       max(grads) if grads else None)
 
 
-def _check_all(model: nn.Module, checks: list[Check], units: list) -> Comparison:
-    return _worst(_compare_each(model, checks, _exact_training(units)))
+def _check_all(model: nn.Module, checks: list[Check], units: list, bar: Progress | None = None) -> Comparison:
+    return _worst(_compare_each(model, checks, _exact_training(units), bar))
 
 
 def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: ConversionReport) -> float:
@@ -370,7 +504,7 @@ def _budget(model: nn.Module, checks: list[Check], opt: ConvertOptions, report: 
 
 
 def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOptions,
-            report: ConversionReport, rtol: float) -> None:
+            report: ConversionReport, rtol: float, bar: Progress | None = None) -> None:
     """Compare the converted outputs with the original's on every input, within ``rtol`` (`_budget`); roll back
     what changes them. A NaN is never a pass."""
     if _is_meta(model) or not opt.verify:
@@ -378,7 +512,7 @@ def _verify(model: nn.Module, checks: list[Check], units: list, opt: ConvertOpti
                             else "verify=False")
         return
     report.rtol = rtol
-    cmp = _check_all(model, checks, units)
+    cmp = _check_all(model, checks, units, bar)
     if cmp.verdict(rtol) == FAILED:
         cmp = _isolate_failures(model, checks, units, rtol, report)
     report.verification = cmp.verdict(rtol)

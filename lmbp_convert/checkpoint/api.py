@@ -100,7 +100,8 @@ def prepare(src: str | os.PathLike, *, timm_model: str | None = None, timm_kwarg
     try:
         # only norm folds rewrite stored weights; the loss is an attribute convert() sets on the loaded model
         opts = ConvertOptions(activations=False, gated_mlp=False, loss=False, fold_norms=True, lora_inputs=False,
-                              untie=untie, include=include, exclude=exclude, verify=False)
+                              untie=untie, include=include, exclude=exclude, verify=False, measure=False,
+                              progress=False)  # (a meta model has nothing to measure; the CLI has its own bar)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from exc
     raw: dict | None = None

@@ -32,9 +32,9 @@ class ConsumerFold(NormFold):
     targets and re-apply sites of an ordinary `NormFold`."""
 
     tag = "consumer_folds"
-    noun = "norms into functional consumers"
+    noun = "norms (folded into functional consumers)"
+    noun_one = "norm (folded into functional consumers)"
     heading = "norms → memory-sharing (affine folded into parameters used by functional ops)"
-    counted_when_none = False
 
     params: list[ParamTarget] = field(default_factory=list)
     channel_dim: int = -1  # 1: a channel-first norm (NCHW), swapped for its channel-first memory-sharing form

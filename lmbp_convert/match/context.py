@@ -65,6 +65,8 @@ class MatchContext:
     beta_fold_problems: dict[str, Reason] = field(default_factory=dict, init=False)
     #: norm → the walk its fold was planned from (`match.norm.plan_norm`): what the door check reads
     walks: dict[str, Walk] = field(default_factory=dict, init=False)
+    #: what a matcher found worth a line of the report that is neither an item nor a skip (`Plan.notes`)
+    notes: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self.modules = dict(self.model.named_modules())

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..deprecation import module_renames
 from ..enums import Layout
 from ..reasons import Reason, ReasonCode
 from ..trace.graph import Graph, Node, Callee
@@ -452,3 +453,11 @@ register_consumer(ConsumerRule("F.linear rows and bias pieces", frozenset({"line
 register_consumer(ConsumerRule("convolution on a channel-first view", frozenset({"conv1d", "conv2d", "conv3d"}), _conv, rows=True))
 register_consumer(ConsumerRule("nn.MultiheadAttention in_proj rows", frozenset({"multi_head_attention_forward"}), _mha,
                    rows=True))
+
+
+# 0.1.0's names of the consumer table (DeprecationWarning; lmbp_convert.deprecation)
+__getattr__ = module_renames(__name__, {
+    "KINDS": ("lmbp_convert.match.functional.CONSUMERS", lambda: CONSUMERS),
+    "Kind": ("lmbp_convert.match.functional.ConsumerRule", lambda: ConsumerRule),
+    "register_kind": ("lmbp_convert.match.functional.register_consumer", lambda: register_consumer),
+})

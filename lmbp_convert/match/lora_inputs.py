@@ -29,9 +29,9 @@ class LoraInputShare(PlanItem):
     """A LoRA layer whose adapters rebuild their (cast, dropped) input from the layer's input in backward."""
 
     tag = "lora_inputs"
-    noun = "LoRA layers sharing their input"
+    noun = "LoRA layers (input shared)"
+    noun_one = "LoRA layer (input shared)"
     heading = "LoRA layers → adapters share the layer's input (no private fp32 copies)"
-    counted_when_none = False
 
     adapters: list[str] = field(default_factory=list)
     dropouts: list[str] = field(default_factory=list)  # adapters whose lora_dropout becomes a bit-mask dropout
@@ -57,6 +57,8 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
     if not ctx.opt.lora_inputs:
         return
     cat = load_catalogue()
+    idle: list[tuple[str, str]] = []  # (adapter dtype, input dtype) of LoRA layers with nothing to share
+    shared = 0
     for name, mod in ctx.modules.items():
         lora = cat.lora_entry(mod)
         if lora is None or name in ctx.claimed or not ctx.opt.selected(name):
@@ -69,10 +71,12 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
         in_size = in_bytes // max(numel, 1)
         adapters_a, drops = getattr(mod, lora.adapters_a), getattr(mod, lora.dropout)
         adapters, dropouts, saved = [], [], 0
+        dtypes = set()
         for adapter, a in adapters_a.items():
             w = getattr(a, "weight", None)
             if not isinstance(w, torch.Tensor) or not w.requires_grad:
                 continue
+            dtypes.add(str(w.dtype).replace("torch.", ""))
             p = _dropout_p(drops[adapter]) if adapter in drops else None
             copy = w.element_size() > in_size
             if p is not None and p > 0:
@@ -85,5 +89,21 @@ def match_lora_inputs(ctx: MatchContext) -> Iterator[LoraInputShare | Skip]:
                 continue
             adapters.append(adapter)
         if not adapters:
+            if dtypes:
+                idle.append((", ".join(sorted(dtypes)), ctx.g.tensors[tid].dtype))
             continue
+        shared += 1
         yield LoraInputShare(name, class_key(mod), adapters, dropouts, lora.dropout, saved)
+    if idle:
+        ctx.notes.append(_nothing_to_share(idle, shared))
+
+
+def _nothing_to_share(idle: list[tuple[str, str]], shared: int) -> str:
+    """Why LoRA layers got no `LoraInputShare`: their adapters keep no private copy of the input."""
+    n = len(idle)
+    of = f"{n} of {n + shared}" if shared else str(n)
+    pairs = sorted(set(idle))
+    what = "; ".join(f"adapters in {a} on a {i} input" for a, i in pairs)
+    return (f"LoRA inputs: nothing to share in {of} LoRA layer{'s' if n != 1 else ''} ({what}, no active "
+            "lora_dropout): no adapter keeps a private copy of its input, which only adapters wider than the input "
+            "(fp32 adapters on bf16 weights) or an active dropout make")

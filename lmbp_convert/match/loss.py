@@ -48,9 +48,9 @@ class LossSwap(PlanItem):
     the attribute; no module, parameter or state-dict key changes."""
 
     tag = "loss_swaps"
-    noun = "LM-head losses"
+    noun = "losses"
+    noun_one = "loss"
     heading = "cross-entropy on the head's logits → memory-sharing loss (no fp32 copy of the logits)"
-    counted_when_none = False
     #: it runs when the forward calls ``loss_function``; a trainer computing its own loss never does (TRL's)
     called_as = "loss_function"
 
@@ -114,14 +114,19 @@ def _takes_labels(mod: nn.Module) -> bool | None:
 @contextmanager
 def _recorders(mods: dict[str, nn.Module]) -> Iterator[dict[str, "_Recorder"]]:
     """Each module's ``loss_function`` replaced by a recorder calling the original; attributes and the configs
-    (HF's sequence-classification loss writes ``config.problem_type``) are put back exactly afterwards."""
+    (HF's sequence-classification loss writes ``config.problem_type``) are put back exactly afterwards.
+
+    The original is looked up when the forward calls it, not before: transformers' ``loss_function`` property
+    warns (``loss_type=None ... is unrecognized``) when read on a module without a loss type, such as the base
+    model inside a causal LM, whose forward never calls it; a plain forward never reads it there either."""
     saved = {n: ("_loss_function" in m.__dict__, m.__dict__.get("_loss_function")) for n, m in mods.items()}
     configs = {id(c): (c, dict(vars(c))) for m in mods.values() if hasattr(c := getattr(m, "config", None),
                                                                            "__dict__")}
     recs = {}
     try:
         for n, m in mods.items():
-            recs[n] = _Recorder(m.loss_function)
+            had, own = saved[n]
+            recs[n] = _Recorder((lambda own=own: own) if had else (lambda m=m: _class_default(m)))
             m.loss_function = recs[n]
         yield recs
     finally:
@@ -137,12 +142,28 @@ def _recorders(mods: dict[str, nn.Module]) -> Iterator[dict[str, "_Recorder"]]:
             now.update(state)
 
 
+def _class_default(mod: nn.Module) -> Callable:
+    """The ``loss_function`` the class's property gives ``mod`` without an instance attribute (the recorder set there
+    is taken off while the property is read, then put back)."""
+    mine = vars(mod).pop("_loss_function", None)
+    try:
+        return mod.loss_function
+    finally:
+        if mine is not None:
+            vars(mod)["_loss_function"] = mine
+
+
 class _Recorder:
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
+    """Calls the original ``loss_function`` (``lookup()`` gives it, at the first call) and records each call."""
+
+    def __init__(self, lookup: Callable[[], Callable]) -> None:
+        self.lookup = lookup
+        self.fn: Callable | None = None
         self.calls: list[tuple[tuple, dict, Any]] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:
+            self.fn = self.lookup()
         out = self.fn(*args, **kwargs)
         self.calls.append((args, kwargs, out))
         return out

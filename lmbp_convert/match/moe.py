@@ -35,8 +35,8 @@ class RecomputeRegion(PlanItem):
 
     tag = "recompute_regions"
     noun = "expert MLP regions"
+    noun_one = "expert MLP region"
     heading = "gated MLPs in module code (MoE experts) → gate and up outputs kept, the rest recomputed"
-    counted_when_none = False
 
     acts: list[str] = field(default_factory=list)  # the activation modules called inside (claimed)
     act_calls: int = 0  # their calls on the probe (one per expert hit in a loop; one for grouped / batched)

@@ -29,9 +29,9 @@ class NormExact(AffineNormItem):
     """A norm swapped for `MSExactNorm`: γ, β kept, the output rebuilt from x̂ for the consumers that save it."""
 
     tag = "norm_exact"
-    noun = "norms (exact: affine kept, output rebuilt)"
+    noun = "norms (exact)"
+    noun_one = "norm (exact)"
     heading = "norms → memory-sharing, exact (γ, β kept; consumers' copies of the output rebuilt from x̂)"
-    counted_when_none = False
 
     readers: list[str] = field(default_factory=list)  # consumers that keep the output (from the fold's analysis)
     predicted_saved_bytes: int = 0

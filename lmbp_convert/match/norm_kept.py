@@ -39,9 +39,9 @@ class NormKeep(AffineNormItem):
     Parameters) and computes its backward from its output, which ``keepers`` keep for their backward anyway."""
 
     tag = "norm_keeps"
-    noun = "norms with kept affine"
+    noun = "norms (affine kept)"
+    noun_one = "norm (affine kept)"
     heading = "norms → memory-sharing (affine kept, backward from the output)"
-    counted_when_none = False
 
     keepers: list[str] = field(default_factory=list)  # consumers that keep the norm's output for backward
     fold_refused: str = ""  # why the affine could not be folded

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Iterator, TypeVar
 
+from ..deprecation import renamed_attribute
 from ..enums import BetaMode, Layout, NormType, ReapplyKind, WeightParam
 from ..reasons import Reason
 from .kinds import by_tag, item_classes
@@ -28,13 +29,16 @@ class PlanItem:
     ``predicted_saved_bytes: int`` field (activation bytes the rewrite saves on the probe forward)."""
 
     tag: ClassVar[str] = ""  # its section in a serialised plan ("norm_folds"); unique among kinds
-    noun: ClassVar[str] = ""  # plural for the report's summary line ("norms")
+    noun: ClassVar[str] = ""  # plural for the report's summary line ("norms (exact)")
+    noun_one: ClassVar[str] = ""  # singular ("norm (exact)"; "": the plural serves for one too)
     heading: ClassVar[str] = ""  # first line of its report section
-    counted_when_none: ClassVar[bool] = True  # the report's summary line says "0 <noun>" (False: only if any)
+    counted_when_none: ClassVar[bool] = False  # the report's summary line says "0 <noun>" (default: only if any)
     #: why training through this rewrite differs from the original's ("": the original parameters get the original
-    #: gradients, up to rounding). The report names every such rewrite, so an inexact one is never silent.
+    #: gradients, up to rounding). The report names every such rewrite, so an inexact one is never silent; an item
+    #: whose own case differs says so in `training_differs`.
     inexact_training: ClassVar[str] = ""
-    #: serialised field names this kind's plans were written with before a rename → today's (read by `from_dict`)
+    #: serialised field names this kind's plans were written with before a rename → today's (read by `from_dict`;
+    #: the old name also stays readable as an attribute for one minor version, with a DeprecationWarning)
     former_fields: ClassVar[dict[str, str]] = {}
     #: what one run of this rewrite is, for counting which rewrites ran (`lmbp_convert.apply.runs.count_runs`): ""
     #: a forward of module ``name``; else a call of that module's instance attribute of this name (the loss)
@@ -42,6 +46,22 @@ class PlanItem:
 
     name: str  # the module rewritten
     cls: str  # its class (catalogue key)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in cls.__dict__.get("former_fields", {}).items():
+            if old not in cls.__dict__ and old not in cls.__dict__.get("__annotations__", {}):
+                setattr(cls, old, renamed_attribute(old, new))
+
+    @classmethod
+    def counted(cls, n: int) -> str:
+        """``n`` of this kind for the report's summary line: "1 loss", "2 losses"."""
+        return f"{n} {cls.noun_one if n == 1 and cls.noun_one else cls.noun}"
+
+    def training_differs(self) -> str:
+        """Why training through this item differs from the original's ("": it does not): the kind's
+        `inexact_training`, unless the item knows better (a fold into frozen weights trains nothing differently)."""
+        return self.inexact_training
 
     def claims(self) -> set[str]:
         """Modules this rewrite takes over: matchers that run later leave them alone."""
@@ -164,6 +184,7 @@ class ActSwap(PlanItem):
 
     tag = "act_swaps"
     noun = "activations"
+    noun_one = "activation"
     heading = "activations → approx-BP"
     inexact_training = "approximate backward: the derivative is a step function of the input"
 
@@ -190,8 +211,8 @@ class OutputActSwap(PlanItem):
 
     tag = "output_act_swaps"
     noun = "output-backward activations"
+    noun_one = "output-backward activation"
     heading = "activations → memory-sharing (backward from the output)"
-    counted_when_none = False
 
     former_fields = {"kind": "act"}
 
@@ -224,10 +245,15 @@ class NormFold(AffineNormItem):
     re-applied for any other consumer (``reapply``)."""
 
     tag = "norm_folds"
-    noun = "norms"
+    noun = "norms (folded)"
+    noun_one = "norm (folded)"
     heading = "norms → memory-sharing (affine folded into)"
     inexact_training = ("affine folded: the optimiser trains the folded weights W·diag(γ) and W·β + b, not the norm's "
                         "γ, β and the original W, b")
+    #: for a fold whose weights the checkpoint CLI already folded: convert() folds nothing, and only a norm γ, β
+    #: that trained would differ (it becomes the fixed identity)
+    prefolded_training: ClassVar[str] = ("weights folded on disk: the norm's γ, β become the fixed identity, so the "
+                                         "optimiser no longer trains them")
 
     targets: list[LinearTarget] = field(default_factory=list)
     reapply: list[ReapplySite] = field(default_factory=list)
@@ -236,10 +262,18 @@ class NormFold(AffineNormItem):
     prefolded: bool = False  # weights already folded on disk (checkpoint CLI): swap only
     beta: BetaMode = BetaMode.FOLD
     out_dtype: str | None = None  # what the original cast its output to when unlike its input ("bfloat16")
+    #: the parameters the rewrite changes (the norm's γ, β; unless prefolded the targets' W, b and LoRA A) that
+    #: require grad when it is planned: none, and training is the original's (None: not known, a plan file)
+    trainable: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.beta = BetaMode(self.beta)
+
+    def training_differs(self) -> str:
+        if self.trainable is not None and not self.trainable:
+            return ""  # everything the fold touches is frozen (QLoRA's 4-bit weights, a LoRA base)
+        return self.prefolded_training if self.prefolded else self.inexact_training
 
     # what a subclass that folds into more than Linears (`match.consumers.ConsumerFold`) overrides
     def param_targets(self) -> list[ParamTarget]:
@@ -283,8 +317,8 @@ class NormSwap(PlanItem):
 
     tag = "norm_swaps"
     noun = "affine-free norms"
+    noun_one = "affine-free norm"
     heading = "affine-free norms → memory-sharing (nothing to fold)"
-    counted_when_none = False  # rare (OLMo v1): not a "0 affine-free norms" in every report
 
     former_fields = {"kind": "norm_type"}
 
@@ -309,6 +343,7 @@ class GatedMLPSwap(PlanItem):
 
     tag = "gated_mlps"
     noun = "gated MLPs"
+    noun_one = "gated MLP"
     heading = "gated MLPs → memory-sharing fused op"
 
     act: str  # activation kind
@@ -354,7 +389,35 @@ class Skip:
 
 
 #: fields of a serialised plan that are not item sections
-_PLAN_FIELDS = ("skips", "already_converted", "probe_tokens", "probe_unit", "options")
+_PLAN_FIELDS = ("skips", "already_converted", "probe_tokens", "probe_unit", "options", "notes", "measurement")
+
+
+@dataclass
+class Measurement:
+    """Saved-for-backward bytes of one training forward on the probe (the exact ledger), ``before`` and ``after``
+    the rewrites, in ``mode`` (dtype, autocast, train mode, what trains), on ``inputs`` (the probe's shapes and
+    dtypes).
+    Where activation checkpointing is on (``checkpointing``: by what, on how many modules), checkpointed layers
+    keep only their inputs in that forward: ``without_checkpointing`` is the same forward with it off (what a
+    layer keeps while it is recomputed in backward, summed over the layers)."""
+
+    before: int
+    after: int
+    mode: str
+    inputs: str
+    checkpointing: str = ""
+    without_checkpointing: tuple[int, int] | None = None
+    #: how it was taken: "convert" (before the first rewrite and after verification) or "plan" (the plan applied
+    #: and undone, unverified: `lmbp_convert.plan_conversion`)
+    by: str = "convert"
+
+    def __post_init__(self) -> None:
+        if self.without_checkpointing is not None:
+            self.without_checkpointing = tuple(self.without_checkpointing)
+
+    @property
+    def saved(self) -> int:
+        return self.before - self.after
 
 
 @dataclass
@@ -370,6 +433,12 @@ class Plan:
     probe_tokens: int = 0
     probe_unit: str = "token"
     options: dict = field(default_factory=dict)
+    #: what the matchers found worth saying that is neither an item nor a skip (LoRA layers with nothing to share)
+    notes: list[str] = field(default_factory=list)
+    #: the bytes the plan saves, measured by applying it and undoing it (`plan_conversion`); None: not measured
+    measurement: Measurement | None = field(default=None, compare=False)
+    #: why nothing was measured ("": it was, or nobody tried)
+    unmeasured_why: str = field(default="", compare=False)
     probe: Any = field(default=None, repr=False, compare=False)
     reference_output: Any = field(default=None, repr=False, compare=False)
     probe_index: int = field(default=0, repr=False, compare=False)  # the automatic probe's place among candidates
@@ -422,7 +491,9 @@ class Plan:
             out.setdefault(kind.tag, [])
         out["skips"] = [s.to_dict() for s in self.skips]
         out.update(already_converted=list(self.already_converted), probe_tokens=self.probe_tokens,
-                   probe_unit=self.probe_unit, options=dict(self.options))
+                   probe_unit=self.probe_unit, options=dict(self.options), notes=list(self.notes))
+        if self.measurement is not None:
+            out["measurement"] = asdict(self.measurement)
         return out
 
     @classmethod
@@ -444,4 +515,6 @@ class Plan:
             probe_tokens=data.get("probe_tokens", 0),
             probe_unit=data.get("probe_unit", "token"),
             options=dict(data.get("options", {})),
+            notes=list(data.get("notes", [])),
+            measurement=Measurement(**data["measurement"]) if data.get("measurement") else None,
         )

@@ -19,7 +19,7 @@ from .context import MatchContext, code_bytes, tensor_bytes
 from .doors import keep_doors_exact
 from .kinds import Matcher, matchers
 from .norm_exact import exact_plan
-from .plan import Plan, Skip
+from .plan import NormFold, Plan, Skip
 from .roles import Role
 
 __all__ = ["MatchContext", "Matcher", "code_bytes", "make_plan", "tensor_bytes"]
@@ -45,4 +45,35 @@ def make_plan(model: nn.Module, graph: Graph, roles: dict[str, Role], options: C
         plan.skips += skips
     else:  # a fold whose affine-less output a door could see stays exact (match/doors.py)
         plan.items = keep_doors_exact(ctx, plan.items)
+    for it in plan.items:
+        if isinstance(it, NormFold):
+            it.trainable = _trainable_touched(ctx, it)
+    plan.notes += ctx.notes
     return plan
+
+
+def _trainable_touched(ctx: MatchContext, fold: NormFold) -> list[str]:
+    """The parameters requiring grad that the fold changes: the norm's γ, β (they become buffers, or the shift),
+    and unless the checkpoint was folded on disk the targets' W, b, their LoRA adapters' A and the parameter rows
+    of functional consumers. None of them trains: the fold changes nothing an optimiser sees."""
+    def named(owner: str, mod: nn.Module | None, attrs: tuple[str, ...]) -> list[tuple[str, object]]:
+        return [(f"{owner}.{a}" if owner else a, getattr(mod, a, None)) for a in attrs] if mod is not None else []
+
+    found = named(fold.name, ctx.modules.get(fold.name), ("weight", "bias"))
+    if not fold.prefolded:
+        for t in fold.targets:
+            lin = ctx.modules.get(t.name)
+            if t.base and lin is not None:
+                adapters = getattr(lin, t.lora_a_attr, None) if t.lora_a_attr else None
+                for adapter in t.lora_adapters:
+                    a = adapters[adapter] if adapters is not None and adapter in adapters else None
+                    found += named(f"{t.name}.{t.lora_a_attr}.{adapter}", a, ("weight",))
+                lin = getattr(lin, t.base, None)
+                owner = f"{t.name}.{t.base}"
+            else:
+                owner = t.name
+            found += named(owner, lin, (t.weight,) + (("bias",) if t.weight == "weight" else ()))
+        params = dict(ctx.model.named_parameters(remove_duplicate=False))
+        for pt in fold.param_targets():
+            found += [(pt.weight, params.get(pt.weight))] + [(b.tensor, params.get(b.tensor)) for b in pt.bias]
+    return sorted({n for n, p in found if isinstance(p, nn.Parameter) and p.requires_grad})

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..catalogue import Catalogue, LoraLayout, class_key
 from ..fold import norm_scale
+from ..deprecation import renamed_attribute
 from ..enums import ConvertedModule, Layout, NormType, StrChoice, WeightParam
 from ..reasons import Reason, ReasonCode
 
@@ -40,6 +41,8 @@ class NormRole:
     has_bias: bool
     affine: bool = True  # False: no weight and no bias (nothing to fold; the memory-sharing norm needs none)
     channel_dim: int = -1  # where the channels are: -1 (LayerNorm), 1 (channel-first: timm LayerNorm2d on NCHW)
+
+    kind = renamed_attribute("kind", "norm_type")  # 0.1.0's name (DeprecationWarning)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "norm_type", NormType(self.norm_type))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..deprecation import renamed_attribute
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops import func_transforms
 from ..ops.ms_norm_affine import ms_norm_affine, plain_norm_affine, unreliable_channels
@@ -68,6 +69,10 @@ class HostCount:
 
 class MSAffineNorm(ConvertedModule, nn.Module):
     """LayerNorm / RMSNorm over the last dim with its own γ (= w or 1 + w) and β, backward from its output."""
+
+    #: 0.1.0's names (DeprecationWarning): ``norm_kind`` is ``norm_type``; ``kind`` was ``f"{norm_type}_norm"``
+    norm_kind = renamed_attribute("norm_kind", "norm_type")
+    kind = renamed_attribute("kind", "norm_type", read=lambda t: f"{t}_norm", note=' (kind was f"{norm_type}_norm")')
 
     #: fall back to the plain norm when more than this fraction of the channels must keep their input column
     max_kept_fraction = 0.5

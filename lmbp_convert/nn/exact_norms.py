@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..deprecation import renamed_attribute
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops._common import autocast_dtype_for
 from ..ops.exact_norm import affine_rows, exact_norm_cpu
@@ -39,6 +40,10 @@ __all__ = ["MSExactNorm"]
 
 class MSExactNorm(ConvertedModule, nn.Module):
     """LayerNorm / RMSNorm over the trailing ``normalized_shape`` with γ = w or 1 + w and optional β."""
+
+    #: 0.1.0's names (DeprecationWarning): ``norm_kind`` is ``norm_type``; ``kind`` was ``f"{norm_type}_norm"``
+    norm_kind = renamed_attribute("norm_kind", "norm_type")
+    kind = renamed_attribute("kind", "norm_type", read=lambda t: f"{t}_norm", note=' (kind was f"{norm_type}_norm")')
 
     def __init__(self, kind: NormType | str, normalized_shape: tuple[int, ...], eps: float, weight: nn.Parameter,
                  bias: nn.Parameter | None = None, param: WeightParam | str = WeightParam.W,

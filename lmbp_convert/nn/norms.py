@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..deprecation import renamed_attribute
 from ..enums import AffineState, ConvertedModule, NormType, WeightParam
 from ..ops.ms_norm import ms_norm_unchecked, normalize_shape
 from ..ops.replay_norm import OriginalForward, replay_norm, replays
@@ -44,6 +45,9 @@ FOLD_MARKER = "lmbp_folded"
 class _MSNorm(ConvertedModule, nn.Module):
     norm_type: NormType
     _has_bias: bool = False
+    #: 0.1.0's names (DeprecationWarning): ``norm_kind`` is ``norm_type``; ``kind`` was ``f"{norm_type}_norm"``
+    norm_kind = renamed_attribute("norm_kind", "norm_type")
+    kind = renamed_attribute("kind", "norm_type", read=lambda t: f"{t}_norm", note=' (kind was f"{norm_type}_norm")')
     #: write `FOLD_MARKER` into the state dict (set on a re-applied norm once its Linears hold the fold)
     marks_fold: bool = False
     #: the replaced affine-free norm's own forward (`replaying`), run in full precision for bitwise gradients

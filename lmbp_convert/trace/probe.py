@@ -308,6 +308,12 @@ def search_probe(model: nn.Module, accept: Callable[[Any], T] | None, batch: int
     i, cand, err = tried[0]
     if device.type == "meta":  # a meta forward cannot answer data-dependent checks: the trace will tell
         return Found(cand.inputs, cand.count, cand.unit, accept(cand.inputs) if accept is not None else None, i)
+    from .own_forward import own_forward_failure  # (it imports the tracer, as this module does)
+
+    own = own_forward_failure(model, cand.inputs, err, f"every probe built from its config and signature "
+                                                       f"({len(tried)} tried)")
+    if own is not None:
+        raise own from err
     shown = cand.inputs if isinstance(cand.inputs, dict) else {(required[:1] or ["input"])[0]: cand.inputs}
     raise ProbeError(
         f"{type(model).__name__} refused every probe built from its config and signature ({len(tried)} tried); "

@@ -96,7 +96,9 @@ def test_exclude_that_matches_nothing_warns():
 
 
 def test_the_report_is_model_lmbp_report_and_the_only_way():
-    """One way to the report (issue 22, item 7: the pre-1.0 `return_report=True` and `last_report()` are gone)."""
+    """One way to the report (issue 22, item 7): the documented way warns about nothing; 0.1.0's
+    `return_report=True` and `last_report()` are deprecated (issue 36 item 8: they work until 0.3.0, each with a
+    DeprecationWarning naming `model.lmbp_report`; tests/test_deprecated_names.py)."""
     from torch import nn
 
     import lmbp_convert
@@ -106,6 +108,7 @@ def test_the_report_is_model_lmbp_report_and_the_only_way():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the documented way warns about nothing
         assert convert(m, probe=torch.randn(2, 8)) is m and m.lmbp_report.verified
-    with pytest.raises(TypeError, match="return_report"):
-        convert(m, probe=torch.randn(2, 8), return_report=True)
-    assert not hasattr(lmbp_convert, "last_report") and not hasattr(convert_module, "last_report")
+    with pytest.warns(DeprecationWarning, match=r"return_report=True\) is deprecated .*use model\.lmbp_report"):
+        assert convert(m, probe=torch.randn(2, 8), return_report=True) == (m, m.lmbp_report)
+    with pytest.warns(DeprecationWarning, match=r"last_report\(model\) is deprecated"):
+        assert lmbp_convert.last_report(m) is convert_module.last_report(m) is m.lmbp_report

@@ -10,6 +10,7 @@ from testsupport.blocks import block_bytes
 from testsupport.quant_standin import quantize_linears
 from lmbp_convert import convert
 from lmbp_convert.checkpoint import mark_prefolded
+from lmbp_convert.match.plan import NormFold
 from lmbp_convert.nn.gated_mlp import MSGatedMLP
 from testsupport.families import hf
 
@@ -106,3 +107,23 @@ def test_unfolded_checkpoint_loaded_later_is_refused():
     with pytest.raises(RuntimeError, match="no Linear to fold it into"):
         model.load_state_dict(sd)
     model.load_state_dict(model.state_dict())  # its own state dict loads as it is
+
+
+def test_frozen_prefolded_norms_train_as_the_original():
+    """Issue 36 item 4: the checkpoint was folded on disk and every weight is frozen (prepare_model_for_kbit_training
+    freezes them; LoRA trains): convert() folds nothing, so no "training not exact" names the folded weights, and
+    verification compares the adapters' gradients with the original's. With γ still trainable (convert() before
+    PEFT freezes it), the report says what changes: γ becomes the fixed identity."""
+    model, norms = _prefolded_llama(torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = _lora(model)
+    rep = convert(model).lmbp_report
+    folds = rep.plan.of(NormFold)
+    assert len(folds) == len(norms) and all(f.prefolded and f.trainable == [] for f in folds)
+    assert rep.inexact_training == {} and "training not exact" not in str(rep)
+    assert rep.gradient_error is not None and rep.gradient_error < 1e-5, str(rep)
+    live, _ = _prefolded_llama(torch.float32)
+    rep = convert(live).lmbp_report
+    assert set(rep.inexact_training.values()) == {NormFold.prefolded_training}
+    assert f"training not exact ({NormFold.prefolded_training}): model.layers.0.input_layernorm" in str(rep)

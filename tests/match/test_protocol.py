@@ -38,6 +38,7 @@ class RecordingTanh(nn.Module):
 class TanhSwap(PlanItem):
     tag = "tanh_swaps"
     noun = "tanh swaps"
+    noun_one = "tanh swap"
     heading = "tanh → recording"
 
     scale: float = 1.0
@@ -91,8 +92,7 @@ def test_plugin_kind_flows_through_convert_report_and_plan_files(tanh_kind):
     assert [type(it) for it in rep.plan.items] == [NormExact, ActSwap, TanhSwap]
     assert rep.swapped == ["act", "norm", "tanh"]  # report order: kinds in registration order
     text = str(rep)
-    assert text.startswith("lmbp-convert: 1 activations, 0 norms, 0 gated MLPs, 1 norms (exact: affine kept, "
-                           "output rebuilt), 1 tanh swaps converted;")
+    assert text.splitlines()[1] == rep.counts() == "converted: 1 activation, 1 norm (exact), 1 tanh swap; 0 skipped"
     assert "tanh → recording:\n  tanh (scale 1.0)" in text
     assert rep.plan.predicted_saved_bytes == sum(it.predicted_saved_bytes for it in rep.plan.items)
     assert rep.to_dict()["plan"]["tanh_swaps"] == [{"name": "tanh", "cls": "torch.nn.modules.activation:Tanh",

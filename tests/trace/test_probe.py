@@ -251,17 +251,20 @@ def test_planning_with_the_automatic_probe_runs_the_model_once():
     """The trace is the probe's acceptance check: choosing the probe costs no forward of its own."""
     model = PROBE_FAMILIES["t5"]()
     calls = _count_forwards(model)
-    plan_conversion(model, loss=False)
+    plan_conversion(model, loss=False, measure=False)
     assert len(calls) == 1
     calls.clear()
-    plan_conversion(model)  # the loss matcher's one forward with labels (match/loss.py) comes on top
+    plan_conversion(model, measure=False)  # the loss matcher's one forward with labels (match/loss.py) on top
     assert len(calls) == 2
+    calls.clear()
+    plan_conversion(model, loss=False)  # measured: one training forward before the rewrites, one after
+    assert len(calls) == 3
 
 
 def test_a_refused_candidate_is_skipped_before_the_trace_and_the_next_one_traced():
     model = PROBE_FAMILIES["bert_multiple_choice"]()  # refuses the 2-D ids, takes the 3-D ones
     calls = _count_forwards(model)
-    plan = plan_conversion(model)
+    plan = plan_conversion(model, measure=False)  # (measured, the plan adds two training forwards)
     assert plan.probe["input_ids"].dim() == 3
     # the 2-D candidate: refused by the trace, then by a plain forward; the 3-D one: traced once
     assert len(calls) == 3
