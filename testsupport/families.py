@@ -48,6 +48,17 @@ def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
+def nonzero_init(model: nn.Module) -> nn.Module:
+    """Random values for zero-initialised parameters (timm heads, layer-scale-free zero weights): a zero weight
+    stops every gradient upstream of it, which would make a gradient comparison vacuous there."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.numel() > 1 and not p.any():
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
 def _require(arch: str) -> None:
     import transformers
     from transformers import CONFIG_MAPPING

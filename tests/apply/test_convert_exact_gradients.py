@@ -22,22 +22,11 @@ from lmbp_convert.apply.verify import float_tensors
 from lmbp_convert.match.plan import NormFold
 from lmbp_convert.trace.probe import make_probe
 from lmbp_convert.trace.tracer import call_model
-from testsupport.families import FAMILIES as DENSE, lora_on_every_linear, registry
+from testsupport.families import FAMILIES as DENSE, lora_on_every_linear, nonzero_init, registry
 
 RTOL = 1e-4
 FLOOR = 1e-5
 FAMILIES = registry()
-
-
-def _nonzero_init(model: nn.Module) -> nn.Module:
-    """Random values for zero-initialised parameters (timm heads, layer-scale-free zero weights): a zero weight
-    stops every gradient upstream of it, which would make the comparison vacuous there."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point() and p.numel() > 1 and not p.any():
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
 
 
 def _train_adapters(*models: nn.Module) -> None:
@@ -75,7 +64,7 @@ def _folded_tensors(report) -> list[str]:
 
 
 def check_exact(family: str, lora: bool) -> None:
-    model = _nonzero_init(FAMILIES[family]())
+    model = nonzero_init(FAMILIES[family]())
     if lora:
         model = lora_on_every_linear(model)  # converted before training, as documented
     model.eval()  # dropout off: both runs compute one function
@@ -136,7 +125,7 @@ def test_exact_norms_under_trained_adapters_with_dropout(family):
 
     from lmbp_convert.match.norm_exact import NormExact
 
-    model = _nonzero_init(FAMILIES[family]())
+    model = nonzero_init(FAMILIES[family]())
     targets = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.1))
     _train_adapters(model)

@@ -23,19 +23,10 @@ from torch import nn
 
 from lmbp_convert import convert
 from lmbp_convert.match.plan import NormFold
-from testsupport.families import hf, timm_vit
+from testsupport.families import hf, nonzero_init, timm_vit
 
 RTOL = 1e-4
 FLOOR = 1e-5  # × the largest gradient norm: gradients that are 0 in exact arithmetic (rounding noise on both sides)
-
-
-def _nonzero_init(model: nn.Module) -> nn.Module:
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.is_floating_point() and p.numel() > 1 and not p.any():
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return model
 
 
 def _vit() -> nn.Module:
@@ -87,7 +78,7 @@ def _compare(family: str, **options) -> tuple[float, list[str]]:
     """Max relative error of the converted model's penalty gradients (parameters no fold rewrote) against the
     original's, and the names compared."""
     model, key, inp, extra, loss_of = _case(family)
-    model = _nonzero_init(model).eval()
+    model = nonzero_init(model).eval()
     ref = copy.deepcopy(model)
     report = convert(model, measure=False, **options).lmbp_report
     assert report.plan.kinds(), str(report)
@@ -120,7 +111,7 @@ def test_penalty_with_exact_rewrites_is_the_originals(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_penalty_runs_with_the_defaults(family):
     model, key, inp, extra, loss_of = _case(family)
-    model = _nonzero_init(model).eval()
+    model = nonzero_init(model).eval()
     ref = copy.deepcopy(model)
     convert(model, measure=False)
     _, want = _penalty_grads(ref, key, inp, extra, loss_of)
