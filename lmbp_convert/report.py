@@ -101,8 +101,8 @@ class ConversionReport:
         per = (m.before - m.after) / max(1, self.plan.probe_tokens)
         how = ("measured by applying this plan and undoing it (unverified: convert() keeps what verification "
                "passes)" if m.by == "plan" else "measured")
-        return (f"{who}: {_share(m)}{fmt_bytes(m.before)} → {fmt_bytes(m.after)} saved for backward "
-                f"({fmt_bytes(per)} per {self.plan.probe_unit}), {how} on one training forward of the probe "
+        return (f"{who}: {_share(m)}{fmt_bytes(m.before)} → {fmt_bytes(m.after)} kept for backward "
+                f"({fmt_bytes(per)} less per {self.plan.probe_unit}), {how} on one training forward of the probe "
                 f"{m.inputs} ({m.mode})")
 
     def _checkpointing_line(self) -> str | None:
@@ -129,7 +129,9 @@ class ConversionReport:
 
         counts = ", ".join(kind.counted(len(live(kind))) for kind in p.kinds()
                            if live(kind) or (kind.counted_when_none and not p.of(kind)))
-        never = f" ({len(idle)} in place but never called)" if idle else ""
+        never = ", ".join(kind.counted(len(p.of(kind)) - len(live(kind))) for kind in p.kinds()
+                          if len(live(kind)) < len(p.of(kind)))
+        never = f"; in place but never called: {never}" if never else ""
         return f"converted: {counts or 'nothing'}{never}; {len(p.skips)} skipped"
 
     @property
@@ -148,12 +150,12 @@ class ConversionReport:
             items = self.plan.of(kind)
             hit = sum(1 for it in items if id(it) not in idle_ids)
             if hit:
-                ran.append(f"{hit} of {len(items)} {kind.noun}")
+                ran.append(f"{hit} of {kind.counted(len(items))}")
         line = "ran in the counted training step: " + (", ".join(ran) or "nothing")
-        idle_by = {}
+        idle_by: dict = {}
         for it in idle:
-            idle_by.setdefault(type(it).noun, []).append(it.name or "<model>")
-        never = "; ".join(f"{noun} ({', '.join(names)})" for noun, names in idle_by.items())
+            idle_by.setdefault(type(it), []).append(it.name or "<model>")
+        never = "; ".join(f"{kind.counted(len(names))} ({', '.join(names)})" for kind, names in idle_by.items())
         return line + (f"; in place but never called: {never}" if never else "")
 
     def _verification_line(self) -> str:

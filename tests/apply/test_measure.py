@@ -36,7 +36,7 @@ def test_measured_bytes_are_the_ledger_s_in_the_callers_mode(autocast):
     assert "train mode" in report.measured_mode
     head = str(report).splitlines()[0]  # the report leads with this figure, the probe and the mode
     assert head == (f"lmbp-convert: {(before - after) / before:.1%} less activation memory: {fmt_bytes(before)} → "
-                    f"{fmt_bytes(after)} saved for backward ({fmt_bytes(before - after)} per sample), measured "
+                    f"{fmt_bytes(after)} kept for backward ({fmt_bytes(before - after)} less per sample), measured "
                     f"on one training forward of the probe input_ids (1, 8) int64 ({report.measured_mode})"), head
     assert report.measurement.checkpointing == "" and "checkpointing" not in str(report)
 

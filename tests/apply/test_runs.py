@@ -35,7 +35,7 @@ def test_a_step_with_the_models_own_loss_runs_every_rewrite():
     assert set(report.ran["norm_exact"]) == {it.name for it in report.plan.items if it.tag == "norm_exact"}
     assert report.never_ran == []
     line = next(ln for ln in str(report).splitlines() if ln.startswith("ran in the counted training step"))
-    assert "1 of 1 losses" in line and "2 of 2 gated MLPs" in line and "never called" not in line
+    assert "1 of 1 loss" in line and "2 of 2 gated MLPs" in line and "never called" not in line
     assert report.to_dict()["ran"] == report.ran
 
 
@@ -51,7 +51,7 @@ def test_a_loss_computed_from_the_logits_by_the_caller_leaves_the_lm_head_loss_u
     assert report.ran["loss_swaps"] == {"": 0}
     assert [type(it) for it in report.never_ran] == [LossSwap]
     text = str(report)
-    assert "in place but never called: losses (<model>)" in text, text
+    assert "in place but never called: 1 loss (<model>)" in text, text
     assert "0 of 1" not in text  # kinds that never ran are named, not counted
 
     with count_runs(model):

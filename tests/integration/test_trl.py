@@ -106,7 +106,7 @@ def _trl_computed_the_loss(model):
     report = model.lmbp_report
     assert [type(it) for it in report.never_ran] == [LossSwap], report.ran
     assert report.ran["norm_exact"]["base_model.model.model.norm"] > 0
-    assert "in place but never called: losses (base_model.model)" in str(report)
+    assert "in place but never called: 1 loss (base_model.model)" in str(report)
 
 
 def _max_diff(a, b):
