@@ -271,7 +271,9 @@ class GatedMLPFunction(torch.autograd.Function):
         ctx.spec = (ac, h_dtype, act, lora_meta, triton_path, weight.dtype, bias.dtype if bias is not None else None)
         # backward recomputes h, A(h) and (under autocast) the weights' casts from these: an in-place edit since
         # forward must raise, also where enclosing saved-tensor hooks switch autograd's own check off
-        ctx.watched = tuple(None if t is None else Watched(t) for t in (g, u, weight if need_dh else None, *lora))
+        # (not traced: under torch.compile the graph saves and checks its own tensors)
+        ctx.watched = () if torch.compiler.is_compiling() else \
+            tuple(None if t is None else Watched(t) for t in (g, u, weight if need_dh else None, *lora))
         return out
 
     backward = staticmethod(_gated_mlp_backward)
