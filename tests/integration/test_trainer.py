@@ -11,7 +11,10 @@ from testsupport.families import hf
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
-from transformers import Trainer, TrainingArguments  # noqa: E402
+try:  # the compat stage's transformers 4.45 imports the installed datasets, newer than its huggingface_hub allows
+    from transformers import Trainer, TrainingArguments
+except (ImportError, RuntimeError) as e:
+    pytest.skip(f"transformers' Trainer cannot be imported here: {e}", allow_module_level=True)
 
 pytestmark = pytest.mark.slow  # transformers Trainer runs
 
